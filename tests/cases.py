@@ -1,0 +1,158 @@
+"""Functions run on every rank of a :class:`rankpool.RankPool`: ``fn(rank, P, *args)``.
+
+Each correctness case builds the full inputs from a seed (identical on all ranks), shards them, runs
+``tokenring.attention`` forward and backward, and compares this rank's rows with a float64 single-process
+reference computed from the very same (possibly bf16-rounded) inputs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import tokenring
+from tokenring.layouts import local_positions
+
+TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def reference(q, k, v, causal: bool, scale: float):
+    """Plain float64 softmax attention over the whole sequence, (B, S, H, d) layout, GQA by repetition."""
+    g = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if causal:
+        S = q.shape[1]
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vv)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def check_case(rank: int, P: int, case: dict) -> dict:
+    """Compare out, dq, dk, dv of one configuration with the reference; raise AssertionError on mismatch."""
+    B, s, H, Hkv, d = case["B"], case["s"], case["H"], case["Hkv"], case["d"]
+    dtype = getattr(torch, case["dtype"])
+    causal, layout, strategy, scale = case["causal"], case["layout"], case["strategy"], case.get("scale")
+    S = s * P
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    full = [torch.randn(B, S, h, d, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv)]
+    dout_full = torch.randn(B, S, H, d, generator=gen, dtype=torch.float64).to(dtype)
+    # Reference in float64 from exactly the inputs the ranks see.
+    ref_in = [t.double().clone().requires_grad_() for t in full]
+    eff_scale = scale if scale is not None else d ** -0.5
+    ref_out = reference(*ref_in, causal, eff_scale)
+    ref_out.backward(dout_full.double())
+    idx = local_positions(S, P, rank, layout)
+    local = [t.index_select(1, idx).clone().requires_grad_() for t in full]
+    out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout)
+    out.backward(dout_full.index_select(1, idx))
+    tol = TOL[dtype]
+    errs = {}
+    for name, got, ref in (("out", out, ref_out), ("dq", local[0].grad, ref_in[0].grad),
+                           ("dk", local[1].grad, ref_in[1].grad), ("dv", local[2].grad, ref_in[2].grad)):
+        assert got is not None and got.dtype == dtype and got.shape == local[0 if name in ("out", "dq") else 1].shape, \
+            f"rank {rank} {strategy} {case}: {name} has dtype/shape {getattr(got, 'dtype', None)} " \
+            f"{None if got is None else tuple(got.shape)}"
+        r = ref.index_select(1, idx)
+        e = rel_err(got, r)
+        errs[name] = e
+        if not (e <= tol):  # also catches NaN
+            worst = (got.double() - r).abs().argmax().item()
+            raise AssertionError(f"rank {rank}/{P} {case}: {name} relative error {e:.3g} > {tol:g} "
+                                 f"(worst flat index {worst}, shape {tuple(got.shape)})")
+    return errs
+
+
+def check_many(rank: int, P: int, cases: list[dict]) -> int:
+    for case in cases:
+        check_case(rank, P, case)
+    return len(cases)
+
+
+def comm_log_case(rank: int, P: int, case: dict) -> list:
+    """Run forward + backward and return this rank's per-message byte records (forward and backward)."""
+    B, s, H, Hkv, d = case["B"], case["s"], case["H"], case["Hkv"], case["d"]
+    dtype = getattr(torch, case["dtype"])
+    q = torch.randn(B, s, H, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, s, Hkv, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, s, Hkv, d, dtype=dtype, requires_grad=True)
+    log: list = []
+    out = tokenring.attention(q, k, v, causal=case["causal"], strategy=case["strategy"], layout=case["layout"],
+                              _config=dict(comm_log=log))
+    out.sum().backward()
+    return [(what, records) for what, records in log]
+
+
+def expect_error(rank: int, P: int, kind: str) -> str:
+    """Call attention with a bad input described by ``kind``; return the error message (must raise)."""
+    f = torch.float32
+    q, k, v = torch.randn(1, 8, 4, 16, dtype=f), torch.randn(1, 8, 2, 16, dtype=f), torch.randn(1, 8, 2, 16, dtype=f)
+    kw: dict = {}
+    if kind == "head_ratio":
+        q = torch.randn(1, 8, 5, 16, dtype=f)
+    elif kind == "batch":
+        k, v = torch.randn(2, 8, 2, 16, dtype=f), torch.randn(2, 8, 2, 16, dtype=f)
+    elif kind == "length":
+        k, v = torch.randn(1, 6, 2, 16, dtype=f), torch.randn(1, 6, 2, 16, dtype=f)
+    elif kind == "head_dim":
+        k, v = torch.randn(1, 8, 2, 24, dtype=f), torch.randn(1, 8, 2, 24, dtype=f)
+    elif kind == "dtype":
+        v = v.double()
+    elif kind == "device":
+        v = v.to("meta")
+    elif kind == "ranks_differ":
+        n = 8 if rank == 0 else 10
+        q, k, v = torch.randn(1, n, 4, 16), torch.randn(1, n, 2, 16), torch.randn(1, n, 2, 16)
+    elif kind == "zigzag_odd":
+        q, k, v = torch.randn(1, 7, 4, 16), torch.randn(1, 7, 2, 16), torch.randn(1, 7, 2, 16)
+        kw = dict(causal=True, layout="zigzag")
+    elif kind == "ulysses_heads":
+        q = torch.randn(1, 8, 6, 16)
+        k, v = torch.randn(1, 8, 3, 16), torch.randn(1, 8, 3, 16)
+        kw = dict(strategy="ulysses")
+    elif kind == "bad_strategy":
+        kw = dict(strategy="bogus")
+    elif kind == "bad_layout":
+        kw = dict(layout="striped")
+    try:
+        tokenring.attention(q, k, v, **kw)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"rank {rank}: no ValueError for {kind}")
+
+
+def dead_peer(rank: int, P: int, timeout: float) -> str:
+    """Rank P-1 dies in the middle of the second call; the others must get a RuntimeError within the timeout."""
+    import os
+    import time
+    tokenring.set_timeout(timeout)
+    q = torch.randn(1, 16, 4, 16)
+    tokenring.attention(q, q[:, :, :2], q[:, :, :2], strategy="token_ring")  # first call: signature check
+    if rank == P - 1:
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        tokenring.attention(q, q[:, :, :2], q[:, :, :2], strategy="token_ring")
+    except RuntimeError as e:
+        return f"{time.monotonic() - t0:.3f}|{e}"
+    raise AssertionError(f"rank {rank}: no RuntimeError although rank {P - 1} died")
+
+
+def peak_memory_case(rank: int, P: int, s: int, H: int, d: int, strategy: str) -> int:
+    """Peak resident memory growth (bytes) of one causal forward+backward at local length ``s``."""
+    import resource
+    torch.manual_seed(rank)
+    q = torch.randn(1, s, H, d, requires_grad=True)
+    k = torch.randn(1, s, H, d, requires_grad=True)
+    v = torch.randn(1, s, H, d, requires_grad=True)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = tokenring.attention(q, k, v, causal=True, strategy=strategy)
+    out.sum().backward()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+
+
+def scale_of(d: int) -> float:
+    return 1.0 / math.sqrt(d) * 0.7

@@ -1,0 +1,55 @@
+"""Every strategy, forward and backward, against a float64 single-process reference.
+
+Grid per (P, strategy): causal x layout x (H, Hkv) in {(4,4), (8,2), (4,1)} x head dim in {16, 64, 72} x
+batch in {1, 2} x dtype in {float64, float32, bfloat16}; tolerances (relative to the reference's max):
+float64 1e-9, float32 1e-5, bfloat16 2e-2. Ulysses runs where H % P == 0 (its refusal is tested elsewhere).
+"""
+import itertools
+
+import pytest
+
+import cases
+
+HEADS = [(4, 4), (8, 2), (4, 1)]
+# Ulysses needs H % P == 0; these add odd P and K/V-head replication (P > Hkv, P not a multiple of Hkv).
+ULYSSES_EXTRA_HEADS = [(6, 6), (6, 2), (12, 4)]
+DIMS = [16, 64, 72]
+LAYOUTS = [(False, "contiguous"), (False, "zigzag"), (True, "contiguous"), (True, "zigzag")]
+
+
+def grid(P: int, strategy: str) -> list[dict]:
+    out = []
+    for i, ((causal, layout), (H, Hkv), d, B, dtype) in enumerate(itertools.product(
+            LAYOUTS, HEADS + (ULYSSES_EXTRA_HEADS if strategy == "ulysses" else []), DIMS, [1, 2], ["float64", "float32", "bfloat16"])):
+        if strategy == "ulysses" and H % P:
+            continue
+        # Local length: even (zigzag needs two chunks), varied so blocks are not all the same size.
+        s = 2 * (2 + i % 3)
+        scale = cases.scale_of(d) if i % 4 == 0 else None  # a custom softmax_scale on a quarter of the cases
+        out.append(dict(B=B, s=s, H=H, Hkv=Hkv, d=d, dtype=dtype, causal=causal, layout=layout,
+                        strategy=strategy, scale=scale, seed=i))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ulysses"])
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_matches_reference(pools, P, strategy):
+    todo = grid(P, strategy)
+    assert todo, "empty grid"
+    done = pools(P).run(cases.check_many, todo)
+    assert done == [len(todo)] * P
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_longer_sequences(pools, P):
+    """Fewer, longer cases: many rows per block exercise the kernels' chunking and the zigzag halves."""
+    todo = [dict(B=1, s=96, H=4, Hkv=2, d=32, dtype=dt, causal=c, layout=lay, strategy=st, seed=7)
+            for st in ("token_ring", "ring", "ulysses") for dt in ("float64", "float32")
+            for c, lay in LAYOUTS]
+    pools(P).run(cases.check_many, todo)
+
+
+def test_strategy_auto(pools):
+    todo = [dict(B=1, s=8, H=H, Hkv=Hkv, d=16, dtype="float64", causal=True, layout="zigzag", strategy="auto")
+            for H, Hkv in HEADS]
+    pools(3).run(cases.check_many, todo)

@@ -1,0 +1,13 @@
+"""TokenRing: exact attention over sequences sharded across devices.
+
+    out = tokenring.attention(q, k, v, causal=True)        # q: (B, s, H, d) shard, k/v: (B, s, Hkv, d)
+    x_local = tokenring.shard(x_full, dim=1, layout="zigzag")
+    x_full = tokenring.gather(x_local, dim=1, layout="zigzag")
+"""
+from .api import STRATEGY_NAMES, attention, choose_strategy
+from .comm import get_timeout, set_timeout
+from .layouts import gather, local_positions, shard
+
+__version__ = "0.1.0"
+__all__ = ["attention", "shard", "gather", "local_positions", "choose_strategy", "set_timeout", "get_timeout",
+           "STRATEGY_NAMES", "__version__"]

@@ -1,0 +1,137 @@
+"""The one place that moves bytes: posts a step's messages, waits with a bounded timeout, accounts bytes and
+records a trace.
+
+Rules that keep point-to-point traffic correct on every backend (see DESIGN.md, measured on gloo):
+- every rank posts the same global list of messages in the same order, receives first, then sends: no
+  deadlock by construction, and gloo does not serialise transfers to different peers;
+- each tensor of a message gets a distinct tag (a second guard against swapped messages on gloo; NCCL
+  ignores tags, the ordering rule is what makes it correct there);
+- no rank ever sends to itself (gloo cannot), the schedules never produce such a message;
+- every wait is bounded, so a dead or stuck peer becomes a ``RuntimeError`` naming it, never a hang.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .schedules import Message
+
+__all__ = ["Comm", "Trace", "get_timeout", "set_timeout"]
+
+_TIMEOUT_S = float(os.environ.get("TOKENRING_TIMEOUT", "300"))
+_KIND_TAG = {k: i for i, k in enumerate(["q", "kv", "out", "qgrad", "dq", "dkv", "u_qkv", "u_out", "u_dout",
+                                          "u_grad"])}
+
+
+def set_timeout(seconds: float) -> None:
+    """Bound on any single wait for a peer (default 300 s, or ``$TOKENRING_TIMEOUT``)."""
+    global _TIMEOUT_S
+    if seconds <= 0:
+        raise ValueError(f"timeout must be positive, got {seconds}")
+    _TIMEOUT_S = float(seconds)
+
+
+def get_timeout() -> float:
+    return _TIMEOUT_S
+
+
+@dataclass
+class Trace:
+    """Timeline events (wall clock, seconds): one dict per compute block or message.
+
+    ``lane`` is ``"compute"``, ``"send"`` or ``"recv"``; messages carry ``peer``, ``kind`` and ``bytes``.
+    On CPU a message's end is when its ``wait()`` returned (gloo reports completion only there).
+    """
+    rank: int
+    events: list[dict] = field(default_factory=list)
+
+    def add(self, lane: str, name: str, t0: float, t1: float, **info) -> None:
+        self.events.append(dict(lane=lane, name=name, start=t0, end=t1, rank=self.rank, **info))
+
+
+class _Pending:
+    def __init__(self, comm: "Comm", step: int, works: list, t0: float):
+        self.comm, self.step, self.works, self.t0 = comm, step, works, t0
+
+    def wait(self) -> None:
+        deadline = self.t0 + self.comm.timeout
+        for direction, m, work, _ in self.works:
+            remaining = max(0.001, deadline - time.monotonic())
+            try:
+                work.wait(datetime.timedelta(seconds=remaining))
+            except Exception as e:  # gloo raises RuntimeError on timeout or a closed connection
+                raise self.comm.failure(direction, m, self.step, e) from e
+        if self.comm.trace is not None:
+            t1 = time.perf_counter()
+            seen = set()
+            for direction, m, _, _ in self.works:
+                if id(m) in seen:  # one event per message, not per tensor
+                    continue
+                seen.add(id(m))
+                self.comm.trace.add(direction, m.kind, self.comm._posted[id(m)], t1, step=self.step,
+                                    peer=m.dst if direction == "send" else m.src, kind=m.kind, owner=m.owner,
+                                    part=m.part, bytes=self.comm._nbytes[id(m)])
+
+
+class Comm:
+    """Point-to-point engine for one call on one rank of ``group``.
+
+    ``log`` holds one record per message this rank sent or received: step, direction, peer, kind, owner,
+    part and bytes; tests compare it with the byte formulas, benchmarks sum it.
+    """
+
+    def __init__(self, group=None, timeout: float | None = None, trace: Trace | None = None, what: str = ""):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = _TIMEOUT_S if timeout is None else timeout
+        self.trace = trace
+        self.what = what
+        self.log: list[dict] = []
+        self._posted: dict[int, float] = {}
+        self._nbytes: dict[int, int] = {}
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def failure(self, direction: str, m: Message, step: int, err: Exception) -> RuntimeError:
+        peer = m.dst if direction == "send" else m.src
+        verb = "sending to" if direction == "send" else "receiving from"
+        return RuntimeError(
+            f"tokenring{(' ' + self.what) if self.what else ''}: rank {self.rank} failed {verb} rank {peer} "
+            f"(step {step}, {m.kind} of rank {m.owner}, rows {m.part}) within {self.timeout:.0f} s: {err}. "
+            f"Rank {peer} has probably died or is not calling the same attention (same shapes, strategy, "
+            f"layout) - check its log. Raise the bound with tokenring.set_timeout() or $TOKENRING_TIMEOUT "
+            f"if it is only slow.")
+
+    def start(self, step: int, sends: list[tuple[Message, list[torch.Tensor]]],
+              recvs: list[tuple[Message, list[torch.Tensor]]]) -> _Pending:
+        """Post ``recvs`` (into the given buffers) then ``sends``; returns a handle whose ``wait()`` blocks."""
+        works = []
+        t0 = time.monotonic()
+        now = time.perf_counter()
+        for direction, items in (("recv", recvs), ("send", sends)):
+            for m, tensors in items:
+                peer = m.src if direction == "recv" else m.dst
+                nbytes = 0
+                for i, t in enumerate(tensors):
+                    tag = (step * len(_KIND_TAG) + _KIND_TAG[m.kind]) * 8 + i
+                    t = t.contiguous()  # kept referenced in `works` until the wait completes
+                    try:
+                        if direction == "recv":
+                            w = dist.irecv(t, src=self._global(peer), group=self.group, tag=tag)
+                        else:
+                            w = dist.isend(t, dst=self._global(peer), group=self.group, tag=tag)
+                    except Exception as e:
+                        raise self.failure(direction, m, step, e) from e
+                    works.append((direction, m, w, t))
+                    nbytes += t.numel() * t.element_size()
+                self._posted[id(m)], self._nbytes[id(m)] = now, nbytes
+                self.log.append(dict(step=step, direction=direction, peer=peer, kind=m.kind, owner=m.owner,
+                                     part=m.part, bytes=nbytes))
+        return _Pending(self, step, works, t0)

@@ -1,0 +1,48 @@
+"""Exact merge of partial attention results.
+
+Two partials of the same query rows, computed against disjoint key sets, combine exactly through their
+log-sum-exp. All arithmetic here is in the accumulator dtype (float32, or float64 for float64 inputs), never in
+bf16: rounding a running accumulator to bf16 at every step is what makes ring-style libraries lose accuracy as
+P grows.
+
+Shapes: ``o`` (B, n, H, d), ``lse`` (B, H, n). A row that saw no key has ``lse = -inf`` and ``o = 0``.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["acc_dtype", "new_accumulator", "merge_"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulator dtype for inputs of ``dtype``: float64 stays float64, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def new_accumulator(B: int, n: int, H: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty accumulator for ``n`` rows: ``o = 0``, ``lse = -inf`` (no key seen yet)."""
+    acc = acc_dtype(dtype)
+    o = torch.zeros(B, n, H, d, dtype=acc, device=device)
+    lse = torch.full((B, H, n), float("-inf"), dtype=acc, device=device)
+    return o, lse
+
+
+def merge_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """In place: ``(acc_o, acc_lse) <- merge((acc_o, acc_lse), (o, lse))``.
+
+    ``acc_o``/``acc_lse`` may be views (a row slice of a larger accumulator). Rows where both sides are
+    ``-inf`` stay ``-inf`` with output 0; no NaN is ever produced.
+    """
+    lse = lse.to(acc_lse.dtype)
+    hi = torch.maximum(acc_lse, lse)
+    lo = torch.minimum(acc_lse, lse)
+    # A row with hi == -inf saw no key on either side; shift by 0 there so that exp(-inf - 0) = 0, not NaN.
+    hi_safe = torch.where(torch.isneginf(hi), torch.zeros_like(hi), hi)
+    new_lse = hi + torch.log1p(torch.exp(lo - hi_safe))
+    new_safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    # Weights exp(lse_x - lse_new) <= 1, laid out (B, n, H, 1) to scale o.
+    w_acc = torch.exp(acc_lse - new_safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(lse - new_safe).transpose(1, 2).unsqueeze(-1)
+    acc_o.mul_(w_acc).add_(o.to(acc_o.dtype) * w_new)
+    acc_lse.copy_(new_lse)
+
