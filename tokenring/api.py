@@ -71,6 +71,10 @@ _FIELDS = ["batch", "local length", "query heads", "key/value heads", "head dim"
            "causal", "layout", "strategy", "softmax_scale"]
 
 
+def _show(field: str, value: float) -> str:
+    return f"{value:g}" if field in ("softmax_scale",) else str(int(value))
+
+
 def _check_across_ranks(sig: list[float], describe: str, group, device, rank: int, P: int) -> None:
     """Verify every rank calls with the same shapes and options, once per (group, signature)."""
     key = (id(group), tuple(sig))
@@ -87,12 +91,13 @@ def _check_across_ranks(sig: list[float], describe: str, group, device, rank: in
             f"{get_timeout():.0f} s ({e}). A rank has died, or is not calling tokenring.attention at this point "
             f"(every rank of the group must call it with the same shapes and options).") from e
     for r, other in enumerate(allsig):
-        bad = [f for f, a, b in zip(_FIELDS, other.tolist(), sig) if a != b]
+        bad = [f"{f} ({_show(f, a)} on rank {r}, {_show(f, b)} on rank {rank})"
+               for f, a, b in zip(_FIELDS, other.tolist(), sig) if a != b]
         if bad:
             raise ValueError(
-                f"tokenring: rank {r} calls attention with a different {', '.join(bad)} than rank {rank} "
-                f"({describe} here). Every rank must pass shards of the same shape, dtype and options; "
-                f"shard the sequence with tokenring.shard() so local lengths are equal.")
+                f"tokenring: rank {r} calls attention with a different {'; '.join(bad)}; here: {describe}. "
+                f"Every rank must pass shards of the same shape, dtype and options; shard the sequence with "
+                f"tokenring.shard() so local lengths are equal.")
     _checked.add(key)
 
 

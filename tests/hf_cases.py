@@ -1,0 +1,135 @@
+"""Rank-side functions for tests/test_hf.py (run by a RankPool: ``fn(rank, P, *args)``).
+
+A small Llama-architecture model (random weights from a config, never the hub) runs with
+``attn_implementation="tokenring"`` on each rank's zigzag shard; rank 0 also runs the very same weights with
+transformers' own ``sdpa`` attention on the whole sequence in one process and compares logits, loss and every
+parameter gradient.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+import tokenring
+import tokenring.hf as thf
+
+LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192, rope_theta=10000.0,
+             attention_dropout=0.0, tie_word_embeddings=False)
+
+
+def build(arch: str = "llama", attn: str = "tokenring", seed: int = 0, **over):
+    import transformers
+    cfg_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                          "mistral": ("MistralConfig", "MistralForCausalLM")}[arch]
+    cfg = getattr(transformers, cfg_cls)(**{**LLAMA, **over})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    return model
+
+
+def tokens(S: int, vocab: int, B: int = 1, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def model_matches(rank: int, P: int, S: int, strategies: list[str], arch: str = "llama", over: dict | None = None,
+                  train: bool = True) -> dict:
+    """Logits (forward) and one training step's loss and parameter gradients of the sharded model vs rank 0's
+    single-process sdpa run. Returns rank 0's errors and timings."""
+    over = over or {}
+    model = build(arch, "tokenring", **over)
+    ids = tokens(S, model.config.vocab_size)
+    res: dict = {}
+    if rank == 0:
+        ref = build(arch, "sdpa", **over)
+        ref.load_state_dict(model.state_dict())
+        t0 = time.perf_counter()
+        out = ref(input_ids=ids, labels=ids, use_cache=False)
+        if train:
+            out.loss.backward()
+        res["single_s"] = time.perf_counter() - t0
+        ref_logits, ref_loss = out.logits.detach(), out.loss.detach()
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for strategy in strategies:
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        with thf.settings(strategy=strategy):
+            batch = thf.shard_batch(ids, labels=ids if train else None)
+            out = model(**batch)
+            if train:
+                out.loss.backward()
+                thf.all_reduce_grads(model)
+                loss = thf.reduce_loss(out.loss)
+        logits = thf.gather_logits(out.logits)
+        res[f"{strategy}_s"] = time.perf_counter() - t0
+        if rank == 0:
+            e = dict(logits=(logits - ref_logits).abs().max().item())
+            if train:
+                e["loss"] = abs(loss.item() - ref_loss.item())
+                e["grad"], e["worst"] = max((rel(p.grad, ref_grads[n]), n) for n, p in model.named_parameters())
+            res[strategy] = e
+    return res
+
+
+def plain_path(rank: int, P: int, S: int, strategy: str) -> float:
+    """The documented plain path: shard input_ids and position_ids with tokenring.shard, call the model with
+    them, gather the logits; returns max |logits - single-process logits| (rank 0; others 0)."""
+    model = build("llama", "tokenring")
+    ids = tokens(S, model.config.vocab_size)
+    local_ids = tokenring.shard(ids, dim=1, layout="zigzag")
+    local_pos = tokenring.shard(torch.arange(S)[None], dim=1, layout="zigzag")
+    with torch.no_grad(), thf.settings(strategy=strategy):
+        logits = model(input_ids=local_ids, position_ids=local_pos).logits
+    full = tokenring.gather(logits, dim=1, layout="zigzag")
+    if rank:
+        return 0.0
+    ref = build("llama", "sdpa")
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    return (full - want).abs().max().item()
+
+
+def refusals(rank: int, P: int, S: int) -> dict:
+    """Each unsupported input must raise ValueError on every rank (never hang); returns the messages."""
+    model = build("llama", "tokenring", num_hidden_layers=1)
+    ids = tokens(S, model.config.vocab_size)
+    batch = thf.shard_batch(ids)
+    msgs = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+        except ValueError as e:
+            msgs[name] = str(e)
+        else:
+            raise AssertionError(f"rank {rank}: {name} was not refused")
+
+    with torch.no_grad():
+        # padding on one rank's shard only: every rank must refuse
+        mask = torch.ones_like(batch["input_ids"])
+        if rank == P - 1:
+            mask[:, -3:] = 0
+        expect("padding", lambda: model(**batch, attention_mask=mask))
+        expect("padding_full", lambda: thf.shard_batch(ids, attention_mask=torch.ones_like(ids).tril()[:1]))
+        # all-ones mask is fine
+        model(**batch, attention_mask=torch.ones_like(batch["input_ids"]))
+        # missing position_ids (transformers would number local tokens 0..s-1)
+        expect("positions", lambda: model(input_ids=batch["input_ids"]))
+        # decoding with a KV cache over a sharded sequence
+        expect("cache", lambda: model(input_ids=batch["input_ids"][:, :2], position_ids=batch["position_ids"][:, :2],
+                                      use_cache=True,
+                                      past_key_values=model(**{**batch, "use_cache": True}).past_key_values))
+        # a sliding window shorter than the sequence
+        mis = build("mistral", "tokenring", num_hidden_layers=1, sliding_window=S // 2)
+        expect("sliding", lambda: mis(**batch))
+        # dropout
+        drop = build("llama", "tokenring", num_hidden_layers=1, attention_dropout=0.1).train()
+        expect("dropout", lambda: drop(**batch))
+    return msgs

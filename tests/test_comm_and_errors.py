@@ -1,0 +1,112 @@
+"""Byte accounting against DESIGN.md's formulas, clear errors for bad input, and no hang on a dead peer."""
+import pytest
+
+import cases
+from tokenring.launch import spawn
+
+B, s, H, Hkv, d = 1, 8, 4, 2, 16
+E = 2  # bfloat16 bytes per element; lse, delta and travelling dK/dV are float32 (4 bytes)
+
+
+def _sent(log, what):
+    return [r for w, recs in log if w == what for r in recs if r["direction"] == "send"]
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_ring_bytes(pools, P):
+    """Pass-KV sends K and V, 2*s*Hkv*d*e bytes, to r+1 on each of the P-1 steps; in the backward the dK/dV
+    accumulator (float32) travels r -> r+1 too, P-1 times, the last time home."""
+    case = dict(B=B, s=s, H=H, Hkv=Hkv, d=d, dtype="bfloat16", causal=False, layout="contiguous", strategy="ring")
+    for rank, log in enumerate(pools(P).run(cases.comm_log_case, case)):
+        fwd = _sent(log, "ring forward")
+        assert [(r["step"], r["peer"], r["kind"], r["bytes"]) for r in fwd] == \
+            [(t, (rank + 1) % P, "kv", 2 * B * s * Hkv * d * E) for t in range(P - 1)]
+        bwd = _sent(log, "ring backward")
+        kv = [r for r in bwd if r["kind"] == "kv"]
+        acc = [r for r in bwd if r["kind"] == "dkv"]
+        assert [(r["step"], r["bytes"]) for r in kv] == [(t, 2 * B * s * Hkv * d * E) for t in range(P - 1)]
+        assert [(r["step"], r["peer"], r["bytes"]) for r in acc] == \
+            [(t, (rank + 1) % P, 2 * B * s * Hkv * d * 4) for t in range(2, P + 1)]
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_token_ring_zigzag_bytes(pools, P):
+    """Zigzag causal TokenRing: Q_j travels j -> j-1 -> ...; a hop carries all of Q while the receiver (and so
+    a rank before j) needs it, and only the second half after the path wraps past rank 0. The partial of Q_j
+    computed on rank r returns straight to j: all rows when r < j, the second half when r > j. Partial =
+    out (rows*H*d*e) + lse (rows*H*4)."""
+    case = dict(B=B, s=s, H=H, Hkv=H, d=d, dtype="bfloat16", causal=True, layout="zigzag", strategy="token_ring")
+    for r, log in enumerate(pools(P).run(cases.comm_log_case, case)):
+        want = []
+        for t in range(P - 1):  # during step t, rank r forwards the Q it holds, Q_j with j = r + t, to r - 1
+            j, dst = (r + t) % P, (r - 1) % P
+            rows = s if dst < j else s // 2
+            want.append((t, dst, "q", rows * B * H * d * E))
+        for t in range(1, P):  # the partial computed at step t goes home during step t + 1
+            j = (r + t) % P
+            rows = s if r < j else s // 2
+            want.append((t + 1, j, "out", rows * B * H * d * E + rows * B * H * 4))
+        got = sorted((x["step"], x["peer"], x["kind"], x["bytes"]) for x in _sent(log, "token_ring forward"))
+        assert got == sorted(want)
+        # Backward: (Q, dO) in bf16 plus (lse, delta) in float32 travel the same path; dQ partials go home.
+        want_b = []
+        for t, dst, _, nbytes in (w for w in want if w[2] == "q"):
+            rows = nbytes // (B * H * d * E)
+            want_b.append((t, dst, "qgrad", rows * B * H * (2 * d * E + 2 * 4)))
+        for t, j, _, nbytes in (w for w in want if w[2] == "out"):
+            rows = nbytes // (B * H * (d * E + 4))
+            want_b.append((t, j, "dq", rows * B * H * d * E))
+        got_b = sorted((x["step"], x["peer"], x["kind"], x["bytes"]) for x in _sent(log, "token_ring backward"))
+        assert got_b == sorted(want_b)
+
+
+def test_ulysses_bytes(pools):
+    """All-to-all: each rank sends every other rank H/P query heads and Hkv/P key/value heads of its rows,
+    and gets back its rows of the other ranks' heads: (P-1)/P * s*d*(2H + 2Hkv) elements each way per call."""
+    P = 2
+    case = dict(B=B, s=s, H=H, Hkv=Hkv, d=d, dtype="bfloat16", causal=False, layout="contiguous",
+                strategy="ulysses")
+    for log in pools(P).run(cases.comm_log_case, case):
+        total = sum(r["bytes"] for r in _sent(log, "ulysses forward"))
+        assert total == (P - 1) * B * s * d * (2 * H + 2 * Hkv) * E // P
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("head_ratio", "multiple of the key/value heads"),
+    ("batch", "batch size"),
+    ("length", "local sequence length"),
+    ("head_dim", "head dim"),
+    ("dtype", "dtypes differ"),
+    ("device", "different devices"),
+    ("ranks_differ", "different local length"),
+    ("zigzag_odd", "even local length"),
+    ("ulysses_heads", "H % P == 0"),
+    ("bad_strategy", "unknown"),
+    ("bad_layout", "not supported"),
+])
+def test_bad_input_raises_value_error(pools, kind, needle):
+    P = 4 if kind == "ulysses_heads" else 2
+    for msg in pools(P).run(cases.expect_error, kind):
+        assert needle in msg, msg
+        if kind == "ranks_differ":  # both values and both ranks are named
+            assert "8 on rank 0" in msg and "10 on rank 1" in msg, msg
+
+
+def test_dead_peer_raises_runtime_error_within_timeout():
+    timeout = 5.0
+    results = spawn(cases.dead_peer, 3, timeout)
+    for rank in (0, 1):
+        elapsed, msg = results[rank].split("|", 1)
+        assert float(elapsed) < timeout + 5, results[rank]
+        assert "failed" in msg and "rank" in msg and "set_timeout" in msg, msg
+    assert results[2] is None  # it died
+
+
+def test_memory_linear_in_local_length():
+    """Causal fwd+bwd at local length 16384 (P=2, S=32768): one s*s float32 score block would be 1 GiB and
+    the full S*S matrix 4 GiB; the peak growth per rank stays far below both."""
+    s_local = 16384
+    peaks = spawn(cases.peak_memory_case, 2, s_local, 1, 16, "token_ring")
+    block = s_local * s_local * 4
+    for p in peaks:
+        assert p < block / 4, f"peak growth {p / 2**20:.0f} MiB is not linear in the local length"

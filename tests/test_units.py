@@ -1,0 +1,141 @@
+"""Single-process unit tests: merge math, kernels, layouts and schedule invariants."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from cases import reference
+from tokenring.kernels import block_backward, block_forward
+from tokenring.layouts import global_order, local_positions
+from tokenring.merge import merge_, new_accumulator
+from tokenring.schedules import block_pair
+from tokenring.strategies import STRATEGIES
+
+
+def test_merge_exact_and_inf_safe():
+    torch.manual_seed(0)
+    B, n, H, d = 2, 5, 3, 4
+    s = torch.randn(B, H, n, 6, dtype=torch.float64)
+    v = torch.randn(B, 6, H, d, dtype=torch.float64)
+
+    def part(cols):
+        lse = torch.logsumexp(s[..., cols], -1)
+        o = torch.einsum("bhnk,bkhd->bnhd", torch.softmax(s[..., cols], -1), v[:, cols])
+        return o, lse
+    o, lse = new_accumulator(B, n, H, d, torch.float64, "cpu")
+    for cols in ([0, 1], [2, 3, 4], [5]):
+        merge_(o, lse, *part(cols))
+    want_o, want_lse = part(list(range(6)))
+    assert (o - want_o).abs().max() < 1e-12 and (lse - want_lse).abs().max() < 1e-12
+    # Rows that saw no key on either side stay -inf with output 0, and merging them later is exact.
+    o2, lse2 = new_accumulator(B, n, H, d, torch.float64, "cpu")
+    empty_o, empty_lse = new_accumulator(B, n, H, d, torch.float64, "cpu")
+    merge_(o2, lse2, empty_o, empty_lse)
+    assert torch.isneginf(lse2).all() and (o2 == 0).all() and not torch.isnan(o2).any()
+    merge_(o2, lse2, *part([0, 1]))
+    assert (o2 - part([0, 1])[0]).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "math"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("H,Hkv,d", [(4, 4, 16), (8, 2, 72), (3, 1, 5)])
+def test_block_kernels(backend, causal, H, Hkv, d):
+    torch.manual_seed(1)
+    n, m = (9, 9) if causal else (7, 11)
+    q = torch.randn(2, n, H, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, m, Hkv, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, m, Hkv, d, dtype=torch.float64, requires_grad=True)
+    want = reference(q, k, v, causal, 0.37)
+    o, lse = block_forward(q.detach(), k.detach(), v.detach(), causal, 0.37, backend=backend)
+    assert (o - want).abs().max() < 1e-12
+    dout = torch.randn_like(want)
+    want.backward(dout)
+    delta = (dout * want).sum(-1).transpose(1, 2)
+    dq, dk, dv = block_backward(dout, q.detach(), k.detach(), v.detach(), lse, delta.detach(), causal, 0.37)
+    for got, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert (got - ref).abs().max() < 1e-11
+
+
+def test_math_kernel_chunks_rows(monkeypatch):
+    """Force tiny row chunks: the chunked math path must equal the one-chunk result."""
+    import tokenring.kernels as K
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 13, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    o1, l1 = K.math_forward(q, k, v, True, 0.5)
+    monkeypatch.setattr(K, "_MATH_CHUNK_ELEMS", 1)
+    o2, l2 = K.math_forward(q, k, v, True, 0.5)
+    assert (o1 - o2).abs().max() < 1e-13 and (l1 - l2).abs().max() < 1e-13
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_layouts_partition_sequence(P, layout):
+    S = 4 * P * 3
+    allpos = torch.cat([local_positions(S, P, r, layout) for r in range(P)])
+    assert sorted(allpos.tolist()) == list(range(S))
+    for r in range(P):
+        pos = local_positions(S, P, r, layout)
+        assert (pos[1:] > pos[:-1]).all(), "local order must be increasing (causal mask on own block)"
+    assert torch.equal(global_order(S, P, layout), allpos)
+
+
+def test_layout_rejects_indivisible():
+    with pytest.raises(ValueError, match="divisible by 6"):
+        local_positions(20, 3, 0, "zigzag")
+    with pytest.raises(ValueError, match="divisible by 3"):
+        local_positions(20, 3, 0, "contiguous")
+
+
+def _attended(P, layout, causal):
+    """Ground truth: the (q token, kv token) pairs of the full mask, by global position."""
+    S = 4 * P
+    pos = [local_positions(S, P, r, layout).tolist() for r in range(P)]
+    need = set()
+    for j, r in itertools.product(range(P), range(P)):
+        for a in pos[j]:
+            for b in pos[r]:
+                if not causal or b <= a:
+                    need.add((a, b))
+    return S, pos, need
+
+
+@pytest.mark.parametrize("name", ["token_ring", "ring"])
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "contiguous"), (True, "zigzag")])
+def test_schedules_cover_each_pair_once(name, P, causal, layout):
+    """Every attended (query, key) pair is computed exactly once, no masked pair is computed, every compute
+    has its inputs on the rank that runs it, and no message goes to its sender."""
+    strat = STRATEGIES[name]
+    S, pos, need = _attended(P, layout, causal)
+    s = S // P
+    from tokenring.schedules import part_slice
+    for sched in (strat.forward_schedule(P, layout, causal), strat.backward_schedule(P, layout, causal)):
+        seen = []
+        have = {(r, kind, r): "all" for r in range(P) for kind in ("q", "qgrad", "kv")}
+        for step in sched.steps:
+            for c in step.computes:
+                qk = (c.rank, sched.q_kind, c.q_owner)
+                assert qk in have and (have[qk] == "all" or have[qk] == c.q_part), (c, have.get(qk))
+                kk = (c.rank, "kv", c.kv_owner)
+                assert kk in have and (have[kk] == "all" or have[kk] == c.kv_part), (c, have.get(kk))
+                qrows = pos[c.q_owner][part_slice(c.q_part, s)]
+                krows = pos[c.kv_owner][part_slice(c.kv_part, s)]
+                for a in qrows:
+                    for b in krows:
+                        if (not c.causal) or b <= a:
+                            seen.append((a, b))
+            for m in step.messages:
+                assert m.src != m.dst
+                have[(m.dst, m.kind, m.owner)] = m.part
+        assert len(seen) == len(set(seen)), "a pair was computed twice"
+        assert set(seen) == need
+
+
+def test_zigzag_pairs_are_half_blocks():
+    P = 4
+    for j, r in itertools.product(range(P), range(P)):
+        q_part, kv_part, diag = block_pair(j, r, P, "zigzag", True)
+        assert diag == (j == r)
+        if j != r:
+            assert (q_part == "all") != (kv_part == "all"), "off-diagonal zigzag pairs cost half a block"
