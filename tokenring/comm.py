@@ -111,27 +111,32 @@ class Comm:
 
     def start(self, step: int, sends: list[tuple[Message, list[torch.Tensor]]],
               recvs: list[tuple[Message, list[torch.Tensor]]]) -> _Pending:
-        """Post ``recvs`` (into the given buffers) then ``sends``; returns a handle whose ``wait()`` blocks."""
-        works = []
-        t0 = time.monotonic()
+        """Post ``recvs`` (into the given buffers) then ``sends``; returns a handle whose ``wait()`` blocks.
+
+        All of a step's operations go into one ``batch_isend_irecv``: on NCCL that is one group call, so
+        ranks that all receive from one neighbour and send to another cannot deadlock; on gloo it posts
+        them in this order, receives first."""
+        ops, meta = [], []
         now = time.perf_counter()
         for direction, items in (("recv", recvs), ("send", sends)):
+            fn = dist.irecv if direction == "recv" else dist.isend
             for m, tensors in items:
                 peer = m.src if direction == "recv" else m.dst
                 nbytes = 0
                 for i, t in enumerate(tensors):
                     tag = (step * len(_KIND_TAG) + _KIND_TAG[m.kind]) * 8 + i
-                    t = t.contiguous()  # kept referenced in `works` until the wait completes
-                    try:
-                        if direction == "recv":
-                            w = dist.irecv(t, src=self._global(peer), group=self.group, tag=tag)
-                        else:
-                            w = dist.isend(t, dst=self._global(peer), group=self.group, tag=tag)
-                    except Exception as e:
-                        raise self.failure(direction, m, step, e) from e
-                    works.append((direction, m, w, t))
+                    t = t.contiguous()  # kept referenced in `meta` until the wait completes
+                    ops.append(dist.P2POp(fn, t, self._global(peer), self.group, tag))
+                    meta.append((direction, m, t))
                     nbytes += t.numel() * t.element_size()
                 self._posted[id(m)], self._nbytes[id(m)] = now, nbytes
                 self.log.append(dict(step=step, direction=direction, peer=peer, kind=m.kind, owner=m.owner,
                                      part=m.part, bytes=nbytes))
+        t0 = time.monotonic()
+        try:
+            handles = dist.batch_isend_irecv(ops) if ops else []
+        except Exception as e:  # a peer that is already gone can fail the posting itself
+            direction, m, _ = meta[0]
+            raise self.failure(direction, m, step, e) from e
+        works = [(direction, m, w, t) for (direction, m, t), w in zip(meta, handles)]
         return _Pending(self, step, works, t0)
