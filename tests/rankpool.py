@@ -9,16 +9,11 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tokenring.launch import free_port
 
 
 def _worker(rank: int, P: int, port: int, inbox, outbox, threads: int) -> None:
