@@ -23,6 +23,7 @@ def build(arch: str = "llama", attn: str = "tokenring", seed: int = 0, **over):
     import transformers
     cfg_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                           "mistral": ("MistralConfig", "MistralForCausalLM")}[arch]
     cfg = getattr(transformers, cfg_cls)(**{**LLAMA, **over})
     torch.manual_seed(seed)
@@ -125,7 +126,7 @@ def refusals(rank: int, P: int, S: int) -> dict:
         # decoding with a KV cache over a sharded sequence
         expect("cache", lambda: model(input_ids=batch["input_ids"][:, :2], position_ids=batch["position_ids"][:, :2],
                                       use_cache=True,
-                                      past_key_values=model(**{**batch, "use_cache": True}).past_key_values))
+                                      cache=model(**{**batch, "use_cache": True}).past_key_values))
         # a sliding window shorter than the sequence
         mis = build("mistral", "tokenring", num_hidden_layers=1, sliding_window=S // 2)
         expect("sliding", lambda: mis(**batch))

@@ -6,7 +6,7 @@ import sys
 
 # command -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS = {
-    "demo": ("tokenring.demo", "4 local ranks run every strategy on a long causal attention layer and check it"),
+    "demo": ("tokenring.demo", "4 local ranks prefill a long prompt through a Llama-style model with every strategy, checked"),
     "bench": ("tokenring.bench", "side-by-side benchmark of strategies (and PyTorch's own) on local ranks"),
     "testbed": ("tokenring.testbed", "run the benchmark over emulated, bandwidth-shaped links (root)"),
     "simulate": ("tokenring.sim.cli", "predict each strategy's time on a modelled interconnect"),

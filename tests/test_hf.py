@@ -1,0 +1,71 @@
+"""Hugging Face integration: a Llama-architecture model (GQA) with attn_implementation="tokenring" on P=4 gloo
+ranks equals the single-process model (transformers' own sdpa attention, same weights): logits within 1e-4
+(float32) and one training step's loss and parameter gradients within 1e-4 relative, for every strategy.
+Skipped when transformers is not installed (it is an optional extra)."""
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_cases  # noqa: E402
+
+STRATEGIES = ["token_ring", "ring", "ulysses"]
+
+
+def test_llama_gqa_matches_single_process(pools):
+    """The acceptance test: 4 layers, hidden 256, 8 heads, 2 KV heads, S=2048, P=4, each strategy."""
+    res = pools(4).run(hf_cases.model_matches, 2048, STRATEGIES)[0]
+    for st in STRATEGIES:
+        e = res[st]
+        assert e["logits"] < 1e-4, f"{st}: max |logits - single-process| = {e['logits']:.3g}"
+        assert e["loss"] < 1e-5, f"{st}: |loss - single-process| = {e['loss']:.3g}"
+        assert e["grad"] < 1e-4, f"{st}: gradient of {e['worst']} off by {e['grad']:.3g} (relative)"
+
+
+@pytest.mark.parametrize("arch,over", [("qwen2", dict(attention_bias=True)), ("qwen3", dict(head_dim=32)),
+                                       ("mistral", dict(sliding_window=None)),
+                                       ("llama", dict(num_key_value_heads=8))])
+def test_other_families(pools, arch, over):
+    res = pools(4).run(hf_cases.model_matches, 256, ["auto"], arch, {**over, "num_hidden_layers": 2})[0]
+    assert res["auto"]["logits"] < 1e-4 and res["auto"]["grad"] < 1e-4, res
+
+
+def test_plain_path(pools):
+    """tokenring.shard ids and positions, call the model, tokenring.gather the logits."""
+    assert pools(4).run(hf_cases.plain_path, 512, "token_ring")[0] < 1e-4
+
+
+def test_refusals(pools):
+    msgs = pools(4).run(hf_cases.refusals, 64)[0]
+    assert "padding" in msgs["padding"] or "refused its attention mask" in msgs["padding"]
+    assert "padding" in msgs["padding_full"]
+    assert "position_ids" in msgs["positions"] and "tokenring.shard" in msgs["positions"]
+    assert "use_cache=False" in msgs["cache"]
+    assert "sliding_window" in msgs["sliding"]
+    assert "dropout" in msgs["dropout"]
+
+
+def test_from_pretrained_single_process(tmp_path):
+    """from_pretrained(path, attn_implementation="tokenring") from a local checkpoint; one process: plain attention."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = hf_cases.build("llama", "sdpa", num_hidden_layers=1)
+    model.save_pretrained(tmp_path)
+    import tokenring.hf  # noqa: F401  registers the implementation
+    tr = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="tokenring")
+    assert tr.config._attn_implementation == "tokenring"
+    ids = hf_cases.tokens(64, model.config.vocab_size)
+    with torch.no_grad():
+        assert (tr(input_ids=ids).logits - model(input_ids=ids).logits).abs().max() < 1e-5
+
+
+def test_core_imports_without_transformers():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import torch, tokenring\n"
+            "q = torch.randn(1, 8, 2, 4)\n"
+            "assert tokenring.attention(q, q, q, causal=True).shape == q.shape\n"
+            "try:\n    import tokenring.hf\nexcept ImportError as e:\n    assert 'tokenring-attn[hf]' in str(e)\n"
+            "else:\n    raise SystemExit('tokenring.hf imported without transformers')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

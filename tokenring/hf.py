@@ -1,0 +1,301 @@
+"""Hugging Face ``transformers`` integration: run a causal LM (or any model whose attention goes through
+``transformers.AttentionInterface``) over a sequence sharded across ranks.
+
+    import tokenring.hf                                   # registers attn_implementation="tokenring"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tokenring")   # or from_pretrained(path, ...)
+    batch = tokenring.hf.shard_batch(input_ids, labels=input_ids)   # full tensors in, this rank's shard out
+    out = model(**batch)                                  # this rank's logits; out.loss = local part of the mean
+    logits = tokenring.hf.gather_logits(out.logits)       # (B, S, V), every rank
+    out.loss.backward(); tokenring.hf.all_reduce_grads(model)     # now equal to single-process gradients
+    loss = tokenring.hf.reduce_loss(out.loss)             # the global mean loss (for logging)
+
+Every attention layer then calls :func:`tokenring.attention` on this rank's shard. The plain path works too:
+shard ``input_ids`` and ``position_ids`` yourself with ``tokenring.shard(..., dim=1, layout="zigzag")`` and
+call ``model(input_ids=local_ids, position_ids=local_pos)``. **Pass the global positions**: without
+``position_ids`` transformers numbers the local tokens ``0..s-1`` and rotary embeddings would be wrong, so
+that case is refused.
+
+Strategy, layout and process group come from :func:`configure` (process-wide) or the :func:`settings` context
+manager; defaults: ``strategy="auto"``, ``layout="zigzag"``, the default process group.
+
+What works (tested: Llama with GQA and MHA; Qwen2, Qwen3 and Mistral architectures): decoder-only models
+whose attention layers call ``ALL_ATTENTION_FUNCTIONS`` with full causal (``module.is_causal``) or full
+bidirectional attention and no attention bias. What is refused, with a ``ValueError`` that says why:
+
+- padding / custom masks: a 2D ``attention_mask`` with any zero, or any 4D mask (TokenRing computes exact
+  full causal or full attention; pass unpadded sequences of one length, an all-ones mask is accepted);
+- packed sequences (``position_ids`` restarting inside a row) and position ids that are not the global positions
+  of the local tokens (e.g. omitted ``position_ids``);
+- sliding-window layers whose window is shorter than the global sequence (Mistral/Qwen2/Gemma sliding layers),
+  logit soft-capping (Gemma 2), attention sinks (gpt-oss), position biases (T5-style);
+- attention dropout > 0 (set ``config.attention_dropout = 0``);
+- a KV cache holding earlier tokens (decoding): prefill and training only, pass ``use_cache=False``;
+- ``output_attentions=True`` (the weights are never materialised; ``None`` is returned with a warning).
+
+Not detected: models that overlay their own mask functions on the causal mask (e.g. bidirectional image-token
+blocks in some vision-language models) would silently get plain causal attention; do not use them here.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .api import STRATEGY_NAMES, attention
+from .layouts import check_layout, gather, group_info, local_positions, shard
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("tokenring.hf needs transformers: pip install 'tokenring-attn[hf]'") from e
+
+__all__ = ["NAME", "register", "configure", "settings", "attention_forward", "shard_batch", "gather_logits",
+           "reduce_loss", "all_reduce_grads", "shift_labels"]
+
+NAME = "tokenring"
+IGNORE_INDEX = -100
+
+
+@dataclass
+class _Settings:
+    strategy: str = "auto"
+    layout: str = "zigzag"
+    group: object = None
+    check_positions: bool = True
+    config_fn: object = None  # private: module -> extra ``_config`` for tokenring.attention (tracing), or None
+
+
+_settings = _Settings()
+
+
+def configure(strategy: str | None = None, layout: str | None = None, group=None,
+              check_positions: bool | None = None) -> None:
+    """Set the strategy (``"auto"``, ``"token_ring"``, ``"ring"``, ``"ulysses"``), the layout the inputs were
+    sharded with (``"zigzag"`` default, or ``"contiguous"``) and the process group used by every attention
+    layer of models with ``attn_implementation="tokenring"``. Arguments left ``None`` keep their value."""
+    if strategy is not None:
+        if strategy not in STRATEGY_NAMES:
+            raise ValueError(f"strategy={strategy!r} is unknown; choose one of {STRATEGY_NAMES}")
+        _settings.strategy = strategy
+    if layout is not None:
+        check_layout(layout)
+        _settings.layout = layout
+    if group is not None:
+        _settings.group = group
+    if check_positions is not None:
+        _settings.check_positions = bool(check_positions)
+
+
+@contextlib.contextmanager
+def settings(**kw):
+    """``with tokenring.hf.settings(strategy="ring"): model(...)`` — :func:`configure` for a block only."""
+    old = _Settings(**vars(_settings))
+    try:
+        configure(**kw)
+        yield _settings
+    finally:
+        _settings.__dict__.update(vars(old))
+
+
+def _refuse(module, why: str) -> ValueError:
+    layer = getattr(module, "layer_idx", None)
+    where = f"layer {layer}" if layer is not None else type(module).__name__
+    return ValueError(f"tokenring (attn_implementation='tokenring', {where}): {why}")
+
+
+def _mask_problem(attention_mask) -> str | None:
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        return (f"got an attention mask of type {type(attention_mask).__name__}; only full causal or full "
+                f"bidirectional attention can be sharded (pass attention_mask=None)")
+    if attention_mask.dim() == 2 and bool(attention_mask.to(torch.bool).all()):
+        return None  # an all-ones padding mask means no padding
+    return (f"got an attention mask of shape {tuple(attention_mask.shape)} that masks tokens (padding or a "
+            f"custom mask). TokenRing computes exact full causal/bidirectional attention over the sharded sequence "
+            f"and cannot express padding masks: pass unpadded sequences of one length with attention_mask=None")
+
+
+def _position_problem(position_ids, s: int, rank: int, P: int, layout: str) -> str | None:
+    if position_ids is None or P == 1 or not _settings.check_positions or position_ids.shape[-1] != s:
+        return None  # (some models pass positions of another shape, e.g. mrope: left alone)
+    want = local_positions(s * P, P, rank, layout, device=position_ids.device)
+    pos = position_ids.reshape(-1, s)
+    diff = pos - want
+    if bool((diff == diff[:, :1]).all()):
+        return None
+    h = s // 2
+    return (f"position_ids {pos[0, :3].tolist()}...{pos[0, h - 1:h + 2].tolist()}... are not this rank's "
+            f"global positions under layout={layout!r} ({want[:3].tolist()}...{want[h - 1:h + 2].tolist()}...). "
+            f"Pass position_ids=tokenring.shard(torch.arange(S)[None], dim=1, layout={layout!r}) (or use "
+            f"tokenring.hf.shard_batch); without them rotary embeddings use local positions and the result is wrong")
+
+
+def _check_inputs(module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group,
+                  device) -> None:
+    """Mask and position checks, agreed on by all ranks (one tiny all-reduce), so a problem on one rank's
+    shard raises on every rank instead of leaving the others waiting in attention."""
+    problems = [_mask_problem(attention_mask), _position_problem(position_ids, s, rank, P, layout)]
+    if P > 1 and (attention_mask is not None or position_ids is not None):
+        flags = torch.tensor([p is None for p in problems], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        if problems == [None, None] and not bool(flags.all()):
+            bad = "attention mask" if not bool(flags[0]) else "position_ids"
+            raise _refuse(module, f"rank {rank}: another rank refused its {bad} (see that rank's error)")
+    for p in problems:
+        if p is not None:
+            raise _refuse(module, f"rank {rank}: {p}")
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """The function registered as ``attn_implementation="tokenring"``: ``query`` (B, H, s, d), ``key``/``value``
+    (B, Hkv, s, d), this rank's shard; returns ``(out (B, s, H, d), None)``."""
+    if kwargs.get("softcap") is not None:
+        raise _refuse(module, "logit soft-capping (softcap) is not supported; use a model without it")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise _refuse(module, "attention sinks are not supported")
+    if kwargs.get("position_bias") is not None:
+        raise _refuse(module, "an additive position bias is not supported")
+    if dropout:
+        raise _refuse(module, f"attention dropout {dropout} is not supported; set config.attention_dropout = 0")
+    if kwargs.get("output_attentions"):
+        warnings.warn("tokenring never materialises attention weights; output_attentions returns None",
+                      stacklevel=2)
+    s = query.shape[2]
+    if key.shape[2] != s:
+        raise _refuse(module, f"keys ({key.shape[2]} tokens) and queries ({s}) differ in length: a KV cache holds "
+                              f"earlier tokens (decoding). TokenRing runs prefill and training over a sharded "
+                              f"sequence; pass use_cache=False and decode with a regular attention")
+    group = _settings.group
+    rank, P = group_info(group)
+    window = kwargs.get("sliding_window")
+    if window is not None and window < s * P:
+        raise _refuse(module, f"sliding_window={window} is shorter than the global sequence ({s * P} tokens); "
+                              f"windowed attention is not supported (use sequences up to the window, or a model "
+                              f"without sliding-window layers)")
+    device = query.device if P > 1 and dist.get_backend(group) == "nccl" else "cpu"
+    _check_inputs(module, attention_mask, kwargs.get("position_ids"), s, rank, P, _settings.layout, group, device)
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+    extra = _settings.config_fn(module) if _settings.config_fn is not None else None
+    out = attention(q, k, v, causal=causal, softmax_scale=scaling, strategy=_settings.strategy,
+                    layout=_settings.layout, group=group, _config=extra)
+    return out, None
+
+
+def mask_forward(*, attention_mask=None, **kwargs):
+    """The mask function registered for ``attn_implementation="tokenring"``: builds nothing (a causal mask
+    built from local positions would be wrong for a sharded sequence, and an ``S x S`` one would cost memory
+    for nothing) and hands the user's 2D padding mask (or ``None``) through to :func:`attention_forward`, which
+    accepts an all-ones mask and refuses any other. Without a registered mask function transformers would
+    silently drop a padding mask."""
+    return attention_mask
+
+
+def register(name: str = NAME) -> None:
+    """Register :func:`attention_forward` as ``attn_implementation=name`` and :func:`mask_forward` as its mask
+    function (done on import)."""
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, mask_forward)
+
+
+register()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batches, loss, gradients
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Next-token targets on the *full* sequence: ``out[:, i] = labels[:, i + 1]``, last = ``ignore_index``.
+    Shift first, then shard: under zigzag the next token of a rank's last local token lives on another rank."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
+def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, layout: str | None = None, group=None,
+                ignore_index: int = IGNORE_INDEX) -> dict:
+    """This rank's shard of a batch given as full ``(B, S)`` tensors (identical on every rank), ready for
+    ``model(**batch)``.
+
+    Returns ``input_ids``, ``position_ids`` (the global positions of the local tokens, so rotary embeddings are
+    right), ``use_cache=False`` and, with ``labels`` (transformers convention: unshifted, ``-100`` ignored),
+    ``labels``/``shift_labels`` = the global next-token targets of the local tokens (shifted on the full
+    sequence, then sharded: transformers does not shift them again) and ``num_items_in_batch`` = the global
+    number of targets, so ``model(**batch).loss`` is this rank's share of the global mean and the shares sum
+    to it (:func:`reduce_loss`). An ``attention_mask`` must be all ones (padding cannot be expressed).
+    """
+    layout = layout or _settings.layout
+    group = group if group is not None else _settings.group
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected the full (batch, seq) tensor")
+    B, S = input_ids.shape
+    if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
+        raise ValueError("tokenring.hf.shard_batch: attention_mask masks tokens (padding); TokenRing cannot "
+                         "express padding masks: use unpadded sequences of one length")
+    if position_ids is None:
+        position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
+    out = dict(input_ids=shard(input_ids, dim=1, layout=layout, group=group),
+               position_ids=shard(position_ids, dim=1, layout=layout, group=group), use_cache=False)
+    if labels is not None:
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+        targets = shift_labels(labels, ignore_index)
+        local = shard(targets, dim=1, layout=layout, group=group).contiguous()
+        out.update(labels=local, shift_labels=local,
+                   num_items_in_batch=(targets != ignore_index).sum().to(input_ids.device))
+    return out
+
+
+def gather_logits(logits: torch.Tensor, layout: str | None = None, group=None) -> torch.Tensor:
+    """The full ``(B, S, V)`` logits on every rank from each rank's ``(B, s, V)`` (not differentiable)."""
+    return gather(logits.detach(), dim=1, layout=layout or _settings.layout,
+                  group=group if group is not None else _settings.group)
+
+
+def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum of the ranks' loss shares (from ``model(**shard_batch(...)).loss``): the global mean loss, every rank.
+    Detached: backpropagate the local share, then :func:`all_reduce_grads`."""
+    group = group if group is not None else _settings.group
+    total = loss.detach().clone()
+    if group_info(group)[1] > 1:
+        dist.all_reduce(total, group=group)
+    return total
+
+
+def all_reduce_grads(model: torch.nn.Module, group=None, bucket_bytes: int = 32 << 20) -> None:
+    """Sum every parameter's ``.grad`` over the ranks (in place), after ``loss.backward()`` on each rank's
+    loss share: the result equals the single-process gradient of the global mean loss. Gradients are
+    flattened into buckets of about ``bucket_bytes`` per collective; parameters without a gradient on this
+    rank get zeros first (every rank must join the same collectives)."""
+    group = group if group is not None else _settings.group
+    if group_info(group)[1] == 1:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets, cur, size = [], [], 0
+    for p in params:
+        key = (p.grad.dtype, p.grad.device)
+        if cur and (size + p.grad.numel() * p.grad.element_size() > bucket_bytes or key != cur[0][0]):
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append((key, p))
+        size += p.grad.numel() * p.grad.element_size()
+    if cur:
+        buckets.append(cur)
+    for bucket in buckets:
+        grads = [p.grad for _, p in bucket]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
