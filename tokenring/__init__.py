@@ -7,7 +7,9 @@
 from .api import STRATEGY_NAMES, attention, choose_strategy
 from .comm import get_timeout, set_timeout
 from .layouts import gather, local_positions, shard
+from .sim.auto import explain, get_current_topology, set_topology
 
 __version__ = "0.1.0"
-__all__ = ["attention", "shard", "gather", "local_positions", "choose_strategy", "set_timeout", "get_timeout",
+__all__ = ["attention", "shard", "gather", "local_positions", "choose_strategy", "explain", "set_topology",
+           "get_current_topology", "set_timeout", "get_timeout",
            "STRATEGY_NAMES", "__version__"]

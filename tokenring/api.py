@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .comm import get_timeout
 from .layouts import LAYOUTS, check_layout, group_info
-from .schedules import ulysses_kv_heads
+from .schedules import Shapes, ulysses_kv_heads
 from .strategies import STRATEGIES
 from .strategies.base import Config, ScheduledAttention
 
@@ -51,27 +51,42 @@ def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -
                          f"move them to one device")
 
 
-def choose_strategy(H: int, Hkv: int, P: int) -> str:
-    """The documented ``auto`` rule until the cost model decides: TokenRing for MHA (its Q and partials split
-    the traffic over both directions), pass-KV ring for GQA/MQA (K+V is smaller than Q there)."""
-    return "token_ring" if H == Hkv else "ring"
+def choose_strategy(H: int, Hkv: int, P: int, *, B: int = 1, s: int | None = None, d: int = 128,
+                    dtype: torch.dtype = torch.bfloat16, causal: bool = False, layout: str | None = None,
+                    backward: bool = True, device_type: str = "cpu", topology=None) -> str:
+    """What ``strategy="auto"`` runs for this rank's shard shapes on ``P`` ranks.
+
+    With the local length ``s`` given, the cost model (``tokenring.sim``) simulates every candidate's schedule
+    on the group's topology (``tokenring.set_topology``, ``$TOKENRING_TOPOLOGY``, else ``loopback`` on CPU /
+    ``h100-nvswitch-8`` on CUDA) and picks the fastest; ``tokenring.explain`` shows the numbers. Ulysses is
+    a candidate only when ``H % P == 0``. Without ``s``, the shape-free rule: TokenRing for MHA, pass-KV
+    ring for GQA/MQA (K+V is smaller than Q there)."""
+    if s is None or P < 2:
+        return "token_ring" if H == Hkv else "ring"
+    from .sim.auto import choose
+    layout = layout or ("zigzag" if causal else "contiguous")
+    return choose(Shapes(B, s, H, Hkv, d, dtype, P), causal, layout, backward, device_type, topology)[0]
 
 
 def _code(text: str) -> int:
     return zlib.crc32(text.encode())  # stable across processes, unlike hash()
 
 
-def _signature(q, k, causal, layout, strategy, scale) -> list[float]:
+def _signature(q, k, causal, layout, strategy, scale, resolved) -> list[float]:
     B, s, H, d = q.shape
     return [B, s, H, k.shape[2], d, _code(str(q.dtype)), _code(q.device.type),
-            float(causal), LAYOUTS.index(layout), STRATEGY_NAMES.index(strategy), scale]
+            float(causal), LAYOUTS.index(layout), STRATEGY_NAMES.index(strategy), scale,
+            STRATEGY_NAMES.index(resolved)]
 
 
 _FIELDS = ["batch", "local length", "query heads", "key/value heads", "head dim", "dtype", "device type",
-           "causal", "layout", "strategy", "softmax_scale"]
+           "causal", "layout", "strategy", "softmax_scale",
+           "strategy chosen by auto (set the same tokenring.set_topology / $TOKENRING_TOPOLOGY on every rank)"]
 
 
 def _show(field: str, value: float) -> str:
+    if field == "strategy" or field.startswith("strategy chosen"):
+        return STRATEGY_NAMES[int(value)]
     return f"{value:g}" if field in ("softmax_scale",) else str(int(value))
 
 
@@ -129,15 +144,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
     if P == 1:
         return _single_device(q, k, v, causal, scale)
-    name = choose_strategy(H, Hkv, P) if strategy == "auto" else strategy
     if layout == "zigzag" and s % 2:
         raise ValueError(f"rank {rank}: layout='zigzag' needs an even local length (two chunks per rank), got "
                          f"{s}; pad the global sequence to a multiple of 2*P = {2 * P}")
+    name = strategy
     if name == "ulysses" and H % P:
         raise ValueError(f"strategy='ulysses' needs the {H} query heads to divide over {P} ranks (H % P == 0); "
                          f"use strategy='token_ring' or 'ring', or a group size that divides {H}")
+    if strategy == "auto":  # the cost model; a pure function of shapes and topology, identical on every rank
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        name = choose_strategy(H, Hkv, P, B=B, s=s, d=d, dtype=q.dtype, causal=causal, layout=layout,
+                               backward=grad, device_type=q.device.type)
     describe = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}"
-    _check_across_ranks(_signature(q, k, causal, layout, strategy, scale), describe, group,
+    _check_across_ranks(_signature(q, k, causal, layout, strategy, scale, name), describe, group,
                         q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P)
     cfg = Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=scale, **(_config or {}))
     if name == "ulysses":

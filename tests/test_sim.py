@@ -1,0 +1,295 @@
+"""Cost model: topologies, kernel model, simulator (hand-computable cases) and strategy="auto"."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import tokenring
+from tokenring.schedules import Shapes, message_bytes
+from tokenring.sim import auto as auto_mod
+from tokenring.sim.kernel_model import KernelModel, h200_table, kernel_model
+from tokenring.sim.simulator import CompiledSchedule, compile_schedule, shapes_for, simulate, simulate_pass
+from tokenring.sim.topology import (PRESETS, ClusterTopology, GraphTopology, MeshTopology, RingTopology,
+                                    SwitchTopology, get_topology, parse_rate, parse_time)
+from tokenring.strategies import STRATEGIES
+
+INF = float("inf")
+
+
+def flat_kernel(t_block=0.0, merge=0.0) -> KernelModel:
+    """Every block takes t_block seconds (peak infinite), merges/adds take ``merge``."""
+    return KernelModel("flat", (t_block, INF), (t_block, INF), (t_block, INF), (t_block, INF), mem_bw=INF,
+                       merge=(merge, 0.0), add=(merge, 0.0))
+
+
+# ---------------------------------------------------------------- topology
+
+
+def test_parse_units():
+    assert parse_rate("200mbit") == pytest.approx(25e6)
+    assert parse_rate("25MB/s") == pytest.approx(25e6)
+    assert parse_rate("1.4GB/s") == pytest.approx(1.4e9)
+    assert parse_rate("400Gbit") == pytest.approx(50e9)
+    assert parse_rate(7.0) == 7.0
+    assert parse_time("5us") == pytest.approx(5e-6) and parse_time("0.2ms") == pytest.approx(2e-4)
+    with pytest.raises(ValueError):
+        parse_rate("fast")
+
+
+@pytest.mark.parametrize("topo", [
+    MeshTopology("m", 2, link_bw=1e6, latency=1e-3),
+    SwitchTopology("s", 2, port_bw=1e6, latency=1e-3),
+    RingTopology("r", 2, link_bw=1e6, latency=1e-3),
+    GraphTopology("g", 2, links=[(0, 1, 1e6, 1e-3), (1, 0, 1e6, 1e-3)]),
+])
+def test_one_link_one_message(topo):
+    assert topo.flow_times([0], [1], [2e6]) == pytest.approx([1e-3 + 2.0])
+
+
+def test_shared_port_vs_dedicated_links():
+    sw = SwitchTopology("s", 3, port_bw=1e6, latency=0)
+    mesh = MeshTopology("m", 3, link_bw=1e6, latency=0)
+    # rank 0 sends 1 MB to each of 1 and 2: one egress port vs two links
+    assert sw.flow_times([0, 0], [1, 2], [1e6, 1e6]) == pytest.approx([2.0, 2.0])
+    assert mesh.flow_times([0, 0], [1, 2], [1e6, 1e6]) == pytest.approx([1.0, 1.0])
+    # both directions of a full-duplex port / link do not contend
+    assert sw.flow_times([0, 1], [1, 0], [1e6, 1e6]) == pytest.approx([1.0, 1.0])
+    # two senders into one receiver share its ingress
+    assert sw.flow_times([1, 2], [0, 0], [1e6, 1e6]) == pytest.approx([2.0, 2.0])
+
+
+def test_per_flow_cap_and_uplink():
+    t = SwitchTopology("pcie", 4, flow_bw=1e6, port_bw=3e6, latency=0, group=2, uplink_bw=1.5e6)
+    assert t.flow_times([0], [1], [1e6]) == pytest.approx([1.0])          # one stream: capped at 1 MB/s
+    assert t.flow_times([0, 0], [1, 3], [1e6, 1e6]) == pytest.approx([1.0, 1.0])
+    # 0->2 and 1->3 cross the group uplink together: 2 MB over 1.5 MB/s
+    assert t.flow_times([0, 1], [2, 3], [1e6, 1e6]) == pytest.approx([2 / 1.5, 2 / 1.5])
+
+
+def test_ring_routes_match_graph():
+    P = 7
+    ring = RingTopology("r", P, link_bw=1e6, latency=1e-4)
+    links = []
+    for r in range(P):
+        links += [(r, (r + 1) % P, 1e6, 1e-4), ((r + 1) % P, r, 1e6, 1e-4)]
+    graph = GraphTopology("g", P, links=links)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(1, 12))
+        src = rng.integers(0, P, n)
+        dst = (src + rng.integers(1, P, n)) % P
+        b = rng.uniform(1e5, 1e6, n)
+        assert ring.flow_times(src, dst, b) == pytest.approx(graph.flow_times(src, dst, b))
+
+
+def test_cluster_uses_nics_between_nodes():
+    node = SwitchTopology("n", 2, port_bw=10e6, latency=0)
+    c = ClusterTopology("c", 4, node=node, nic_bw=1e6, nic_latency=0.5)
+    assert c.flow_times([0], [1], [1e6]) == pytest.approx([0.1])     # inside node 0
+    assert c.flow_times([2], [3], [1e6]) == pytest.approx([0.1])     # inside node 1
+    assert c.flow_times([0], [2], [1e6]) == pytest.approx([1.5])     # NIC of 0 -> NIC of 2
+    assert c.flow_times([0, 0], [2, 3], [1e6, 1e6]) == pytest.approx([2.5, 2.5])  # sender's NIC shared
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS])
+def test_presets_load_and_scale(name):
+    t = get_topology(name)
+    assert t.source
+    big = t.with_P(1024)
+    src = np.arange(1024)
+    times = big.flow_times(src, (src + 1) % 1024, np.full(1024, 1e6))
+    assert np.all(np.isfinite(times)) and np.all(times > 0)
+
+
+def test_user_topology_files(tmp_path, monkeypatch):
+    spec = {"kind": "graph", "P": 3, "links": [[0, "sw", "1MB/s", "1ms"], [1, "sw", "1MB/s", "1ms"],
+                                               [2, "sw", "1MB/s", "1ms"]]}
+    p = tmp_path / "box.json"
+    p.write_text(json.dumps(spec))
+    t = get_topology(str(p))
+    assert t.flow_times([0], [1], [1e6]) == pytest.approx([1.002])
+    y = tmp_path / "m.yaml"
+    y.write_text("kind: mesh\nP: 4\nlink_bw: 2MB/s\nlatency: 0\n")
+    assert get_topology(str(y)).flow_times([0], [3], [2e6]) == pytest.approx([1.0])
+    assert get_topology("mesh:100mbit", 4).describe().startswith("mesh:100mbit")
+    monkeypatch.setenv("TOKENRING_TOPOLOGY", str(p))
+    assert auto_mod.get_current_topology(3)[0].name == "graph"
+
+
+# ---------------------------------------------------------------- kernel model
+
+
+def test_h200_model_reproduces_table():
+    m = kernel_model("h200")
+    for r in h200_table()["rows"]:
+        t = m.block_time(r["n"], r["n"], r["hq"], r["hkv"], r["d"], r["causal"], False) * 1e3
+        assert t == pytest.approx(r["flash_fwd_ms"], rel=0.05)
+    # beyond the table: linear in FLOPs
+    a = m.block_time(65536, 65536, 32, 32, 128, False, False)
+    b = m.block_time(131072, 65536, 32, 32, 128, False, False)
+    assert b / a == pytest.approx(2.0, rel=0.02)
+
+
+def test_devices_differ_sensibly():
+    h, a = kernel_model("h100"), kernel_model("a10")
+    assert a.block_time(6000, 6000, 32, 32, 128, False, False) > 3 * h.block_time(6000, 6000, 32, 32, 128, False, False)
+
+
+# ---------------------------------------------------------------- simulator: hand-computable cases
+
+
+def _hand(steps, comp_classes=(("all", "all", False, "block", True),), msg_classes=(("q", "all"),), P=2,
+          backward=False):
+    arr = lambda x: np.array(x, dtype=np.int64)
+    return CompiledSchedule("hand", P, "contiguous", False, backward, list(comp_classes), list(msg_classes),
+                            [tuple(arr(x) for x in st) for st in steps])
+
+
+SH = Shapes(1, 1000, 1, 1, 250, torch.float32, 2)   # a "q" message of 1000*250*4 = 1 MB
+
+
+def test_one_message_only():
+    cs = _hand([([], [], [0], [1], [0])])
+    topo = MeshTopology("m", 2, link_bw=1e6, latency=1e-3)
+    r = simulate_pass(cs, SH, topo, flat_kernel())
+    assert r.time == pytest.approx(1.001)
+    assert r.exposed_comm == pytest.approx(1.001) and r.steps[0].bound == "comm"
+
+
+def test_pure_compute():
+    cs = _hand([([0, 0, 1], [0, 0, 0], [], [], [])])
+    r = simulate_pass(cs, SH, MeshTopology("m", 2, link_bw=1e6), flat_kernel(0.25))
+    assert r.time == pytest.approx(0.5) and r.exposed_comm == 0 and r.regime == "compute-bound"
+
+
+@pytest.mark.parametrize("t_block, expect, exposed", [(2.0, 2.0, 0.0), (0.5, 1.0, 0.5)])
+def test_perfect_overlap(t_block, expect, exposed):
+    cs = _hand([([0, 1], [0, 0], [0, 1], [1, 0], [0, 0])])
+    r = simulate_pass(cs, SH, MeshTopology("m", 2, link_bw=1e6, latency=0), flat_kernel(t_block))
+    assert r.time == pytest.approx(expect) and r.exposed_comm == pytest.approx(exposed)
+
+
+def test_message_waits_for_both_ends_to_post():
+    # step 0: rank 0 computes 1 s; step 1: 0 -> 1, 1 s on the wire: rank 1 posts at 0 but 0 only at 1
+    cs = _hand([([0], [0], [], [], []), ([], [], [0], [1], [0])])
+    r = simulate_pass(cs, SH, MeshTopology("m", 2, link_bw=1e6, latency=0), flat_kernel(1.0))
+    assert r.time == pytest.approx(2.0)
+
+
+def test_receive_handling_after_wait():
+    cs = _hand([([], [], [0], [1], [0])], msg_classes=(("out", "all"),))
+    sh = Shapes(1, 1000, 1, 1, 250, torch.float32, 2)
+    nbytes = message_bytes(tokenring.schedules.Message(0, 1, "out", 0), sh)
+    r = simulate_pass(cs, sh, MeshTopology("m", 2, link_bw=1e6, latency=0), flat_kernel(0.0, merge=0.3))
+    assert r.time == pytest.approx(nbytes / 1e6 + 0.3)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backward", [False, True])
+def test_compiled_schedule_is_the_executors(name, causal, backward):
+    P, layout = 4, ("zigzag" if causal else "contiguous")
+    st = STRATEGIES[name]
+    sched = (st.backward_schedule if backward else st.forward_schedule)(P, layout, causal)
+    cs = compile_schedule(name, P, layout, causal, backward)
+    assert len(cs.steps) == len(sched.steps)
+    for step, (cr, ck, ms, md, mk) in zip(sched.steps, cs.steps):
+        assert list(cr) == [c.rank for c in step.computes]
+        assert [(m.src, m.dst, m.kind, m.part) for m in step.messages] == \
+               [(int(s), int(d), *cs.msg_classes[k]) for s, d, k in zip(ms, md, mk)]
+    # bytes a rank sends in the simulation = the schedule's message bytes
+    sh = Shapes(1, 64, 8, 2, 16, torch.float32, P)
+    r = simulate(name, sh, MeshTopology("m", P, link_bw=1e9), flat_kernel(), causal=causal, backward=backward)
+    sent = [0] * P
+    for step in sched.steps:
+        for m in step.messages:
+            sent[m.src] += message_bytes(m, sh)
+    assert r.passes[-1].bytes_per_rank == max(sent)
+
+
+def test_ring_pure_compute_sums_blocks():
+    P = 4
+    sh = shapes_for(4096, P, 8, 8, 64, dtype=torch.float32)
+    r = simulate("ring", sh, MeshTopology("m", P, link_bw=INF, latency=0), flat_kernel(0.01), causal=False)
+    assert r.time == pytest.approx(P * 0.01)       # P blocks, merges free, links infinitely fast
+
+
+def test_paper_effect_mesh_vs_switch():
+    """Comm-bound MHA: token_ring's Q and partials use different mesh links (P=8: 9 one-way loads vs ring's
+    7 double ones), tie on a switch; GQA favours ring."""
+    P, km = 8, flat_kernel(0.0)
+    sh = shapes_for(4096 * P, P, 32, 32, 128)
+    mesh, sw = get_topology("mesh:200mbit", P), get_topology("switch:200mbit", P)
+    t = lambda n, topo, s=sh: simulate(n, s, topo, km).time
+    assert t("token_ring", mesh) < 0.7 * t("ring", mesh)
+    assert t("token_ring", sw) == pytest.approx(t("ring", sw), rel=0.2)
+    gqa = shapes_for(4096 * P, P, 32, 8, 128)
+    assert t("ring", sw, gqa) < 0.5 * t("token_ring", sw, gqa)
+
+
+def test_paper_a10_per_step_comm():
+    """4xA10 PCIe, S=24000, H=32, d=128 forward: per-step transfer ~7.6 ms (ring), 3.5-4.6 ms (token_ring)."""
+    topo = get_topology("a10-pcie-4")
+    sh = shapes_for(24000, 4, 32, 32, 128)
+    ring = simulate("ring", sh, topo).passes[0].steps
+    tr = simulate("token_ring", sh, topo).passes[0].steps
+    assert all(abs(s.comm - 7.6e-3) < 0.25 * 7.6e-3 for s in ring[:3])
+    assert all(3.5e-3 * 0.75 < s.comm < 4.6e-3 * 1.25 for s in tr[1:4])
+
+
+def test_large_P_is_fast():
+    import time
+    t0 = time.perf_counter()
+    sh = shapes_for(131072, 128, 32, 8)
+    r = simulate("token_ring", sh, get_topology("ib-2x8", 128), causal=True, backward=True)
+    assert r.time > 0 and time.perf_counter() - t0 < 20
+
+
+# ---------------------------------------------------------------- auto
+
+
+def test_auto_never_picks_ulysses_when_heads_do_not_divide():
+    for P in (3, 5, 6):
+        for topo in ("mesh:200mbit", "switch:1gbit", "h100-nvswitch-8"):
+            name = tokenring.choose_strategy(4, 2, P, s=64, d=16, dtype=torch.float32, causal=True, topology=topo)
+            assert name in ("token_ring", "ring")
+
+
+def test_auto_follows_the_model_and_explains(capsys):
+    q, k_mha, k_gqa = (1, 4096, 32, 128), (1, 4096, 32, 128), (1, 4096, 4, 128)
+    # comm-bound MHA on a mesh: token_ring; GQA on a switch: ring (ulysses excluded: 32 % 6 != 0)
+    kw = dict(d=128, dtype=torch.bfloat16, backward=False)
+    mesh = {"kind": "mesh", "link_bw": "1GB/s", "device": "h100"}
+    switch = {"kind": "switch", "port_bw": "1GB/s", "device": "h100"}
+    assert tokenring.choose_strategy(32, 32, 6, s=4096, topology=mesh, **kw) == "token_ring"
+    assert tokenring.choose_strategy(32, 4, 6, s=4096, topology=switch, **kw) == "ring"
+    text = tokenring.explain(q, k_mha, P=4, topology="mesh:100mbit", backward=False)
+    out = capsys.readouterr().out
+    assert text == out and "token_ring" in text and "ring" in text and "ulysses" in text and "->" in text
+    text = tokenring.explain(q, k_gqa, P=3, topology="mesh:100mbit", file=None)
+    assert "not a candidate" in text and text.count("ring") >= 3
+
+
+def test_set_topology_and_default(monkeypatch):
+    monkeypatch.delenv("TOKENRING_TOPOLOGY", raising=False)
+    assert auto_mod.get_current_topology(4)[0].name == "loopback"
+    tokenring.set_topology("mesh:50mbit")
+    try:
+        assert auto_mod.get_current_topology(4)[0].name == "mesh:50mbit"
+    finally:
+        tokenring.set_topology(None)
+    with pytest.raises(ValueError):
+        tokenring.set_topology("no-such-box")
+    # without a local length, the shape-free rule
+    assert tokenring.choose_strategy(8, 8, 4) == "token_ring" and tokenring.choose_strategy(8, 2, 4) == "ring"
+
+
+def test_cpu_calibration_small():
+    from tokenring.sim.kernel_model import calibrate_cpu
+    m = calibrate_cpu(1, torch.float64, blocks=((32, 2), (64, 2)), d=16, repeats=1)
+    t_small = m.block_time(32, 32, 2, 2, 16, False, False)
+    t_big = m.block_time(256, 256, 2, 2, 16, False, False)
+    assert 0 < t_small < t_big and m.merge_time(1000) > 0

@@ -1,0 +1,136 @@
+"""``strategy="auto"``: pick the strategy the cost model predicts fastest, and say why.
+
+Which interconnect: :func:`set_topology` (a preset name, ``"mesh:200mbit"``, a JSON/YAML path, a dict or a
+:class:`~tokenring.sim.topology.Topology`), else ``$TOKENRING_TOPOLOGY`` (same forms), else a documented
+default: ``loopback`` (local gloo ranks sharing one host, a switch-like model of the loopback's ~1.4 GB/s)
+on CPU, ``h100-nvswitch-8`` on CUDA. The kernel model is the topology's device (``cpu``: a fixed analytic
+model, never a timing taken on this rank), so the choice is a pure function of identical inputs and every
+rank makes the same one; ``tokenring.attention`` verifies that across ranks anyway. Choices are cached per
+(shapes, dtype, causal, layout, pass, topology).
+"""
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import torch
+
+from ..schedules import Shapes
+from .kernel_model import cpu_share, kernel_model
+from .simulator import SimResult, candidates, simulate
+from .topology import Topology, get_topology
+
+__all__ = ["set_topology", "get_current_topology", "choose", "explain", "DEFAULT_TOPOLOGY"]
+
+DEFAULT_TOPOLOGY = {"cpu": "loopback", "cuda": "h100-nvswitch-8"}
+_explicit: object = None
+_cache: dict = {}
+
+
+def set_topology(spec=None) -> None:
+    """Tell ``auto`` which interconnect the group runs on (``None``: back to ``$TOKENRING_TOPOLOGY`` / default).
+    Call it with the same value on every rank."""
+    global _explicit
+    if spec is not None:
+        get_topology(spec)  # validate now, not at the first attention call
+    _explicit = spec
+    _cache.clear()
+
+
+def get_current_topology(P: int, device_type: str = "cpu") -> tuple[Topology, str]:
+    """The topology ``auto`` uses for ``P`` ranks and where it came from."""
+    if _explicit is not None:
+        return get_topology(_explicit, P), "tokenring.set_topology"
+    env = os.environ.get("TOKENRING_TOPOLOGY")
+    if env:
+        return get_topology(env, P), f"$TOKENRING_TOPOLOGY={env}"
+    name = DEFAULT_TOPOLOGY.get(device_type, "loopback")
+    return get_topology(name, P), f"default for {device_type} (set tokenring.set_topology or $TOKENRING_TOPOLOGY)"
+
+
+def _kernel(topo: Topology, P: int):
+    """The topology's device model; on CPU the analytic one, for local ranks sharing this host's cores."""
+    if topo.device == "cpu":
+        threads = torch.get_num_threads()
+        return kernel_model("cpu", threads, share=cpu_share(P, threads))
+    return kernel_model(topo.device)
+
+
+def _evaluate(sh: Shapes, causal: bool, layout: str, backward: bool, topo: Topology) -> list[SimResult]:
+    km = _kernel(topo, sh.P)
+    return [simulate(n, sh, topo, km, causal=causal, layout=layout, backward=backward)
+            for n in candidates(sh.H, sh.P)]
+
+
+def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_type: str = "cpu",
+           topology=None) -> tuple[str, list[SimResult], Topology, str]:
+    """``(strategy, predictions, topology, where the topology came from)``; the fastest prediction wins,
+    ties (within 0.5%) go to the earlier of token_ring, ring, ulysses."""
+    if topology is not None:
+        topo, origin = get_topology(topology, sh.P), "argument"
+    else:
+        topo, origin = get_current_topology(sh.P, device_type)
+    key = (sh, causal, layout, backward, topo.name, topo.P, repr(_explicit), os.environ.get("TOKENRING_TOPOLOGY"),
+           torch.get_num_threads(),
+           topology if isinstance(topology, (str, type(None))) else repr(topology))
+    if key not in _cache:
+        results = _evaluate(sh, causal, layout, backward, topo)
+        best = min(r.time for r in results)
+        name = next(r.strategy for r in results if r.time <= best * 1.005)
+        _cache[key] = (name, results, topo, origin)
+    return _cache[key]
+
+
+def fmt_time(t: float) -> str:
+    for unit, f in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if t >= f or unit == "us":
+            return f"{t / f:.4g} {unit}"
+    return ""
+
+
+def _shape(x) -> tuple:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: int | None = None, group=None,
+            topology=None, backward: bool = True, dtype=None, file="stdout") -> str:
+    """Print (to ``file``; ``None``: don't) and return why ``auto`` picks what it picks for this rank's shard
+    ``q`` (B, s, H, d) and ``k`` (B, s, Hkv, d) -- tensors or shape tuples -- on ``P`` ranks (default: the
+    size of ``group`` / the default group): the predicted time of every candidate on the topology."""
+    from ..layouts import group_info
+
+    qs = _shape(q)
+    ks = _shape(k) if k is not None else qs
+    if len(qs) != 4 or len(ks) != 4:
+        raise ValueError(f"explain takes this rank's q (B, s, H, d) and k (B, s, Hkv, d); got {qs} and {ks}")
+    if P is None:
+        P = group_info(group)[1]
+    B, s, H, d = qs
+    if dtype is None:
+        dtype = q.dtype if isinstance(q, torch.Tensor) else torch.bfloat16
+    device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    layout = layout or ("zigzag" if causal else "contiguous")
+    sh = Shapes(B, s, H, ks[2], d, dtype, P)
+    out = io.StringIO()
+    if P < 2:
+        print(f"tokenring.auto: one rank: plain single-device attention, no strategy needed.", file=out)
+    else:
+        name, results, topo, origin = choose(sh, causal, layout, backward, device_type, topology)
+        best = min(r.time for r in results)
+        print(f"tokenring.auto: B={B} S={s * P} (s={s}/rank) H={H} Hkv={ks[2]} d={d} {str(dtype).replace('torch.', '')} "
+              f"P={P} causal={causal} layout={layout} {'forward+backward' if backward else 'forward'}", file=out)
+        print(f"topology: {topo.describe()} [{origin}]; kernel model: {_kernel(topo, P).name}", file=out)
+        print(f"{'strategy':<12}{'predicted':>12}{'vs best':>9}{'compute':>12}{'exposed comm':>14}{'MB sent/rank':>14}"
+              f"  regime", file=out)
+        for r in sorted(results, key=lambda r: r.time):
+            mb = sum(p.bytes_per_rank for p in r.passes) / 1e6
+            print(f"{r.strategy:<12}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
+                  f"{fmt_time(r.exposed_comm):>14}{mb:>14.2f}  {r.regime}", file=out)
+        if H % P:
+            print(f"(ulysses not a candidate: H={H} is not divisible by P={P})", file=out)
+        print(f"-> {name}", file=out)
+    text = out.getvalue()
+    if file is not None:
+        print(text, end="", file=sys.stdout if file == "stdout" else file)
+    return text

@@ -1,0 +1,247 @@
+"""Simulator: runs the executor's schedules on a topology and a kernel model.
+
+It follows the executor's semantics (``tokenring/executor.py``) rank by rank: at step ``t`` a rank posts the
+step's messages, runs its computes meanwhile, waits for its messages, then handles what arrived (merging
+partials, adding dQ / dK/dV) before it starts step ``t + 1``. So, per rank ``r`` starting step ``t`` at
+``T[r]``::
+
+    compute[r] = sum of its block kernels (+ merging its own partials / accumulating dK/dV; on CPU hosts
+                 + topology.cpu_per_byte x the bytes r sends and receives: the network stack shares its cores)
+    a message m: src -> dst starts when both ends have posted it, at max(T[src], T[dst]), and takes
+                 topology.flow_times(...) for all of the step's messages at once (latency + bottleneck share
+                 of every port / link / bridge / NIC direction it crosses, per-flow cap)
+    end[r]     = max(T[r] + compute[r], end of every message r sends or receives) + receive handling[r]
+
+Compute and communication of a step overlap perfectly (the executor posts before computing); a step is
+compute-bound on a rank when its computes outlast its messages, comm-bound otherwise, and the excess is the
+*exposed* communication. Schedules are the very objects the executor runs (``STRATEGIES[name]``), compiled
+once per ``(strategy, P, layout, causal, pass)`` into arrays, so P = 1024 costs seconds, not minutes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from ..schedules import Message, Shapes, message_bytes, part_slice, ulysses_kv_heads
+from ..strategies import STRATEGIES
+from .kernel_model import KernelModel, kernel_model
+from .topology import Topology
+
+__all__ = ["CompiledSchedule", "compile_schedule", "simulate", "simulate_pass", "SimResult", "PassResult",
+           "StepStat", "candidates"]
+
+
+@dataclass
+class CompiledSchedule:
+    strategy: str
+    P: int
+    layout: str
+    causal: bool
+    backward: bool
+    comp_classes: list      # (q_part, kv_part, causal, scope, own_q)
+    msg_classes: list       # (kind, part)
+    steps: list             # per step: (comp_rank, comp_cls, msg_src, msg_dst, msg_cls) int arrays
+
+
+@lru_cache(maxsize=48)
+def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward: bool) -> CompiledSchedule:
+    """The strategy's schedule (exactly what the executor runs) as per-step arrays."""
+    st = STRATEGIES[strategy]
+    sched = (st.backward_schedule if backward else st.forward_schedule)(P, layout, causal)
+    cc: dict = {}
+    mc: dict = {}
+    steps = []
+    for step in sched.steps:
+        cr = np.fromiter((c.rank for c in step.computes), np.int64, len(step.computes))
+        ck = np.fromiter((cc.setdefault((c.q_part, c.kv_part, c.causal, c.scope, c.q_owner == c.rank), len(cc))
+                          for c in step.computes), np.int64, len(step.computes))
+        ms = np.fromiter((m.src for m in step.messages), np.int64, len(step.messages))
+        md = np.fromiter((m.dst for m in step.messages), np.int64, len(step.messages))
+        mk = np.fromiter((mc.setdefault((m.kind, m.part), len(mc)) for m in step.messages), np.int64,
+                         len(step.messages))
+        steps.append((cr, ck, ms, md, mk))
+    return CompiledSchedule(strategy, P, layout, causal, backward, list(cc), list(mc), steps)
+
+
+@dataclass
+class StepStat:
+    """One step, on its slowest rank: wall time, compute (+ receive handling), longest message, exposed comm."""
+    time: float
+    compute: float
+    comm: float
+    exposed: float
+
+    @property
+    def bound(self) -> str:
+        return "comm" if self.comm > self.compute else "compute"
+
+
+@dataclass
+class PassResult:
+    strategy: str
+    backward: bool
+    time: float                 # until the last rank finishes
+    compute: float              # busy compute time of the slowest rank
+    exposed_comm: float         # its time waiting for messages
+    bytes_per_rank: float       # most bytes any rank sends
+    steps: list = field(default_factory=list)
+
+    @property
+    def regime(self) -> str:
+        comm = sum(s.time for s in self.steps if s.bound == "comm")
+        return "comm-bound" if comm > 0.5 * self.time else "compute-bound"
+
+
+@dataclass
+class SimResult:
+    strategy: str
+    topology: str
+    shapes: Shapes
+    causal: bool
+    layout: str
+    passes: list                # PassResult, forward then backward (if simulated)
+
+    @property
+    def time(self) -> float:
+        return sum(p.time for p in self.passes)
+
+    @property
+    def exposed_comm(self) -> float:
+        return sum(p.exposed_comm for p in self.passes)
+
+    @property
+    def compute(self) -> float:
+        return sum(p.compute for p in self.passes)
+
+    @property
+    def regime(self) -> str:
+        comm = sum(s.time for p in self.passes for s in p.steps if s.bound == "comm")
+        return "comm-bound" if comm > 0.5 * self.time else "compute-bound"
+
+    def to_dict(self) -> dict:
+        return dict(strategy=self.strategy, topology=self.topology, causal=self.causal, layout=self.layout,
+                    shapes=dict(B=self.shapes.B, s=self.shapes.s, H=self.shapes.H, Hkv=self.shapes.Hkv,
+                                d=self.shapes.d, dtype=str(self.shapes.dtype).replace("torch.", ""), P=self.shapes.P),
+                    time_s=self.time, compute_s=self.compute, exposed_comm_s=self.exposed_comm, regime=self.regime,
+                    passes=[dict(backward=p.backward, time_s=p.time, compute_s=p.compute,
+                                 exposed_comm_s=p.exposed_comm, bytes_per_rank=p.bytes_per_rank, regime=p.regime,
+                                 step_time_s=[s.time for s in p.steps], step_compute_s=[s.compute for s in p.steps],
+                                 step_comm_s=[s.comm for s in p.steps]) for p in self.passes])
+
+
+def _rows(part: str, n: int) -> int:
+    sl = part_slice(part, n)
+    return sl.stop - sl.start
+
+
+def _compute_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> np.ndarray:
+    e = sh.dtype.itemsize
+    out = []
+    for q_part, kv_part, causal, scope, own in cs.comp_classes:
+        if scope == "heads":  # Ulysses: the whole sequence, H/P query heads, Hkv'/P K/V heads
+            S = sh.s * sh.P
+            hq, hk = sh.H // sh.P, ulysses_kv_heads(sh.H, sh.Hkv, sh.P) // sh.P
+            t = km.block_time(S, S, hq, hk, sh.d, causal, cs.backward, e)
+            # gather the received head groups into one sequence (cat + reorder) and cut the result back up
+            t += km.copy_time(S * (hq + 2 * hk) * sh.d * e * 2) + km.copy_time(S * hq * sh.d * e)
+            out.append(t)
+            continue
+        nq, nk = _rows(q_part, sh.s), _rows(kv_part, sh.s)
+        t = km.block_time(sh.B * nq, nk, sh.H, sh.Hkv, sh.d, causal, cs.backward, e)
+        if not cs.backward:
+            t += km.merge_time(sh.B * nq * sh.H * sh.d) if own else 0.0
+        else:
+            t += km.add_time(sh.B * nq * sh.H * sh.d) + km.add_time(2 * sh.B * nk * sh.Hkv * sh.d)
+        out.append(t)
+    return np.array(out)
+
+
+def _message_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> tuple[np.ndarray, np.ndarray]:
+    nbytes, handle = [], []
+    for kind, part in cs.msg_classes:
+        b = message_bytes(Message(0, 1, kind, 0, part), sh)
+        nbytes.append(b)
+        rows = sh.B * _rows(part, sh.s)
+        if kind == "out":
+            handle.append(km.merge_time(rows * sh.H * sh.d))
+        elif kind == "dq":
+            handle.append(km.add_time(rows * sh.H * sh.d))
+        elif kind == "dkv":
+            handle.append(km.add_time(2 * rows * sh.Hkv * sh.d))
+        elif kind in ("u_out", "u_grad"):
+            handle.append(km.copy_time(b))
+        else:
+            handle.append(0.0)
+    return np.array(nbytes, dtype=np.float64), np.array(handle)
+
+
+def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelModel) -> PassResult:
+    P = cs.P
+    comp_cost = _compute_costs(cs, sh, km)
+    nbytes, handle = _message_costs(cs, sh, km)
+    T = np.zeros(P)
+    busy = np.zeros(P)
+    waited = np.zeros(P)
+    sent = np.zeros(P)
+    steps = []
+    for cr, ck, ms, md, mk in cs.steps:
+        comp = np.bincount(cr, weights=comp_cost[ck], minlength=P) if cr.size else np.zeros(P)
+        end = T + comp
+        comm_t = 0.0
+        post = np.zeros(P)
+        if ms.size:
+            b = nbytes[mk]
+            dur = topo.flow_times(ms, md, b)
+            fin = np.maximum(T[ms], T[md]) + dur
+            np.maximum.at(end, ms, fin)
+            np.maximum.at(end, md, fin)
+            post = np.bincount(md, weights=handle[mk], minlength=P)
+            out_b = np.bincount(ms, weights=b, minlength=P)
+            sent += out_b
+            if topo.cpu_per_byte:  # moving bytes costs the computing cores time (CPU hosts)
+                cpu = topo.cpu_per_byte * (out_b + np.bincount(md, weights=b, minlength=P))
+                comp = comp + cpu
+                end = np.maximum(end, T + comp)
+            comm_t = float(dur.max())
+        new = end + post
+        wait = end - (T + comp)
+        busy += comp + post
+        waited += wait
+        r = int(np.argmax(new - T))
+        steps.append(StepStat(float(new[r] - T[r]), float(comp[r] + post[r]), comm_t, float(wait[r])))
+        T = new
+    last = int(np.argmax(T))
+    return PassResult(cs.strategy, cs.backward, float(T[last]), float(busy[last]), float(waited[last]),
+                      float(sent.max()) if P else 0.0, steps)
+
+
+def candidates(H: int, P: int) -> list[str]:
+    """Strategies that can run: Ulysses only when ``H % P == 0``."""
+    return [n for n in STRATEGIES if n != "ulysses" or H % P == 0]
+
+
+def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelModel | None = None, *,
+             causal: bool = False, layout: str | None = None, backward: bool = False) -> SimResult:
+    """Predict one attention call (``backward=True``: forward + backward) of ``strategy`` on ``topology``
+    (resized to ``shapes.P`` ranks if needed)."""
+    layout = layout or ("zigzag" if causal else "contiguous")
+    if strategy == "ulysses" and shapes.H % shapes.P:
+        raise ValueError(f"ulysses needs H % P == 0 (H={shapes.H}, P={shapes.P})")
+    if topology.P != shapes.P:
+        topology = topology.with_P(shapes.P)
+    km = kernel or kernel_model(topology.device)
+    passes = [simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, False), shapes, topology, km)]
+    if backward:
+        passes.append(simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, True), shapes, topology, km))
+    return SimResult(strategy, topology.name, shapes, causal, layout, passes)
+
+
+def shapes_for(S: int, P: int, H: int, Hkv: int | None = None, d: int = 128, B: int = 1,
+               dtype=torch.bfloat16) -> Shapes:
+    """Per-rank :class:`Shapes` for a global length ``S`` split over ``P`` ranks."""
+    if S % P:
+        raise ValueError(f"S={S} is not divisible by P={P}")
+    return Shapes(B, S // P, H, Hkv or H, d, dtype, P)

@@ -1,0 +1,580 @@
+"""Interconnect models: ranks, directed links with bandwidth and latency, shared vs dedicated paths.
+
+A topology answers one question for the simulator: given a set of flows ``(src, dst, bytes)`` that travel at
+the same time, when does each finish? Every physical resource (a port direction, a link direction, a shared
+bridge, a NIC) has a capacity in bytes/s; a flow crosses the resources of its route. The model is the
+*bottleneck* (fluid, work-conserving) one: a flow needs ``latency + max over its resources of load / capacity``
+where ``load`` is the bytes all concurrent flows put on that resource, and at least ``bytes / flow_bw`` (a
+per-flow cap: one DMA/copy stream, one TCP connection). Directions are separate resources, so traffic that
+goes both ways on a full-duplex link does not contend.
+
+Kinds
+- ``switch``: one full-duplex port per rank (PCIe switch, NVSwitch); optional groups under separate switches
+  joined by an uplink (PCIe PXB), optional shared backplane (CPU loopback).
+- ``mesh``: a dedicated link per ordered pair (Ascend HCCS, AMD xGMI).
+- ``ring``: links only between neighbours; a message to a rank ``k`` hops away is forwarded ``k`` times and
+  loads every link on the shorter way.
+- ``cluster``: nodes of any kind above joined by NICs (InfiniBand / RoCE), one NIC per rank or shared.
+- ``graph``: user-defined: nodes (ranks and switches) and directed/duplex links, shortest-hop routes.
+
+Presets (:data:`PRESETS`) cite their sources; numbers marked *effective* are nominal rates times an achievable
+fraction. Choose one with :func:`get_topology` (``"mesh:200mbit"``, ``"h100-nvswitch-8"``, a JSON/YAML file)
+or the environment variable ``TOKENRING_TOPOLOGY``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+__all__ = ["Topology", "SwitchTopology", "MeshTopology", "RingTopology", "ClusterTopology", "GraphTopology",
+           "PRESETS", "get_topology", "parse_rate", "parse_time", "topology_from_dict", "preset_names"]
+
+INF = float("inf")
+
+_RATE = re.compile(r"^\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)(i?)(bit|b|B|bps|Bps|B/s|b/s)?(/s|ps)?\s*$")
+
+
+def parse_rate(x) -> float:
+    """Bytes per second from a number (bytes/s) or a string: ``"200mbit"``, ``"25MB/s"``, ``"1.4GB/s"``,
+    ``"400Gbit"``, ``"50GBps"``. Decimal prefixes; ``bit`` / lower-case ``b`` are bits."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    m = _RATE.match(str(x))
+    if not m:
+        raise ValueError(f"cannot read {x!r} as a rate; write e.g. '200mbit', '25MB/s' or a number of bytes/s")
+    num, prefix, _, unit, _ = m.groups()
+    v = float(num) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[prefix.lower()]
+    unit = unit or "B"
+    if unit.lower().startswith("bit") or unit in ("b", "b/s"):
+        v /= 8
+    return v
+
+
+def parse_time(x) -> float:
+    """Seconds from a number (seconds) or ``"5us"``, ``"0.2ms"``, ``"1s"``."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    m = re.match(r"^\s*([0-9.eE+-]+)\s*(ns|us|ms|s)?\s*$", str(x))
+    if not m:
+        raise ValueError(f"cannot read {x!r} as a time; write e.g. '5us', '0.2ms' or a number of seconds")
+    return float(m.group(1)) * {None: 1, "s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[m.group(2)]
+
+
+@dataclass
+class Topology:
+    """Base: ``P`` ranks, a per-flow rate cap, the device whose kernel model goes with it, a citation."""
+    name: str
+    P: int
+    flow_bw: float = INF
+    device: str = "cpu"
+    source: str = ""
+    preset: str = ""                                  # set on presets: with_P rebuilds from the preset
+    # Seconds of a rank's compute time per byte it sends or receives: 0 where DMA engines move the data
+    # (GPUs); on CPU hosts the kernel's TCP stack and gloo copy every byte on the cores that also compute.
+    cpu_per_byte: float = 0.0
+    preset_kw: dict = field(default_factory=dict)
+
+    # --- what subclasses provide -------------------------------------------------------------------------
+    def _routes(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Incidence of flows on resources: ``(flow_index, resource_index)`` pairs."""
+        raise NotImplementedError
+
+    def _capacity(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def _cap(self, ids: np.ndarray) -> np.ndarray:
+        """Capacity (bytes/s) of resources ``ids``."""
+        return self._capacity()[ids]
+
+    def _nres(self) -> int:
+        return self._capacity().size
+
+    def _latency(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def with_P(self, P: int) -> "Topology":
+        """The same kind of interconnect with ``P`` ranks (presets grow by adding nodes)."""
+        if self.preset:
+            return _preset(self.preset, P, **self.preset_kw)
+        return replace(self, P=P)
+
+    # --- shared ----------------------------------------------------------------------------------------
+    def flow_times(self, src, dst, nbytes) -> np.ndarray:
+        """Seconds each of these concurrent flows takes (latency + bottleneck share)."""
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        if src.size == 0:
+            return np.zeros(0)
+        if (src < 0).any() or (src >= self.P).any() or (dst < 0).any() or (dst >= self.P).any():
+            raise ValueError(f"topology {self.name!r} has {self.P} ranks; a flow names a rank outside 0..{self.P - 1}")
+        fi, ri = self._routes(src, dst)
+        worst = np.zeros(src.size)
+        if fi.size:
+            uniq, inv = np.unique(ri, return_inverse=True)
+            load = np.bincount(inv, weights=nbytes[fi], minlength=uniq.size)
+            np.maximum.at(worst, fi, (load / self._cap(uniq))[inv])
+        worst = np.maximum(worst, nbytes / self.flow_bw)
+        return self._latency(src, dst) + worst
+
+    def describe(self) -> str:
+        return f"{self.name} ({type(self).__name__[:-8].lower()}, P={self.P})"
+
+
+@dataclass
+class SwitchTopology(Topology):
+    """One full-duplex port per rank into a switch. ``group`` ranks share a sub-switch whose uplink to the
+    root has ``uplink_bw`` per direction (PCIe PXB / NODE); ``backplane_bw`` caps all traffic together."""
+    port_bw: float = 25e9
+    latency: float = 10e-6
+    group: int = 0
+    uplink_bw: float = INF
+    backplane_bw: float = INF
+
+    def _ngroups(self) -> int:
+        return -(-self.P // self.group) if self.group else 0
+
+    def _capacity(self) -> np.ndarray:
+        g = self._ngroups()
+        return np.concatenate([np.full(2 * self.P, self.port_bw), np.full(2 * g, self.uplink_bw),
+                               [self.backplane_bw]])
+
+    def _routes(self, src, dst):
+        n, P = src.size, self.P
+        idx = np.arange(n)
+        fis, ris = [idx, idx], [src, P + dst]
+        if self.group:
+            gs, gd = src // self.group, dst // self.group
+            cross = np.nonzero(gs != gd)[0]
+            fis += [cross, cross]
+            ris += [2 * P + 2 * gs[cross], 2 * P + 2 * gd[cross] + 1]
+        if self.backplane_bw < INF:
+            fis.append(idx)
+            ris.append(np.full(n, 2 * P + 2 * self._ngroups()))
+        return np.concatenate(fis), np.concatenate(ris)
+
+    def _latency(self, src, dst):
+        return np.full(src.size, self.latency)
+
+
+@dataclass
+class MeshTopology(Topology):
+    """A dedicated link per ordered pair, ``link_bw`` per direction; ``port_bw`` optionally caps what one rank
+    injects / ejects in total."""
+    link_bw: float = 25e9
+    latency: float = 10e-6
+    port_bw: float = INF
+    backplane_bw: float = INF
+
+    def _capacity(self):
+        P = self.P
+        return np.concatenate([np.full(P * P, self.link_bw), np.full(2 * P, self.port_bw), [self.backplane_bw]])
+
+    def _nres(self):
+        return self.P * self.P + 2 * self.P + 1
+
+    def _cap(self, ids):
+        P = self.P
+        return np.where(ids < P * P, self.link_bw, np.where(ids < P * P + 2 * P, self.port_bw, self.backplane_bw))
+
+    def _routes(self, src, dst):
+        P, n = self.P, src.size
+        idx = np.arange(n)
+        fis, ris = [idx], [src * P + dst]
+        if self.port_bw < INF:
+            fis += [idx, idx]
+            ris += [P * P + src, P * P + P + dst]
+        if self.backplane_bw < INF:
+            fis.append(idx)
+            ris.append(np.full(n, P * P + 2 * P))
+        return np.concatenate(fis), np.concatenate(ris)
+
+    def _latency(self, src, dst):
+        return np.full(src.size, self.latency)
+
+
+@dataclass
+class RingTopology(Topology):
+    """Links only between neighbours (``r <-> r+1``), ``link_bw`` per direction, ``latency`` per hop. A flow
+    takes the shorter way round (clockwise on a tie) and loads every link it crosses (cut-through: the hops
+    pipeline, so a flow's time is its most loaded link, not the sum)."""
+    link_bw: float = 25e9
+    latency: float = 10e-6
+    backplane_bw: float = INF
+
+    def _ways(self, src, dst):
+        P = self.P
+        cw = (dst - src) % P
+        ccw = (src - dst) % P
+        forward = cw <= ccw
+        return forward, np.where(forward, cw, ccw)
+
+    def _latency(self, src, dst):
+        return self._ways(src, dst)[1] * self.latency
+
+    def flow_times(self, src, dst, nbytes) -> np.ndarray:
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        if src.size == 0:
+            return np.zeros(0)
+        P = self.P
+        fwd, hops = self._ways(src, dst)
+        worst = np.zeros(src.size)
+        # Clockwise link i carries i -> i+1; counter-clockwise link i carries i -> i-1. A clockwise flow from a
+        # crosses links a .. a+h-1; a counter-clockwise one crosses a, a-1, .., a-h+1 (ccw link index j means
+        # j -> j-1), i.e. the interval [a-h+1, a] of ccw links.
+        for sel, first in ((fwd, src), (~fwd, (src - hops + 1) % P)):
+            ids = np.nonzero(sel & (hops > 0))[0]
+            if not ids.size:
+                continue
+            a, h, b = first[ids], hops[ids], nbytes[ids]
+            diff = np.zeros(2 * P + 1)
+            np.add.at(diff, a, b)
+            np.add.at(diff, a + h, -b)
+            load2 = np.cumsum(diff)[:2 * P]
+            load = load2[:P] + load2[P:]  # unwrap intervals that pass P - 1 -> 0
+            worst[ids] = _range_max(np.concatenate([load, load]), a, a + h) / self.link_bw
+        if self.backplane_bw < INF:
+            worst = np.maximum(worst, nbytes.sum() / self.backplane_bw)
+        worst = np.maximum(worst, nbytes / self.flow_bw)
+        return self._latency(src, dst) + worst
+
+
+def _range_max(arr: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """max(arr[lo:hi]) for each (lo, hi), hi > lo, via a sparse table (O(n log n) build, O(1) per query)."""
+    table = [arr]
+    k = 1
+    while 2 * k <= arr.size:
+        prev = table[-1]
+        table.append(np.maximum(prev[:-k], prev[k:]))
+        k *= 2
+    length = hi - lo
+    level = np.floor(np.log2(length)).astype(np.int64)
+    out = np.empty(lo.size)
+    for lv in np.unique(level):
+        sel = level == lv
+        t = table[lv]
+        out[sel] = np.maximum(t[lo[sel]], t[hi[sel] - (1 << lv)])
+    return out
+
+
+@dataclass
+class ClusterTopology(Topology):
+    """``P / node.P`` nodes of ``node`` joined by a non-blocking fabric: traffic between nodes leaves through
+    the sender's NIC and enters through the receiver's (``nic_bw`` per direction; ``nics_per_node`` NICs
+    per node, rank ``r`` uses NIC ``(r % node.P) % nics_per_node``)."""
+    node: Topology = None
+    nic_bw: float = 50e9
+    nic_latency: float = 15e-6
+    nics_per_node: int = 0  # 0: one per rank
+
+    def _nn(self) -> int:
+        return -(-self.P // self.node.P)
+
+    def _nics(self) -> int:
+        return self.nics_per_node or self.node.P
+
+    def _capacity(self):
+        node_cap = self.node._capacity()
+        return np.concatenate([np.tile(node_cap, self._nn()), np.full(2 * self._nn() * self._nics(), self.nic_bw)])
+
+    def _cap(self, ids):
+        n = self.node._nres()
+        intra = ids < self._nn() * n
+        out = np.full(ids.size, self.nic_bw)
+        if intra.any():
+            out[intra] = self.node._cap(ids[intra] % n)
+        return out
+
+    def _routes(self, src, dst):
+        m = self.node.P
+        ns, nd = src // m, dst // m
+        same = ns == nd
+        fis, ris = [], []
+        ids = np.nonzero(same)[0]
+        if ids.size:
+            fi, ri = self.node._routes(src[ids] % m, dst[ids] % m)
+            fis.append(ids[fi])
+            ris.append(ri + ns[ids][fi] * self.node._nres())
+        ids = np.nonzero(~same)[0]
+        if ids.size:
+            base = self._nn() * self.node._nres()
+            k = self._nics()
+            fis += [ids, ids]
+            ris += [base + 2 * (ns[ids] * k + (src[ids] % m) % k), base + 2 * (nd[ids] * k + (dst[ids] % m) % k) + 1]
+        return (np.concatenate(fis) if fis else np.zeros(0, np.int64)), (np.concatenate(ris) if ris else np.zeros(0, np.int64))
+
+    def _latency(self, src, dst):
+        m = self.node.P
+        same = (src // m) == (dst // m)
+        out = np.full(src.size, self.nic_latency)
+        if same.any():
+            out[same] = self.node._latency(src[same] % m, dst[same] % m)
+        return out
+
+    def flow_times(self, src, dst, nbytes):
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        t = super().flow_times(src, dst, nbytes)
+        return np.maximum(t, nbytes / self.node.flow_bw + self._latency(src, dst)) if src.size else t
+
+    def describe(self) -> str:
+        return f"{self.name} (cluster of {self._nn()} x {self.node.describe()}, P={self.P})"
+
+
+@dataclass
+class GraphTopology(Topology):
+    """User-defined: ``links`` = list of ``(u, v, bw, latency)`` directed edges between nodes (ranks are nodes
+    ``0..P-1``; switches, bridges and so on are any other names). Routes are fewest-hop paths (ties broken by
+    node order), computed once. A shared path is simply an edge that several routes cross."""
+    links: list = field(default_factory=list)
+
+    def __post_init__(self):
+        adj: dict = {}
+        for i, (u, v, bw, lat) in enumerate(self.links):
+            adj.setdefault(u, []).append((v, i))
+        self._route: dict = {}
+        for s in range(self.P):
+            prev = {s: None}
+            q = deque([s])
+            while q:
+                u = q.popleft()
+                for v, e in adj.get(u, []):
+                    if v not in prev:
+                        prev[v] = (u, e)
+                        q.append(v)
+            for d in range(self.P):
+                if d == s:
+                    continue
+                if d not in prev:
+                    raise ValueError(f"topology {self.name!r}: no path from rank {s} to rank {d}")
+                path, x = [], d
+                while prev[x] is not None:
+                    u, e = prev[x]
+                    path.append(e)
+                    x = u
+                self._route[(s, d)] = path[::-1]
+
+    def with_P(self, P):
+        if P != self.P:
+            raise ValueError(f"topology {self.name!r} is defined for exactly {self.P} ranks, not {P}")
+        return self
+
+    def _capacity(self):
+        return np.array([float(bw) for _, _, bw, _ in self.links])
+
+    def _routes(self, src, dst):
+        fis, ris = [], []
+        for i, (s, d) in enumerate(zip(src.tolist(), dst.tolist())):
+            r = self._route[(s, d)]
+            fis += [i] * len(r)
+            ris += r
+        return np.array(fis, dtype=np.int64), np.array(ris, dtype=np.int64)
+
+    def _latency(self, src, dst):
+        return np.array([sum(self.links[e][3] for e in self._route[(s, d)]) for s, d in zip(src.tolist(), dst.tolist())])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Presets. Effective rates = nominal x achievable fraction (stated per preset).
+
+TESTBED_EFFICIENCY = 0.92  # DESIGN.md: a 200 Mbit/s tbf moved 23 MB/s between two namespaces (of 25 MB/s)
+TESTBED_LATENCY = 150e-6   # gloo over TCP on veth, per message (order of magnitude; small next to the payloads)
+LOOPBACK_BW = 1.4e9        # DESIGN.md: loopback moves ~1.4 GB/s on 2 cores in total, both directions together
+
+# Inter-node fabrics for presets grown beyond one node.
+_IB_NDR = dict(nic_bw=0.9 * 400e9 / 8, nic_latency=15e-6)   # ConnectX-7 NDR 400 Gb/s per GPU (DGX H100)
+_ROCE_200 = dict(nic_bw=0.9 * 200e9 / 8, nic_latency=20e-6)  # 200GE RoCE per NPU (Atlas 800T A2: 8 x 200GE)
+
+
+def _a10(P=4):
+    node = SwitchTopology(
+        "a10-pcie-4", 4, flow_bw=13e9, device="a10", port_bw=25e9, latency=15e-6, group=2, uplink_bw=25e9,
+        source="TokenRing paper (arXiv 2412.20501) testbed: 4x A10 on PCIe 4.0 x16, two GPUs per PCIe switch "
+               "(PIX) and the switches joined through the host bridge (PXB). 31.5 GB/s nominal per direction; "
+               "25 GB/s effective per port and uplink; one P2P copy stream ~13 GB/s, which is what the paper's "
+               "ring step implies (2*6000*32*128*2 B = 98 MB of K/V in 7.6 ms = 12.9 GB/s).")
+    return node if P <= 4 else ClusterTopology("a10-pcie-4", P, device="a10", node=node, nic_bw=0.9 * 100e9 / 8,
+                                               nic_latency=20e-6, nics_per_node=1, source=node.source +
+                                               " Beyond 4 ranks: nodes joined by one 100 Gb/s NIC each (assumed).")
+
+
+def _h100(P=8, name="h100-nvswitch-8"):
+    node = SwitchTopology(
+        name, 8, device="h100", port_bw=0.8 * 450e9, latency=10e-6,
+        source="NVIDIA H100 SXM datasheet: NVLink 4, 900 GB/s bidirectional per GPU through NVSwitch = 450 GB/s "
+               "per direction; 80% achievable (NCCL bus bandwidth ~360 GB/s).")
+    return node if P <= 8 else ClusterTopology(name, P, device="h100", node=node, **_IB_NDR,
+                                               source=node.source + " Between nodes: InfiniBand NDR 400 Gb/s "
+                                               "per GPU (DGX H100, rail-optimised, non-blocking), 90% achievable.")
+
+
+def _ib(P=16):
+    return _h100(P, "ib-2x8")
+
+
+def _910b(P=8):
+    node = MeshTopology(
+        "ascend910b-mesh-8", 8, device="ascend910b", link_bw=0.8 * 28e9, latency=15e-6,
+        source="Huawei Atlas 800T A2 (8x Ascend 910B): HCCS full mesh, 392 GB/s per NPU over 7 peers = 56 GB/s "
+               "per link bidirectional, 28 GB/s per direction; 80% achievable. Approximate public figures.")
+    return node if P <= 8 else ClusterTopology("ascend910b-mesh-8", P, device="ascend910b", node=node, **_ROCE_200,
+                                               source=node.source + " Between nodes: 200GE RoCE per NPU.")
+
+
+def _mi300x(P=8):
+    node = MeshTopology(
+        "mi300x-mesh-8", 8, device="mi300x", link_bw=0.75 * 64e9, latency=10e-6,
+        source="AMD Instinct MI300X platform: 8 GPUs fully connected by 7 Infinity Fabric (xGMI) links each, "
+               "128 GB/s bidirectional per link (896 GB/s aggregate) = 64 GB/s per direction; ~75% achievable "
+               "(measured P2P ~48 GB/s).")
+    return node if P <= 8 else ClusterTopology("mi300x-mesh-8", P, device="mi300x", node=node, **_IB_NDR,
+                                               source=node.source + " Between nodes: 400 Gb/s NIC per GPU.")
+
+
+def host_cpu_per_byte(P: int, threads: int = 1, cores: int | None = None) -> float:
+    """Wall seconds a local rank spends per byte it sends or receives through the host's network stack:
+    the loopback moves LOOPBACK_BW with all cores busy (DESIGN.md), half the work at each end, stretched by
+    the rank's share of the cores when ``P x threads`` exceeds them."""
+    cores = cores or os.cpu_count() or 1
+    share = min(1.0, cores / max(1, P * threads))
+    return cores / LOOPBACK_BW / 2 / share
+
+
+def _testbed(kind: str, rate=200e6 / 8, P=4, efficiency=TESTBED_EFFICIENCY):
+    bw = parse_rate(rate) * efficiency
+    src = (f"TokenRing CPU testbed (DESIGN.md): one network namespace per rank, veth links shaped by tc tbf at "
+           f"{parse_rate(rate) * 8 / 1e6:g} Mbit/s per direction, x{efficiency} achieved; all traffic also "
+           f"shares the host's loopback capacity ({LOOPBACK_BW / 1e9} GB/s) and costs the ranks' cores CPU time "
+           f"per byte moved.")
+    common = dict(device="cpu", latency=TESTBED_LATENCY, backplane_bw=LOOPBACK_BW, source=src,
+                  cpu_per_byte=host_cpu_per_byte(P))
+    if kind == "switch":
+        return SwitchTopology(f"switch:{rate}", P, port_bw=bw, **common)
+    if kind == "mesh":
+        return MeshTopology(f"mesh:{rate}", P, link_bw=bw, **common)
+    if kind == "ring":
+        return RingTopology(f"ring:{rate}", P, link_bw=bw, **common)
+    raise ValueError(kind)
+
+
+def _loopback(P=4):
+    return SwitchTopology("loopback", P, device="cpu", port_bw=LOOPBACK_BW, latency=100e-6,
+                          backplane_bw=LOOPBACK_BW, cpu_per_byte=host_cpu_per_byte(P),
+                          source="Local gloo ranks on one CPU host (DESIGN.md: ~1.4 GB/s through loopback in "
+                                 "total, sending both ways at once gives no more).")
+
+
+PRESETS = {
+    "a10-pcie-4": _a10,
+    "h100-nvswitch-8": _h100,
+    "ascend910b-mesh-8": _910b,
+    "mi300x-mesh-8": _mi300x,
+    "ib-2x8": _ib,
+    "switch": lambda P=4, rate="200mbit": _testbed("switch", rate, P),
+    "ring": lambda P=4, rate="200mbit": _testbed("ring", rate, P),
+    "mesh": lambda P=4, rate="200mbit": _testbed("mesh", rate, P),
+    "loopback": _loopback,
+}
+_DEFAULT_P = {"a10-pcie-4": 4, "h100-nvswitch-8": 8, "ascend910b-mesh-8": 8, "mi300x-mesh-8": 8, "ib-2x8": 16}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def topology_from_dict(d: dict, P: int | None = None) -> Topology:
+    """From JSON/YAML data. Either ``{"preset": "mesh", "rate": "100mbit", "P": 4}`` or a kind with its
+    parameters (rates as numbers of bytes/s or strings like ``"25GB/s"``, times like ``"10us"``)::
+
+        {"kind": "switch", "P": 8, "port_bw": "300GB/s", "latency": "10us"}
+        {"kind": "mesh",   "P": 8, "link_bw": "50GB/s"}
+        {"kind": "ring",   "P": 8, "link_bw": "50GB/s"}
+        {"kind": "graph",  "P": 4, "links": [[0, "sw", "25GB/s", "5us"], ["sw", 0, "25GB/s", "5us"], ...],
+         "duplex": false}
+        {"kind": "cluster", "P": 16, "node": {...}, "nic_bw": "50GB/s"}
+    """
+    d = dict(d)
+    if "preset" in d:
+        name = d.pop("preset")
+        kw = {k: d[k] for k in ("rate",) if k in d}
+        return _preset(name, P or d.get("P"), **kw)
+    kind = d.pop("kind", None)
+    name = d.pop("name", kind or "custom")
+    n = int(P or d.pop("P", 0) or 0)
+    d.pop("P", None)
+    common = dict(name=name, P=n, flow_bw=parse_rate(d.pop("flow_bw", INF)), device=d.pop("device", "cpu"),
+                  source=d.pop("source", "user-defined"), cpu_per_byte=float(d.pop("cpu_per_byte", 0.0)))
+    rates = {k: parse_rate(d.pop(k)) for k in list(d) if k.endswith("_bw")}
+    times = {k: parse_time(d.pop(k)) for k in list(d) if k.endswith("latency")}
+    if kind == "switch":
+        return SwitchTopology(**common, **rates, **times, group=int(d.pop("group", 0)))
+    if kind == "mesh":
+        return MeshTopology(**common, **rates, **times)
+    if kind == "ring":
+        return RingTopology(**common, **rates, **times)
+    if kind == "cluster":
+        node = topology_from_dict(d.pop("node"))
+        return ClusterTopology(**common, node=node, **rates, **times, nics_per_node=int(d.pop("nics_per_node", 0)))
+    if kind == "graph":
+        links = []
+        duplex = bool(d.pop("duplex", True))
+        for item in d.pop("links"):
+            if isinstance(item, dict):
+                u, v, bw, lat = item["src"], item["dst"], item.get("bw"), item.get("latency", 0)
+            else:
+                u, v, bw, lat = (list(item) + [0])[:4]
+            u = int(u) if isinstance(u, (int, float)) or str(u).isdigit() else u
+            v = int(v) if isinstance(v, (int, float)) or str(v).isdigit() else v
+            links.append((u, v, parse_rate(bw), parse_time(lat)))
+            if duplex:
+                links.append((v, u, parse_rate(bw), parse_time(lat)))
+        return GraphTopology(**common, links=links)
+    raise ValueError(f"topology kind {kind!r} unknown; use switch, mesh, ring, cluster, graph or a preset "
+                     f"({', '.join(PRESETS)})")
+
+
+def _preset(name: str, P: int | None = None, **kw) -> Topology:
+    if name not in PRESETS:
+        raise ValueError(f"unknown topology preset {name!r}; choose one of {', '.join(PRESETS)}, a JSON/YAML file, "
+                         f"or 'switch:RATE' / 'ring:RATE' / 'mesh:RATE'")
+    P = int(P) if P else _DEFAULT_P.get(name, 4)
+    topo = PRESETS[name](P=P, **kw)
+    topo.preset, topo.preset_kw = name, dict(kw)
+    return topo
+
+
+def get_topology(spec, P: int | None = None) -> Topology:
+    """A topology from a :class:`Topology` (resized to ``P``), a dict, a preset name, ``"kind:RATE"`` for the
+    testbed kinds (``"mesh:200mbit"``), or a path to a ``.json`` / ``.yaml`` file."""
+    if isinstance(spec, Topology):
+        return spec if P is None or P == spec.P else spec.with_P(P)
+    if isinstance(spec, dict):
+        return topology_from_dict(spec, P)
+    spec = str(spec).strip()
+    if spec.endswith((".json", ".yaml", ".yml")) or os.path.sep in spec:
+        with open(spec) as f:
+            text = f.read()
+        if spec.endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml  # optional dependency, only for YAML files
+            data = yaml.safe_load(text)
+        return topology_from_dict(data, P)
+    name, _, rate = spec.partition(":")
+    if rate:
+        if name not in ("switch", "ring", "mesh"):
+            raise ValueError(f"only the testbed kinds take a rate ('switch:200mbit'), not {name!r}")
+        return _preset(name, P, rate=rate)
+    return _preset(name, P)
+
+
+def env_topology(P: int | None = None) -> Topology | None:
+    """The topology named by ``$TOKENRING_TOPOLOGY`` (preset, ``kind:RATE`` or file), or ``None``."""
+    spec = os.environ.get("TOKENRING_TOPOLOGY")
+    return get_topology(spec, P) if spec else None
