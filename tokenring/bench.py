@@ -1,0 +1,783 @@
+"""``tokenring bench``: every strategy side by side on the same inputs, on P local ranks.
+
+    tokenring bench [--ranks 4] [--seq 4096 ...] [--heads 8] [--kv-heads 8] [--head-dim 64] [--causal]
+                    [--pass fwd|bwd|both] [--strategies token_ring ring ulysses pytorch_ring pytorch_cp]
+                    [--warmup 1] [--repeats 5] [--json out.json] [--trace-dir DIR]
+
+Each rank is its own process (gloo on CPU; NCCL when CUDA devices are present). For every strategy: warm-up
+calls, then ``--repeats`` timed calls, each after a barrier; a call's time is the slowest rank's. Every
+output (and, with a backward, every gradient) is gathered and checked against single-process attention on
+the whole sequence. Reported per strategy: median time per call and its spread (min-max), per-step compute,
+communication time per step (measured alone: the same schedule and messages with the computes skipped),
+exposed (un-overlapped) communication, bytes sent per rank in each direction (``data``: Q / K/V going out;
+``results``: partials / dQ / dK/dV coming home; see :mod:`tokenring.trace`), the busiest directed link, and
+the ratio to the best. ``--trace-dir`` writes a Chrome trace and a PNG timeline of the median call.
+
+PyTorch's own implementations run as the outside peer:
+- ``pytorch_cp``: the public ``torch.distributed.tensor.experimental.context_parallel`` (patched SDPA). On CPU
+  only the non-causal forward runs; otherwise it is skipped, saying so. How DTensor executes it depends on the
+  shape (torch 2.13 CPU: all-gathered K/V with sequence-sharded output at d=16, but a redistribution to head
+  shards, full sequence per rank, at d=64); the result records which (``how``) and the check covers both.
+- ``pytorch_ring``: the **private** ``_templated_ring_attention`` / ``_templated_ring_attention_backward``
+  with the CPU flash op and the all-to-all rotater (a real K/V ring; round-robin load balance for causal,
+  which is our zigzag). Private API: may change with any PyTorch release.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from statistics import median
+
+import torch
+
+__all__ = ["run", "launch", "main", "OURS", "PEERS"]
+
+OURS = ("token_ring", "ring", "ulysses")
+PEERS = ("pytorch_ring", "pytorch_cp")
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+def _inputs(spec: dict, device):
+    g = torch.Generator().manual_seed(spec["seed"])
+    B, S, H, Hkv, d = spec["B"], spec["S"], spec["H"], spec["Hkv"], spec["d"]
+    dt = _DTYPES[spec["dtype"]]
+    q, k, v, do = (torch.randn(B, S, h, d, generator=g) for h in (H, Hkv, Hkv, H))
+    return [t.to(device=device, dtype=dt) for t in (q, k, v, do)]
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(values: list[float], device) -> list[float]:
+    """Element-wise max over ranks."""
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _comm_only_ops(name: str):
+    """ForwardOps / BackwardOps whose computes only produce zero results of the right shape: running the real
+    schedule with them moves exactly the same messages with no compute to hide behind."""
+    from .schedules import payload
+    from .strategies.base import BackwardOps, ForwardOps
+
+    class Fwd(ForwardOps):
+        def compute(self, c):
+            if c.q_owner != self.me:
+                self._store.put("out", c.q_owner, c.q_part,
+                                [torch.zeros(s, dtype=dt, device=self.device) for s, dt, _ in
+                                 payload("out", c.q_part, self.sh)])
+
+    class Bwd(BackwardOps):
+        def compute(self, c):
+            if c.q_owner != self.me:
+                self._store.put("dq", c.q_owner, c.q_part,
+                                [torch.zeros(s, dtype=dt, device=self.device) for s, dt, _ in
+                                 payload("dq", c.q_part, self.sh)])
+            if c.kv_owner != self.me and ("dkv", c.kv_owner) not in self.store:
+                self._store.put("dkv", c.kv_owner, "all", [torch.zeros_like(self.dk), torch.zeros_like(self.dv)])
+
+    return Fwd, Bwd
+
+
+def _link_bytes(logs_by_rank: list[list]) -> dict:
+    """Bytes sent per rank per direction and per directed link, from the comm logs of one call."""
+    from .trace import direction
+    per_rank, links = [], {}
+    for r, logs in enumerate(logs_by_rank):
+        sent = {"data": 0, "results": 0}
+        for _, records in logs:
+            for rec in records:
+                if rec["direction"] != "send":
+                    continue
+                sent[direction(rec["kind"])] += rec["bytes"]
+                key = f"{r}->{rec['peer']}"
+                links[key] = links.get(key, 0) + rec["bytes"]
+        per_rank.append(sent)
+    return dict(per_rank=per_rank, links=links, busiest_link=max(links.values(), default=0))
+
+
+def _model_bytes(spec: dict, name: str) -> dict:
+    """PyTorch peers are not traced: bytes from their algorithm (per rank, per call, forward)."""
+    P, B, s, Hkv, d = spec["P"], spec["B"], spec["S"] // spec["P"], spec["Hkv"], spec["d"]
+    e = _DTYPES[spec["dtype"]].itemsize
+    kv = 2 * B * s * Hkv * d * e
+    fwd = (P - 1) * kv  # ring: K/V to r+1 for P-1 steps; all-gather: every rank's K/V reaches every rank
+    sent = {"data": fwd, "results": 0}
+    if spec["pass"] != "fwd" and name == "pytorch_ring":
+        sent["results"] = P * 2 * B * s * Hkv * d * 4  # float32 dK/dV accumulators rotate every step
+        if spec["pass"] == "both":
+            sent["data"] += fwd
+    return dict(per_rank=[sent] * P, links={}, busiest_link=sent["data"] + sent["results"], model=True)
+
+
+class _Runner:
+    def __init__(self, spec: dict, rank: int, device):
+        import torch.distributed as dist
+        import tokenring
+        self.spec, self.rank, self.device, self.dist, self.tr = spec, rank, device, dist, tokenring
+        self.P = spec["P"]
+        self.layout = spec["layout"]
+        self.full = _inputs(spec, device)
+        self.local = [tokenring.shard(t, dim=1, layout=self.layout) for t in self.full]
+        self.scale = spec["d"] ** -0.5
+
+    # -- one call of one strategy, timed on this rank; returns (seconds, events, comm log, outputs)
+    def _ours(self, name: str, traced: bool):
+        from .comm import Trace
+        trace = Trace(self.rank) if traced else None
+        log: list = []
+        cfg = dict(trace=trace, comm_log=log, timeout=self.spec["timeout"])
+        q, k, v, do = self.local
+        mode, dist = self.spec["pass"], self.dist
+        kw = dict(causal=self.spec["causal"], strategy=name, layout=self.layout, _config=cfg)
+        grads = None
+        if mode == "fwd":
+            _sync(self.device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = self.tr.attention(q, k, v, **kw)
+            _sync(self.device)
+            t1 = time.perf_counter()
+            split = t1
+        else:
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            if mode == "bwd":
+                out = self.tr.attention(q, k, v, **kw)
+                _sync(self.device)
+                dist.barrier()
+                t0 = split = time.perf_counter()
+                out.backward(do)
+            else:
+                _sync(self.device)
+                dist.barrier()
+                t0 = time.perf_counter()
+                out = self.tr.attention(q, k, v, **kw)
+                split = time.perf_counter()
+                out.backward(do)
+            _sync(self.device)
+            t1 = time.perf_counter()
+            grads = [q.grad, k.grad, v.grad]
+        events = []
+        if trace is not None:
+            for e in trace.events:
+                e["phase"] = "bwd" if e["start"] >= split else "fwd"
+                if mode == "bwd" and e["phase"] == "fwd":
+                    continue
+                events.append(e)
+        if mode == "bwd":
+            log = [x for x in log if "backward" in x[0]]
+        return t1 - t0, events, log, [out.detach()] + ([g for g in grads] if grads else [])
+
+    def _comm_only(self, name: str):
+        """Same schedule, same messages, no compute: the communication time alone."""
+        from .comm import Trace
+        from .executor import execute
+        from .schedules import Shapes
+        from .strategies import STRATEGIES
+        from .strategies.base import Config
+        strat = STRATEGIES[name]
+        Fwd, Bwd = _comm_only_ops(name)
+        q, k, v, do = self.local
+        B, s, H, d = q.shape
+        sh = Shapes(B, s, H, k.shape[2], d, q.dtype, self.P)
+        trace = Trace(self.rank)
+        cfg = Config(group=None, rank=self.rank, P=self.P, causal=self.spec["causal"], layout=self.layout,
+                     scale=self.scale, timeout=self.spec["timeout"], trace=trace)
+        mode = self.spec["pass"]
+        _sync(self.device)
+        self.dist.barrier()
+        t0 = time.perf_counter()
+        split = t0
+        if mode in ("fwd", "both"):
+            execute(strat.forward_schedule(self.P, self.layout, cfg.causal), cfg.comm("fwd"), Fwd(q, k, v, sh, cfg))
+            split = time.perf_counter()
+        if mode in ("bwd", "both"):
+            stat = torch.zeros(B, H, s, dtype=torch.float32, device=self.device)
+            execute(strat.backward_schedule(self.P, self.layout, cfg.causal), cfg.comm("bwd"),
+                    Bwd(q, k, v, do, stat, stat, sh, cfg))
+        _sync(self.device)
+        t1 = time.perf_counter()
+        for e in trace.events:
+            e["phase"] = "bwd" if (mode == "bwd" or e["start"] >= split) else "fwd"
+        return t1 - t0, trace.events
+
+    def _pytorch_ring(self, traced: bool):
+        from torch.distributed.tensor.experimental._attention import (
+            _cp_options, _RotateMethod, _templated_ring_attention)
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _templated_ring_attention_backward)
+        causal, mode, dist = self.spec["causal"], self.spec["pass"], self.dist
+        old = (_cp_options.rotate_method, _cp_options.enable_load_balance)
+        _cp_options.rotate_method = _RotateMethod.ALL_TO_ALL  # a real ring: K/V to r+1 each step
+        _cp_options.enable_load_balance = causal and self.layout == "zigzag"  # round-robin == our zigzag
+        try:
+            q, k, v, do = (t.transpose(1, 2).contiguous() for t in self.local)  # (B, H, s, d)
+            fop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+            bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+            group = dist.group.WORLD
+
+            def fwd():
+                out, lse = _templated_ring_attention(group, 2, fop, q, k, v, is_causal=causal, scale=self.scale)[:2]
+                return out, lse
+
+            def bwd(out, lse):
+                return _templated_ring_attention_backward(
+                    group, 2, bop, grad_out=do, grad_out_name="grad_out", query=q, key=k, value=v, out=out,
+                    logsumexp=lse, is_causal=causal, dropout_p=0.0, scale=self.scale)[:3]
+
+            grads = None
+            if mode == "bwd":
+                out, lse = fwd()
+            dist.barrier()
+            t0 = time.perf_counter()
+            if mode != "bwd":
+                out, lse = fwd()
+            if mode != "fwd":
+                grads = bwd(out, lse)
+            t1 = time.perf_counter()
+        finally:
+            _cp_options.rotate_method, _cp_options.enable_load_balance = old
+        outs = [out.transpose(1, 2)] + ([g.transpose(1, 2).to(q.dtype) for g in grads] if grads else [])
+        return t1 - t0, [], None, outs
+
+    def pytorch_cp_reason(self) -> str | None:
+        if self.device.type == "cpu" and (self.spec["causal"] or self.spec["pass"] != "fwd"):
+            return ("PyTorch's public context_parallel has no CPU sharding rule for causal attention or the "
+                    "backward (NotImplementedError); only the non-causal forward runs on CPU")
+        return None
+
+    def _pytorch_cp(self, repeats: int, warmup: int):
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
+        mesh = init_device_mesh(self.device.type, (self.P,))
+        q, k, v = (t.transpose(1, 2).contiguous() for t in self.full[:3])
+        gqa = q.shape[1] != k.shape[1]
+        times = []
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
+            for i in range(warmup + repeats):
+                _sync(self.device)
+                self.dist.barrier()
+                t0 = time.perf_counter()
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=False, scale=self.scale, enable_gqa=gqa)
+                _sync(self.device)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            S, H = self.spec["S"], self.spec["H"]
+            if out.shape[2] == S and out.shape[1] == H // self.P:
+                # DTensor redistributed to head shards (full sequence, H/P heads): seen on CPU at d=64
+                how = "output came back head-sharded (full sequence, H/P heads): DTensor redistributed seq->heads"
+                parts = [torch.empty_like(out) for _ in range(self.P)]
+                self.dist.all_gather(parts, out.contiguous())
+                out_full = torch.cat(parts, dim=1)
+                if _cp_options.enable_load_balance and S % (2 * self.P) == 0:
+                    # rows are in the head-tail load balancer's order (rank r: chunks r and 2P-1-r) = zigzag
+                    from .layouts import global_order
+                    out_full = out_full.index_select(2, torch.argsort(global_order(S, self.P, "zigzag")))
+            else:
+                how = "output sequence-sharded (K/V all-gathered)"
+                (out_full,) = context_parallel_unshard(mesh, [out], [2])
+        return times, [out_full.transpose(1, 2)], how
+
+    def _gather(self, outs: list[torch.Tensor], layout: str) -> list[torch.Tensor]:
+        return [self.tr.gather(t.contiguous(), dim=1, layout=layout) for t in outs]
+
+    def strategy(self, name: str) -> dict:
+        spec, dist = self.spec, self.dist
+        res = dict(strategy=name)
+        if name == "pytorch_cp":
+            reason = self.pytorch_cp_reason()
+            if reason:
+                return dict(strategy=name, skipped=reason)
+            times, outs, how = self._pytorch_cp(spec["repeats"], spec["warmup"])
+            res.update(api="public torch.distributed.tensor.experimental.context_parallel", how=how,
+                       bytes=_model_bytes(spec, name) if "all-gathered" in how else {})
+            res["times"] = _slowest(times, self.device)
+            res["full_outputs"] = outs
+            return res
+        if name == "ulysses" and spec["H"] % self.P:
+            return dict(strategy=name, skipped=f"ulysses needs H % P == 0 (H={spec['H']}, P={self.P})")
+        if name == "pytorch_ring" and self.device.type != "cpu":
+            return dict(strategy=name, skipped="pytorch_ring is wired to the CPU flash op only")
+        call = (lambda traced: self._pytorch_ring(traced)) if name == "pytorch_ring" else \
+            (lambda traced: self._ours(name, traced))
+        for _ in range(spec["warmup"]):
+            call(False)
+        times, events, last = [], [], None
+        for _ in range(spec["repeats"]):
+            dt, ev, log, outs = call(spec["trace"])
+            times.append(dt)
+            events.append(ev)
+            last = (log, outs)
+        res["times"] = _slowest(times, self.device)
+        log, outs = last
+        if name == "pytorch_ring":
+            res.update(api="private torch.distributed.tensor.experimental._attention._templated_ring_attention"
+                           " (+ _backward), CPU flash op, all-to-all rotater", bytes=_model_bytes(spec, name))
+        else:
+            logs = [None] * self.P
+            dist.all_gather_object(logs, log)
+            res["bytes"] = _link_bytes(logs)
+        if spec["trace"] and name != "pytorch_ring":
+            allev = [None] * self.P
+            dist.all_gather_object(allev, events)
+            res["events"] = allev  # [rank][repeat] -> events
+        if spec["comm_only"] and name in ("token_ring", "ring"):
+            for _ in range(spec["warmup"]):
+                self._comm_only(name)
+            ctimes, cev = [], []
+            for _ in range(spec["repeats"]):
+                dt, ev = self._comm_only(name)
+                ctimes.append(dt)
+                cev.append(ev)
+            res["comm_only_times"] = _slowest(ctimes, self.device)
+            allc = [None] * self.P
+            dist.all_gather_object(allc, cev)
+            res["comm_only_events"] = allc
+        res["full_outputs"] = self._gather(outs, self.layout)
+        return res
+
+
+def _reference(spec: dict, full: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Single-process attention on the whole sequence (float32 or wider), with gradients when needed."""
+    import torch.nn.functional as F
+    q, k, v, do = (t.detach().to(torch.promote_types(t.dtype, torch.float32)) for t in full)
+    need = spec["pass"] != "fwd"
+    q, k, v = (t.transpose(1, 2).requires_grad_(need) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=spec["causal"], enable_gqa=q.shape[1] != k.shape[1])
+    if not need:
+        return [out.transpose(1, 2).detach()]
+    out.backward(do.transpose(1, 2))
+    return [out.transpose(1, 2).detach()] + [t.grad.transpose(1, 2) for t in (q, k, v)]
+
+
+def _tolerance(dtype: str) -> float:
+    return {"float64": 1e-9, "float32": 2e-4, "bfloat16": 3e-2, "float16": 5e-3}[dtype]
+
+
+def _check(spec: dict, ref: list[torch.Tensor], outs: list[torch.Tensor]) -> dict:
+    names = ["out", "dq", "dk", "dv"]
+    errs = {}
+    for n, r, o in zip(names, ref, outs):
+        scale = max(1.0, r.abs().max().item())
+        errs[n] = (o.to(r.dtype) - r).abs().max().item() / scale
+    worst = max(errs.values())
+    return dict(errors=errs, max_err=worst, tolerance=_tolerance(spec["dtype"]), ok=worst <= _tolerance(spec["dtype"]))
+
+
+def _summarise(spec: dict, res: dict) -> dict:
+    """Reduce raw per-repeat results to medians; keeps the traces of the median call."""
+    from .trace import step_metrics
+    P = spec["P"]
+    times = res.get("times")
+    if not times:
+        return res
+    res["time"] = median(times)
+    res["time_min"], res["time_max"] = min(times), max(times)
+    res["n_repeats"] = len(times)
+    res["per_step"] = res["time"] / P
+    ev = res.pop("events", None)
+    if ev and ev[0]:
+        i = sorted(range(len(times)), key=lambda j: times[j])[len(times) // 2]  # the median call
+        per_rank = [ev[r][i] for r in range(P)]
+        res["trace_events"] = per_rank
+        agg = {}
+        for phase in ("fwd", "bwd"):
+            ms = [[m for m in step_metrics(per_rank[r]) if m["phase"] == phase] for r in range(P)]
+            if not any(ms):
+                continue
+            n = max(len(x) for x in ms)
+            steps = []
+            for t in range(n):
+                row = [x[t] for x in ms if t < len(x)]
+                steps.append(dict(step=t, time=max(m["time"] for m in row),
+                                  compute=max(m["compute"] for m in row),
+                                  exposed=max(m["exposed"] for m in row),
+                                  comm=max(m["comm"] for m in row)))
+            compute = median(sum(m["compute"] for m in x) for x in ms)
+            exposed = median(sum(m["exposed"] for m in x) for x in ms)
+            n_compute = sum(1 for s in steps if s["compute"] > 0)
+            agg[phase] = dict(steps=steps, compute_total=compute, exposed_total=exposed, compute_steps=n_compute,
+                              compute_per_step=compute / max(1, n_compute),
+                              exposed_per_step=exposed / max(1, n_compute))
+        res["phases"] = agg
+        res["compute_per_step"] = sum(a["compute_total"] for a in agg.values()) / max(
+            1, sum(a["compute_steps"] for a in agg.values()))
+        res["exposed_per_step"] = sum(a["exposed_total"] for a in agg.values()) / max(
+            1, sum(a["compute_steps"] for a in agg.values()))
+    cev = res.pop("comm_only_events", None)
+    ct = res.get("comm_only_times")
+    if ct:
+        res["comm_only_time"] = median(ct)
+        i = sorted(range(len(ct)), key=lambda j: ct[j])[len(ct) // 2]
+        per_rank = [cev[r][i] for r in range(P)]
+        msg_steps = []
+        for phase in ("fwd", "bwd"):
+            ms = [[m for m in step_metrics(per_rank[r]) if m["phase"] == phase and m["comm"] > 0]
+                  for r in range(P)]
+            n = max((len(x) for x in ms), default=0)
+            msg_steps += [max(x[t]["time"] for x in ms if t < len(x)) for t in range(n)]
+        res["comm_steps"] = msg_steps
+        res["comm_per_step"] = median(msg_steps) if msg_steps else 0.0
+    return res
+
+
+def _worker(spec_path: str, rank: int) -> int:
+    import torch.distributed as dist
+    with open(spec_path) as f:
+        spec = json.load(f)
+    P = spec["P"]
+    torch.set_num_threads(spec["threads"])
+    backend = spec["backend"]
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{spec['master_addr']}:{spec['port']}", rank=rank,
+                            world_size=P, timeout=datetime.timedelta(seconds=spec["timeout"]))
+    try:
+        if spec.get("fail_rank") == rank:
+            raise RuntimeError(f"rank {rank}: failure injected by --fail-rank (testing teardown)")
+        import tokenring
+        tokenring.set_timeout(spec["timeout"])
+        runner = _Runner(spec, rank, device)
+        results = []
+        for name in spec["strategies"]:
+            if rank == 0:
+                print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+            results.append(runner.strategy(name))
+        if rank == 0:
+            ref = _reference(spec, [t.cpu() for t in runner.full])
+            for r in results:
+                outs = r.pop("full_outputs", None)
+                if outs is not None:
+                    r["check"] = _check(spec, ref, [o.cpu() for o in outs])
+                _summarise(spec, r)
+            with open(spec["result_path"], "w") as f:
+                json.dump(dict(spec=spec, results=results), f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- launcher
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: dict, *, prefix=None, env=None, master_addr: str = "127.0.0.1", port: int | None = None,
+           workdir: str | None = None, timeout: float | None = None) -> dict:
+    """Run one benchmark case on ``spec['P']`` rank processes and return rank 0's result dict.
+
+    ``prefix(r)`` gives the command prefix of rank ``r`` (the testbed passes ``ip netns exec <ns>``) and
+    ``env(r)`` extra environment. A rank that fails makes every other rank be stopped (they are our own
+    child processes) and raises ``RuntimeError`` with the failing rank's stderr."""
+    P = spec["P"]
+    own_dir = workdir is None
+    workdir = workdir or tempfile.mkdtemp(prefix="tokenring-bench-")
+    spec = dict(spec, master_addr=master_addr, port=port or _free_port(),
+                result_path=os.path.join(workdir, "result.json"))
+    spec_path = os.path.join(workdir, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    procs, errs = [], []
+    limit = timeout or (spec["timeout"] + 120)
+    try:
+        for r in range(P):
+            cmd = list(prefix(r) if prefix else []) + [sys.executable, "-m", "tokenring.bench", "--_worker",
+                                                        spec_path, "--_rank", str(r)]
+            e = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), **(env(r) if env else {}))
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # works uninstalled, any cwd
+            e["PYTHONPATH"] = os.pathsep.join(x for x in (root, e.get("PYTHONPATH")) if x)
+            err = open(os.path.join(workdir, f"rank{r}.err"), "w+")
+            errs.append(err)
+            procs.append(subprocess.Popen(cmd, env=e, stdout=err, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.monotonic() + limit
+        failed = None
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+        else:
+            failed = -1
+        if failed is not None:
+            time.sleep(0.5)  # let the others notice and report
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            if failed == -1:
+                raise RuntimeError(f"benchmark ranks did not finish within {limit:.0f} s")
+            logs = []
+            for e in errs:
+                e.seek(0)
+                logs.append(e.read())
+            bad = [r for r, p in enumerate(procs) if p.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL)]
+            # The rank that failed first makes its peers fail with "connection closed": report the root cause.
+            secondary = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+            primary = [r for r in bad if not any(m in logs[r] for m in secondary)]
+            failed = (primary or bad or [failed])[0]
+            raise RuntimeError(f"benchmark rank {failed} exited with code {procs[failed].returncode} (failed ranks: "
+                               f"{bad}); its log ends:\n{logs[failed][-3000:]}")
+        with open(spec["result_path"]) as f:
+            return json.load(f)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        for e in errs:
+            e.close()
+        if own_dir:
+            import shutil
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def make_spec(P=4, S=4096, B=1, H=8, Hkv=None, d=64, dtype="float32", causal=False, layout=None, mode="fwd",
+              strategies=OURS + PEERS, warmup=1, repeats=5, seed=0, trace=True, comm_only=True, threads=1,
+              backend=None, timeout=120.0, fail_rank=None) -> dict:
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "gloo"
+    layout = layout or ("zigzag" if causal else "contiguous")
+    return dict(P=P, S=S, B=B, H=H, Hkv=Hkv or H, d=d, dtype=dtype, causal=causal, layout=layout, **{"pass": mode},
+                strategies=list(strategies), warmup=warmup, repeats=repeats, seed=seed, trace=trace,
+                comm_only=comm_only, threads=threads, backend=backend, timeout=timeout, fail_rank=fail_rank)
+
+
+def run(spec: dict, **launch_kw) -> dict:
+    """Run one case; returns ``{"spec", "results", "machine"}`` with medians and checks."""
+    try:
+        out = launch(spec, **launch_kw)
+    except RuntimeError as e:  # the free port we picked was taken meanwhile (other jobs on the machine): retry once
+        if "address already in use" not in str(e).lower() or launch_kw.get("port"):
+            raise
+        out = launch(spec, **launch_kw)
+    out["machine"] = machine()
+    best = min((r["time"] for r in out["results"] if "time" in r), default=None)
+    for r in out["results"]:
+        if "time" in r and best:
+            r["vs_best"] = r["time"] / best
+    return out
+
+
+def machine() -> dict:
+    return dict(host=platform.node(), cpu=_cpu_name(), cores=os.cpu_count(), python=platform.python_version(),
+                torch=torch.__version__, cuda=torch.cuda.is_available())
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 1e6:.2f}"
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for r in result["results"]:
+        if "skipped" in r:
+            rows.append([r["strategy"], "skipped: " + r["skipped"]] + [""] * 9)
+            continue
+        b = r.get("bytes", {})
+        pr = b.get("per_rank", [{}])
+        data = max((x.get("data", 0) for x in pr), default=None) if b else None
+        resl = max((x.get("results", 0) for x in pr), default=None) if b else None
+        chk = r.get("check", {})
+        rows.append([r["strategy"] + (" (private API)" if r["strategy"] == "pytorch_ring" else ""),
+                     f"{_ms(r['time'])} [{_ms(r['time_min'])}-{_ms(r['time_max'])}]", _ms(r.get("per_step")),
+                     _ms(r.get("compute_per_step")), _ms(r.get("comm_per_step")), _ms(r.get("exposed_per_step")),
+                     _mb(data) + ("*" if b.get("model") else ""), _mb(resl) + ("*" if b.get("model") else ""),
+                     _mb(b.get("busiest_link")) + ("*" if b.get("model") else ""),
+                     f"{r.get('vs_best', 1):.2f}x", ("ok " if chk.get("ok") else "FAIL ") +
+                     f"{chk.get('max_err', float('nan')):.1e}"])
+    return rows
+
+
+HEADER = ["strategy", "ms/call median [min-max]", "ms/step", "compute ms/step", "comm ms/step (alone)",
+          "exposed ms/step", "MB sent data", "MB sent results", "busiest link MB", "vs best", "check (max err)"]
+
+
+def describe(spec: dict) -> str:
+    gqa = "MHA" if spec["H"] == spec["Hkv"] else ("MQA" if spec["Hkv"] == 1 else "GQA")
+    return (f"P={spec['P']} B={spec['B']} S={spec['S']} (s={spec['S'] // spec['P']}/rank) H={spec['H']} "
+            f"Hkv={spec['Hkv']} ({gqa}) d={spec['d']} {spec['dtype']} {'causal ' + spec['layout'] if spec['causal'] else 'non-causal'} "
+            f"pass={spec['pass']} backend={spec['backend']} repeats={spec['repeats']} (+{spec['warmup']} warm-up)")
+
+
+def print_table(result: dict, title: str = "") -> None:
+    rows = table_rows(result)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        t = Table(title=title or describe(result["spec"]), title_justify="left")
+        for h in HEADER:
+            t.add_column(h, justify="left" if h == "strategy" else "right")
+        for row in rows:
+            t.add_row(*row)
+        Console(width=200).print(t)
+    except ImportError:
+        print(title or describe(result["spec"]))
+        print(" | ".join(HEADER))
+        for row in rows:
+            print(" | ".join(row))
+    print("* model: bytes from the algorithm (not traced). Times: slowest rank per call; per step = call / P; "
+          "comm alone = same schedule with the computes skipped.")
+
+
+def write_traces(result: dict, trace_dir: str, tag: str = "") -> list[str]:
+    """Chrome trace per strategy and one PNG with every traced strategy's median call."""
+    from .trace import plot_timeline, write_chrome_trace
+    os.makedirs(trace_dir, exist_ok=True)
+    files, panels = [], {}
+    for r in result["results"]:
+        ev = r.get("trace_events")
+        if not ev:
+            continue
+        path = os.path.join(trace_dir, f"{tag}{r['strategy']}.trace.json")
+        write_chrome_trace(path, ev, title=f"{r['strategy']}: {describe(result['spec'])}")
+        files.append(path)
+        panels[f"{r['strategy']}: {r['time'] * 1e3:.1f} ms/call"] = ev
+    if panels:
+        path = os.path.join(trace_dir, f"{tag}timeline.png")
+        plot_timeline(path, panels, title=describe(result["spec"]))
+        files.append(path)
+    return files
+
+
+def strip_events(result: dict) -> dict:
+    """A copy without the raw trace events (for compact JSON)."""
+    out = dict(result)
+    out["results"] = [{k: v for k, v in r.items() if k != "trace_events"} for r in result["results"]]
+    return out
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--ranks", "-P", type=int, default=4)
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096], help="global sequence length(s); several = sweep")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=list(_DTYPES))
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--layout", choices=["contiguous", "zigzag"], default=None)
+    ap.add_argument("--pass", dest="mode", choices=["fwd", "bwd", "both"], default="fwd")
+    ap.add_argument("--strategies", nargs="+", default=list(OURS + PEERS), choices=list(OURS + PEERS))
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--no-comm-only", action="store_true", help="skip measuring communication alone")
+    ap.add_argument("--json", default=None, help="write the full results here")
+    ap.add_argument("--trace-dir", default=None, help="write Chrome traces and a PNG timeline here")
+    ap.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def specs_from_args(a) -> list[dict]:
+    return [make_spec(P=a.ranks, S=S, B=a.batch, H=a.heads, Hkv=a.kv_heads, d=a.head_dim, dtype=a.dtype,
+                      causal=a.causal, layout=a.layout, mode=a.mode, strategies=a.strategies, warmup=a.warmup,
+                      repeats=a.repeats, trace=not a.no_trace, comm_only=not a.no_comm_only, threads=a.threads,
+                      backend=a.backend, timeout=a.timeout, fail_rank=a.fail_rank) for S in a.seq]
+
+
+def run_cases(specs: list[dict], label=lambda s: describe(s), **launch_kw) -> list[dict]:
+    """Runs the cases in order, with a progress bar when there is more than one."""
+    if len(specs) == 1:
+        return [run(specs[0], **launch_kw)]
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        return [run(s, **launch_kw) for s in specs]
+    out = []
+    with Progress(transient=True) as prog:
+        task = prog.add_task("bench", total=len(specs))
+        for s in specs:
+            prog.update(task, description=label(s)[:60])
+            out.append(run(s, **launch_kw))
+            prog.advance(task)
+    return out
+
+
+def report(results: list[dict], a) -> int:
+    ok = True
+    for i, res in enumerate(results):
+        print_table(res)
+        for r in res["results"]:
+            if "check" in r and not r["check"]["ok"]:
+                ok = False
+        if a.trace_dir:
+            tag = f"S{res['spec']['S']}_" if len(results) > 1 else ""
+            for p in write_traces(res, a.trace_dir, tag):
+                print(f"wrote {p}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(cases=results), f, indent=1)
+        print(f"wrote {a.json}")
+    print("all outputs match single-process attention" if ok else "SOME OUTPUTS DO NOT MATCH")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--_worker"]:
+        return _worker(argv[1], int(argv[3]))
+    ap = argparse.ArgumentParser(prog="tokenring bench", description=__doc__.splitlines()[0])
+    add_args(ap)
+    a = ap.parse_args(argv)
+    try:
+        results = run_cases(specs_from_args(a))
+    except RuntimeError as e:
+        print(f"tokenring bench: {e}", file=sys.stderr)
+        return 1
+    return report(results, a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
