@@ -745,16 +745,16 @@ def run_cases(specs: list[dict], label=lambda s: describe(s), **launch_kw) -> li
     return out
 
 
-def report(results: list[dict], a) -> int:
+def report(results: list[dict], a, title=None, tag=None) -> int:
+    """Print each case's table, write traces (``--trace-dir``) and JSON (``--json``); exit code 1 when an
+    output did not match the reference. ``title(res)`` / ``tag(res)`` name a case's table and trace files."""
     ok = True
-    for i, res in enumerate(results):
-        print_table(res)
-        for r in res["results"]:
-            if "check" in r and not r["check"]["ok"]:
-                ok = False
+    for res in results:
+        print_table(res, title=title(res) if title else None)
+        ok &= all(r.get("check", {}).get("ok", True) for r in res["results"])
         if a.trace_dir:
-            tag = f"S{res['spec']['S']}_" if len(results) > 1 else ""
-            for p in write_traces(res, a.trace_dir, tag):
+            prefix = tag(res) if tag else (f"S{res['spec']['S']}_" if len(results) > 1 else "")
+            for p in write_traces(res, a.trace_dir, prefix):
                 print(f"wrote {p}")
     if a.json:
         with open(a.json, "w") as f:

@@ -322,23 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if prog:
             prog.stop()
-    ok = True
-    for res in results:
+    def title(res):
         t = res["testbed"]
-        bench.print_table(res, title=f"{t['topology']} @ {t['rate_mbit']:g} Mbit/s per direction: "
-                                     f"{bench.describe(res['spec'])}")
-        ok &= all(r.get("check", {}).get("ok", True) for r in res["results"])
-        if a.trace_dir:
-            tag = f"{t['topology']}_{t['rate_mbit']:g}mbit_S{res['spec']['S']}_"
-            for p in bench.write_traces(res, a.trace_dir, tag):
-                print(f"wrote {p}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(cases=results), f, indent=1)
-        print(f"wrote {a.json}")
-    print("all outputs match single-process attention" if ok else "SOME OUTPUTS DO NOT MATCH")
-    return 0 if ok else 1
+        return f"{t['topology']} @ {t['rate_mbit']:g} Mbit/s per direction: {bench.describe(res['spec'])}"
 
+    def tag(res):
+        t = res["testbed"]
+        return f"{t['topology']}_{t['rate_mbit']:g}mbit_S{res['spec']['S']}_"
+    return bench.report(results, a, title, tag)
 
 if __name__ == "__main__":
     raise SystemExit(main())
