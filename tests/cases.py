@@ -156,3 +156,23 @@ def peak_memory_case(rank: int, P: int, s: int, H: int, d: int, strategy: str) -
 
 def scale_of(d: int) -> float:
     return 1.0 / math.sqrt(d) * 0.7
+
+
+def subgroup_case(rank: int, P: int, strategy: str) -> float | None:
+    """Attention inside a sub-group of the odd ranks (group ranks differ from global ranks); returns the max
+    abs error of the gathered output against the float64 reference (None on ranks outside the group)."""
+    import torch.distributed as dist
+    sub = dist.new_group([r for r in range(P) if r % 2 == 1])  # collective: every rank creates it
+    if rank % 2 == 0:
+        return None
+    Ps = dist.get_world_size(sub)
+    x = torch.randn(2, 4 * Ps, 4, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    local = tokenring.shard(x, dim=1, layout="zigzag", group=sub).requires_grad_()
+    out = tokenring.attention(local, local, local, causal=True, strategy=strategy, group=sub)
+    out.sum().backward()
+    full = tokenring.gather(out.detach(), dim=1, layout="zigzag", group=sub)
+    ref_in = x.clone().requires_grad_()
+    ref = reference(ref_in, ref_in, ref_in, True, 8 ** -0.5)
+    ref.sum().backward()
+    grad_ref = tokenring.shard(ref_in.grad, dim=1, layout="zigzag", group=sub)
+    return max((full - ref).abs().max().item(), (local.grad - grad_ref).abs().max().item())

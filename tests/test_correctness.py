@@ -53,3 +53,19 @@ def test_strategy_auto(pools):
     todo = [dict(B=1, s=8, H=H, Hkv=Hkv, d=16, dtype="float64", causal=True, layout="zigzag", strategy="auto")
             for H, Hkv in HEADS]
     pools(3).run(cases.check_many, todo)
+
+
+def test_world_size_5(pools):
+    """An odd world size above 4: P=5 ranks, every strategy and mask/layout, GQA and MQA, float64."""
+    todo = [dict(B=2, s=4, H=H, Hkv=Hkv, d=12, dtype="float64", causal=c, layout=lay, strategy=st, seed=11)
+            for st in ("token_ring", "ring", "ulysses") for c, lay in LAYOUTS
+            for H, Hkv in ([(5, 5), (10, 2), (5, 1)] if st == "ulysses" else [(4, 4), (6, 2), (3, 1)])]
+    pools(5).run(cases.check_many, todo)
+
+
+@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ulysses"])
+def test_process_subgroup(pools, strategy):
+    """group= a sub-group whose ranks are not the global ones (ranks 1 and 3 of 4): forward and backward."""
+    errs = pools(4).run(cases.subgroup_case, strategy)
+    assert errs[0] is None and errs[2] is None
+    assert errs[1] < 1e-10 and errs[3] < 1e-10, errs
