@@ -113,6 +113,9 @@ def expect_error(rank: int, P: int, kind: str) -> str:
         q = torch.randn(1, 8, 6, 16)
         k, v = torch.randn(1, 8, 3, 16), torch.randn(1, 8, 3, 16)
         kw = dict(strategy="ulysses")
+    elif kind == "bidir_odd_kv":
+        k, v = torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)
+        kw = dict(strategy="ring_bidir")
     elif kind == "bad_strategy":
         kw = dict(strategy="bogus")
     elif kind == "bad_layout":

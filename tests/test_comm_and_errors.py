@@ -60,6 +60,20 @@ def test_token_ring_zigzag_bytes(pools, P):
         assert got_b == sorted(want_b)
 
 
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_ring_bidir_bytes(pools, P):
+    """Bidirectional pass-KV: each step sends half of the K/V heads to r+1 and the other half to r-1, so each
+    direction carries s*Hkv*d*e bytes (half of ring's 2*s*Hkv*d*e)."""
+    case = dict(B=B, s=s, H=H, Hkv=Hkv, d=d, dtype="bfloat16", causal=False, layout="contiguous",
+                strategy="ring_bidir")
+    for rank, log in enumerate(pools(P).run(cases.comm_log_case, case)):
+        fwd = _sent(log, "ring_bidir forward")
+        half = B * s * Hkv * d * E  # K and V, half of the heads each
+        want = [(t, (rank + 1) % P, "kv", "h0", half) for t in range(P - 1)] + \
+               [(t, (rank - 1) % P, "kv", "h1", half) for t in range(P - 1)]
+        assert sorted((r["step"], r["peer"], r["kind"], r["heads"], r["bytes"]) for r in fwd) == sorted(want)
+
+
 def test_ulysses_bytes(pools):
     """All-to-all: each rank sends every other rank H/P query heads and Hkv/P key/value heads of its rows,
     and gets back its rows of the other ranks' heads: (P-1)/P * s*d*(2H + 2Hkv) elements each way per call."""
@@ -81,6 +95,7 @@ def test_ulysses_bytes(pools):
     ("ranks_differ", "different local length"),
     ("zigzag_odd", "even local length"),
     ("ulysses_heads", "H % P == 0"),
+    ("bidir_odd_kv", "even number of key/value heads"),
     ("bad_strategy", "unknown"),
     ("bad_layout", "not supported"),
 ])

@@ -2,7 +2,8 @@
 
 Grid per (P, strategy): causal x layout x (H, Hkv) in {(4,4), (8,2), (4,1)} x head dim in {16, 64, 72} x
 batch in {1, 2} x dtype in {float64, float32, bfloat16}; tolerances (relative to the reference's max):
-float64 1e-9, float32 1e-5, bfloat16 2e-2. Ulysses runs where H % P == 0 (its refusal is tested elsewhere).
+float64 1e-9, float32 1e-5, bfloat16 2e-2. Ulysses runs where H % P == 0 and ring_bidir where Hkv is even
+(their refusals are tested elsewhere).
 """
 import itertools
 
@@ -21,7 +22,7 @@ def grid(P: int, strategy: str) -> list[dict]:
     out = []
     for i, ((causal, layout), (H, Hkv), d, B, dtype) in enumerate(itertools.product(
             LAYOUTS, HEADS + (ULYSSES_EXTRA_HEADS if strategy == "ulysses" else []), DIMS, [1, 2], ["float64", "float32", "bfloat16"])):
-        if strategy == "ulysses" and H % P:
+        if (strategy == "ulysses" and H % P) or (strategy == "ring_bidir" and Hkv % 2):
             continue
         # Local length: even (zigzag needs two chunks), varied so blocks are not all the same size.
         s = 2 * (2 + i % 3)
@@ -31,7 +32,7 @@ def grid(P: int, strategy: str) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ulysses"])
+@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ring_bidir", "ulysses"])
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 def test_matches_reference(pools, P, strategy):
     todo = grid(P, strategy)
@@ -44,7 +45,7 @@ def test_matches_reference(pools, P, strategy):
 def test_longer_sequences(pools, P):
     """Fewer, longer cases: many rows per block exercise the kernels' chunking and the zigzag halves."""
     todo = [dict(B=1, s=96, H=4, Hkv=2, d=32, dtype=dt, causal=c, layout=lay, strategy=st, seed=7)
-            for st in ("token_ring", "ring", "ulysses") for dt in ("float64", "float32")
+            for st in ("token_ring", "ring", "ring_bidir", "ulysses") for dt in ("float64", "float32")
             for c, lay in LAYOUTS]
     pools(P).run(cases.check_many, todo)
 
@@ -58,12 +59,13 @@ def test_strategy_auto(pools):
 def test_world_size_5(pools):
     """An odd world size above 4: P=5 ranks, every strategy and mask/layout, GQA and MQA, float64."""
     todo = [dict(B=2, s=4, H=H, Hkv=Hkv, d=12, dtype="float64", causal=c, layout=lay, strategy=st, seed=11)
-            for st in ("token_ring", "ring", "ulysses") for c, lay in LAYOUTS
-            for H, Hkv in ([(5, 5), (10, 2), (5, 1)] if st == "ulysses" else [(4, 4), (6, 2), (3, 1)])]
+            for st in ("token_ring", "ring", "ring_bidir", "ulysses") for c, lay in LAYOUTS
+            for H, Hkv in {"ulysses": [(5, 5), (10, 2), (5, 1)], "ring_bidir": [(4, 4), (6, 2)]}.get(
+                st, [(4, 4), (6, 2), (3, 1)])]
     pools(5).run(cases.check_many, todo)
 
 
-@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ulysses"])
+@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ring_bidir", "ulysses"])
 def test_process_subgroup(pools, strategy):
     """group= a sub-group whose ranks are not the global ones (ranks 1 and 3 of 4): forward and backward."""
     errs = pools(4).run(cases.subgroup_case, strategy)

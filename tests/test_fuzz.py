@@ -13,7 +13,7 @@ def configs(draw, P):
     H = Hkv * draw(st.sampled_from([1, 2, 3]))
     causal = draw(st.booleans())
     layout = draw(st.sampled_from(["contiguous", "zigzag"]))
-    names = ["token_ring", "ring"] + (["ulysses"] if H % P == 0 else [])
+    names = ["token_ring", "ring"] + (["ulysses"] if H % P == 0 else []) + (["ring_bidir"] if Hkv % 2 == 0 else [])
     return dict(B=draw(st.integers(1, 3)), s=2 * draw(st.integers(1, 6)), H=H, Hkv=Hkv,
                 d=draw(st.integers(1, 40)), dtype="float64", causal=causal, layout=layout,
                 strategy=draw(st.sampled_from(names)),

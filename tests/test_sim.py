@@ -141,7 +141,7 @@ def test_devices_differ_sensibly():
 # ---------------------------------------------------------------- simulator: hand-computable cases
 
 
-def _hand(steps, comp_classes=(("all", "all", False, "block", True),), msg_classes=(("q", "all"),), P=2,
+def _hand(steps, comp_classes=(("all", "all", False, "block", True, "all"),), msg_classes=(("q", "all", "all"),), P=2,
           backward=False):
     arr = lambda x: np.array(x, dtype=np.int64)
     return CompiledSchedule("hand", P, "contiguous", False, backward, list(comp_classes), list(msg_classes),
@@ -180,7 +180,7 @@ def test_message_waits_for_both_ends_to_post():
 
 
 def test_receive_handling_after_wait():
-    cs = _hand([([], [], [0], [1], [0])], msg_classes=(("out", "all"),))
+    cs = _hand([([], [], [0], [1], [0])], msg_classes=(("out", "all", "all"),))
     sh = Shapes(1, 1000, 1, 1, 250, torch.float32, 2)
     nbytes = message_bytes(tokenring.schedules.Message(0, 1, "out", 0), sh)
     r = simulate_pass(cs, sh, MeshTopology("m", 2, link_bw=1e6, latency=0), flat_kernel(0.0, merge=0.3))
@@ -198,7 +198,7 @@ def test_compiled_schedule_is_the_executors(name, causal, backward):
     assert len(cs.steps) == len(sched.steps)
     for step, (cr, ck, ms, md, mk) in zip(sched.steps, cs.steps):
         assert list(cr) == [c.rank for c in step.computes]
-        assert [(m.src, m.dst, m.kind, m.part) for m in step.messages] == \
+        assert [(m.src, m.dst, m.kind, m.part, m.heads) for m in step.messages] == \
                [(int(s), int(d), *cs.msg_classes[k]) for s, d, k in zip(ms, md, mk)]
     # bytes a rank sends in the simulation = the schedule's message bytes
     sh = Shapes(1, 64, 8, 2, 16, torch.float32, P)

@@ -100,34 +100,38 @@ def _attended(P, layout, causal):
     return S, pos, need
 
 
-@pytest.mark.parametrize("name", ["token_ring", "ring"])
+@pytest.mark.parametrize("name", ["token_ring", "ring", "ring_bidir"])
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "contiguous"), (True, "zigzag")])
 def test_schedules_cover_each_pair_once(name, P, causal, layout):
-    """Every attended (query, key) pair is computed exactly once, no masked pair is computed, every compute
-    has its inputs on the rank that runs it, and no message goes to its sender."""
+    """Every attended (query, key) pair is computed exactly once for each head half, no masked pair is
+    computed, every compute has its inputs (rows and heads) on the rank that runs it, and no message goes to
+    its sender."""
+    from tokenring.schedules import part_slice, part_within
     strat = STRATEGIES[name]
     S, pos, need = _attended(P, layout, causal)
+    need = {(a, b, h) for a, b in need for h in ("h0", "h1")}
     s = S // P
-    from tokenring.schedules import part_slice
     for sched in (strat.forward_schedule(P, layout, causal), strat.backward_schedule(P, layout, causal)):
         seen = []
-        have = {(r, kind, r): "all" for r in range(P) for kind in ("q", "qgrad", "kv")}
+        have = {(r, kind, r, "all"): ("all", "all") for r in range(P) for kind in ("q", "qgrad", "kv")}
+
+        def held(rank, kind, owner, heads, part):
+            got = have.get((rank, kind, owner, heads)) or have.get((rank, kind, owner, "all"))
+            assert got is not None, (rank, kind, owner, heads)
+            part_within(part, got[0]), part_within(heads, got[1])  # raises if not covered
+
         for step in sched.steps:
             for c in step.computes:
-                qk = (c.rank, sched.q_kind, c.q_owner)
-                assert qk in have and (have[qk] == "all" or have[qk] == c.q_part), (c, have.get(qk))
-                kk = (c.rank, "kv", c.kv_owner)
-                assert kk in have and (have[kk] == "all" or have[kk] == c.kv_part), (c, have.get(kk))
-                qrows = pos[c.q_owner][part_slice(c.q_part, s)]
-                krows = pos[c.kv_owner][part_slice(c.kv_part, s)]
-                for a in qrows:
-                    for b in krows:
+                held(c.rank, sched.q_kind, c.q_owner, c.heads, c.q_part)
+                held(c.rank, "kv", c.kv_owner, c.heads, c.kv_part)
+                for a in pos[c.q_owner][part_slice(c.q_part, s)]:
+                    for b in pos[c.kv_owner][part_slice(c.kv_part, s)]:
                         if (not c.causal) or b <= a:
-                            seen.append((a, b))
+                            seen += [(a, b, h) for h in (("h0", "h1") if c.heads == "all" else (c.heads,))]
             for m in step.messages:
                 assert m.src != m.dst
-                have[(m.dst, m.kind, m.owner)] = m.part
+                have[(m.dst, m.kind, m.owner, m.heads)] = (m.part, m.heads)
         assert len(seen) == len(set(seen)), "a pair was computed twice"
         assert set(seen) == need
 

@@ -130,8 +130,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``q``: (B, s, H, d), ``k``/``v``: (B, s, Hkv, d), this rank's shard (laid out by ``layout``; default
     ``"zigzag"`` when causal, else ``"contiguous"``, and it must match how the caller sharded). Returns
     (B, s, H, d) in ``q.dtype``: the same rows of single-device attention over the whole sequence.
-    Differentiable in ``q``, ``k``, ``v``. ``strategy``: ``"token_ring"``, ``"ring"``, ``"ulysses"`` or
-    ``"auto"``. With no process group initialised (or one rank) plain attention runs.
+    Differentiable in ``q``, ``k``, ``v``. ``strategy``: ``"token_ring"``, ``"ring"``, ``"ring_bidir"``,
+    ``"ulysses"`` or ``"auto"``. With no process group initialised (or one rank) plain attention runs.
     """
     rank, P = group_info(group)
     _check_local(q, k, v, rank)
@@ -151,6 +151,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if name == "ulysses" and H % P:
         raise ValueError(f"strategy='ulysses' needs the {H} query heads to divide over {P} ranks (H % P == 0); "
                          f"use strategy='token_ring' or 'ring', or a group size that divides {H}")
+    if name == "ring_bidir" and Hkv % 2:
+        raise ValueError(f"strategy='ring_bidir' sends half of the K/V heads each way and needs an even number "
+                         f"of key/value heads, got {Hkv}; use strategy='ring' (or 'token_ring')")
     if strategy == "auto":  # the cost model; a pure function of shapes and topology, identical on every rank
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         name = choose_strategy(H, Hkv, P, B=B, s=s, d=d, dtype=q.dtype, causal=causal, layout=layout,

@@ -1,7 +1,7 @@
 """``tokenring bench``: every strategy side by side on the same inputs, on P local ranks.
 
     tokenring bench [--ranks 4] [--seq 4096 ...] [--heads 8] [--kv-heads 8] [--head-dim 64] [--causal]
-                    [--pass fwd|bwd|both] [--strategies token_ring ring ulysses pytorch_ring pytorch_cp]
+                    [--pass fwd|bwd|both] [--strategies token_ring ring ulysses ring_bidir pytorch_ring pytorch_cp]
                     [--warmup 1] [--repeats 5] [--json out.json] [--trace-dir DIR]
 
 Each rank is its own process (gloo on CPU; NCCL when CUDA devices are present). For every strategy: warm-up
@@ -38,9 +38,11 @@ from statistics import median
 
 import torch
 
+from .strategies import STRATEGIES
+
 __all__ = ["run", "launch", "main", "OURS", "PEERS"]
 
-OURS = ("token_ring", "ring", "ulysses")
+OURS = tuple(STRATEGIES)  # token_ring, ring, ulysses, ring_bidir
 PEERS = ("pytorch_ring", "pytorch_cp")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
            "float16": torch.float16}
@@ -74,21 +76,20 @@ def _comm_only_ops(name: str):
     from .schedules import payload
     from .strategies.base import BackwardOps, ForwardOps
 
+    def _zeros(ops, kind, c):
+        return [torch.zeros(shape, dtype=dt, device=ops.device)
+                for shape, dt, _ in payload(kind, c.q_part, ops.sh, c.heads)]
+
     class Fwd(ForwardOps):
         def compute(self, c):
             if c.q_owner != self.me:
-                self._store.put("out", c.q_owner, c.q_part,
-                                [torch.zeros(s, dtype=dt, device=self.device) for s, dt, _ in
-                                 payload("out", c.q_part, self.sh)])
+                self._store.put("out", c.q_owner, c.q_part, _zeros(self, "out", c), c.heads)
 
     class Bwd(BackwardOps):
         def compute(self, c):
             if c.q_owner != self.me:
-                self._store.put("dq", c.q_owner, c.q_part,
-                                [torch.zeros(s, dtype=dt, device=self.device) for s, dt, _ in
-                                 payload("dq", c.q_part, self.sh)])
-            if c.kv_owner != self.me and ("dkv", c.kv_owner) not in self.store:
-                self._store.put("dkv", c.kv_owner, "all", [torch.zeros_like(self.dk), torch.zeros_like(self.dv)])
+                self._store.put("dq", c.q_owner, c.q_part, _zeros(self, "dq", c), c.heads)
+            self.dkv_buffer(c.kv_owner, c.heads)  # a travelling accumulator must exist to be sent on
 
     return Fwd, Bwd
 
@@ -313,6 +314,8 @@ class _Runner:
             return res
         if name == "ulysses" and spec["H"] % self.P:
             return dict(strategy=name, skipped=f"ulysses needs H % P == 0 (H={spec['H']}, P={self.P})")
+        if name == "ring_bidir" and spec["Hkv"] % 2:
+            return dict(strategy=name, skipped=f"ring_bidir needs an even Hkv (Hkv={spec['Hkv']})")
         if name == "pytorch_ring" and self.device.type != "cpu":
             return dict(strategy=name, skipped="pytorch_ring is wired to the CPU flash op only")
         call = (lambda traced: self._pytorch_ring(traced)) if name == "pytorch_ring" else \

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .schedules import Message
+from .schedules import HEADS, Message
 
 __all__ = ["Comm", "Trace", "get_timeout", "set_timeout"]
 
@@ -75,7 +75,7 @@ class _Pending:
                 seen.add(id(m))
                 self.comm.trace.add(direction, m.kind, self.comm._posted[id(m)], t1, step=self.step,
                                     peer=m.dst if direction == "send" else m.src, kind=m.kind, owner=m.owner,
-                                    part=m.part, bytes=self.comm._nbytes[id(m)])
+                                    part=m.part, heads=m.heads, bytes=self.comm._nbytes[id(m)])
 
 
 class Comm:
@@ -124,14 +124,15 @@ class Comm:
                 peer = m.src if direction == "recv" else m.dst
                 nbytes = 0
                 for i, t in enumerate(tensors):
-                    tag = (step * len(_KIND_TAG) + _KIND_TAG[m.kind]) * 8 + i
+                    kind = _KIND_TAG[m.kind] * len(HEADS) + HEADS.index(m.heads)
+                    tag = (step * len(_KIND_TAG) * len(HEADS) + kind) * 8 + i
                     t = t.contiguous()  # kept referenced in `meta` until the wait completes
                     ops.append(dist.P2POp(fn, t, self._global(peer), self.group, tag))
                     meta.append((direction, m, t))
                     nbytes += t.numel() * t.element_size()
                 self._posted[id(m)], self._nbytes[id(m)] = now, nbytes
                 self.log.append(dict(step=step, direction=direction, peer=peer, kind=m.kind, owner=m.owner,
-                                     part=m.part, bytes=nbytes))
+                                     part=m.part, heads=m.heads, bytes=nbytes))
         t0 = time.monotonic()
         try:
             handles = dist.batch_isend_irecv(ops) if ops else []

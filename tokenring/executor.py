@@ -27,7 +27,8 @@ class Ops(Protocol):
 
 
 def _last_use(sched: Schedule, plan) -> dict:
-    """Store key -> last step that reads it on this rank (a compute's inputs or a message's payload)."""
+    """``(kind, owner)`` -> last step that reads it on this rank (a compute's inputs or a message's payload);
+    store keys are ``(kind, owner, heads)``, and every head half of an entry lives as long as the latest."""
     last = {}
     for t, (computes, sends, _) in enumerate(plan):
         for c in computes:
@@ -57,5 +58,5 @@ def execute(sched: Schedule, comm: Comm, ops: Ops) -> None:
         for m, b in zip(recvs, bufs):
             ops.receive(m, b)
         # Free what no later step reads; a rank's own inputs (owner == me) live for the whole call.
-        for key in [k for k in ops.store if k[1] != me and last.get(k, -1) <= t]:
+        for key in [k for k in ops.store if k[1] != me and last.get(k[:2], -1) <= t]:
             del ops.store[key]

@@ -6,7 +6,8 @@ reality use one description. Nothing here touches ``torch.distributed``.
 
 Vocabulary
 - *Part* of a rank's local rows: ``"all"``, ``"lo"`` (first half) or ``"hi"`` (second half). Zigzag causal
-  attention only ever needs halves (see :func:`block_pair`).
+  attention only ever needs halves (see :func:`block_pair`). *Heads*: ``"all"``, ``"h0"`` or ``"h1"`` (half of
+  the K/V heads with their query heads), for strategies that send the two halves different ways.
 - :class:`Compute`: rank ``rank`` attends the ``q_part`` rows of rank ``q_owner``'s queries to the ``kv_part``
   rows of rank ``kv_owner``'s keys/values (``scope="heads"``: Ulysses' full-sequence, ``H/P``-head block).
 - :class:`Message`: a payload of ``kind`` (see :func:`payload`) about rank ``owner``'s rows ``part``, from
@@ -15,17 +16,20 @@ Vocabulary
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import gcd
 
 import torch
 
 from .merge import acc_dtype
 
-__all__ = ["PARTS", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair", "part_slice",
+__all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair", "part_slice",
            "part_union", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
 
 PARTS = ("all", "lo", "hi")
+# Head halves, for strategies that split K/V heads between two directions: "h0" is the first half of the K/V
+# heads together with the query heads that attend to them (GQA groups are contiguous), "h1" the second half.
+HEADS = ("all", "h0", "h1")
 
 
 def part_slice(part: str, n: int) -> slice:
@@ -37,6 +41,11 @@ def part_slice(part: str, n: int) -> slice:
     if part == "hi":
         return slice(n // 2, n)
     raise ValueError(f"unknown part {part!r}")
+
+
+def head_slice(heads: str, n: int) -> slice:
+    """Slice of ``heads`` within ``n`` heads (query or K/V heads alike)."""
+    return part_slice({"all": "all", "h0": "lo", "h1": "hi"}[heads], n)
 
 
 def part_union(a: str | None, b: str | None) -> str | None:
@@ -66,6 +75,7 @@ class Compute:
     kv_part: str
     causal: bool
     scope: str = "block"  # "block": local rows; "heads": Ulysses' full sequence over H/P heads
+    heads: str = "all"
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class Message:
     kind: str
     owner: int
     part: str = "all"
+    heads: str = "all"
 
 
 @dataclass
@@ -122,7 +133,8 @@ def block_pair(q_owner: int, kv_owner: int, P: int, layout: str, causal: bool) -
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def relay(owner: int, path: list[int], needs: list[str | None], kind: str) -> list[tuple[int, Message]]:
+def relay(owner: int, path: list[int], needs: list[str | None], kind: str,
+          heads: str = "all") -> list[tuple[int, Message]]:
     """Messages that carry ``owner``'s payload hop by hop along ``path`` (``path[t]`` is visited at step
     ``t + 1``). Each hop carries the union of what the rest of the path still needs, so once only the second
     half is needed downstream only the second half travels; hops nobody downstream needs are dropped.
@@ -137,7 +149,7 @@ def relay(owner: int, path: list[int], needs: list[str | None], kind: str) -> li
     for i, dst in enumerate(path):
         if suffix[i] is None:
             break
-        out.append((i, Message(prev, dst, kind, owner, suffix[i])))
+        out.append((i, Message(prev, dst, kind, owner, suffix[i], heads)))
         prev = dst
     return out
 
@@ -160,9 +172,12 @@ class Shapes:
     P: int
 
 
-def payload(kind: str, part: str, sh: Shapes) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
-    """Tensors of a message: ``(shape, dtype, sequence dim)`` each. Partial outputs travel in the input dtype,
-    row statistics (lse, delta) and travelling dK/dV accumulators in the accumulator dtype."""
+def payload(kind: str, part: str, sh: Shapes, heads: str = "all") -> list[tuple[tuple[int, ...], torch.dtype, int]]:
+    """Tensors of a message: ``(shape, dtype, sequence dim)`` each; the head dim is ``3 - sequence dim``
+    ((B, n, h, d) tensors and (B, h, n) row statistics). Partial outputs travel in the input dtype, row
+    statistics (lse, delta) and travelling dK/dV accumulators in the accumulator dtype."""
+    if heads != "all":
+        sh = replace(sh, H=sh.H // 2, Hkv=sh.Hkv // 2)
     n = part_slice(part, sh.s).stop - part_slice(part, sh.s).start
     B, H, Hkv, d, dt, acc = sh.B, sh.H, sh.Hkv, sh.d, sh.dtype, acc_dtype(sh.dtype)
     rows_q, rows_kv, stat = ((B, n, H, d), dt, 1), ((B, n, Hkv, d), dt, 1), ((B, H, n), acc, 2)
@@ -189,7 +204,7 @@ def payload(kind: str, part: str, sh: Shapes) -> list[tuple[tuple[int, ...], tor
 
 def message_bytes(m: Message, sh: Shapes) -> int:
     total = 0
-    for shape, dt, _ in payload(m.kind, m.part, sh):
+    for shape, dt, _ in payload(m.kind, m.part, sh, m.heads):
         numel = 1
         for x in shape:
             numel *= x

@@ -16,9 +16,10 @@ import os
 
 import torch
 
+from ..strategies import STRATEGIES
 from .auto import fmt_time
 from .kernel_model import kernel_model
-from .simulator import candidates, shapes_for, simulate
+from .simulator import candidates, runnable, shapes_for, simulate
 from .topology import get_topology
 
 __all__ = ["main", "sweep", "HARDWARE_PRESETS"]
@@ -35,16 +36,16 @@ def _round_S(S: int, P: int, causal: bool) -> int:
     return -(-S // m) * m
 
 
-def _strategies(requested, H, P):
-    ok = candidates(H, P)
-    return [s for s in (requested or ok) if s in ok]
+def _strategies(requested, H, Hkv, P):
+    """The requested strategies that can run (default: those ``auto`` chooses among)."""
+    return [s for s in (requested or candidates(H, P)) if runnable(s, H, Hkv, P)]
 
 
 def predict(topo_spec, S, P, H, Hkv, d, B, dtype, causal, backward, strategies=None, kernel=None) -> list:
     topo = get_topology(topo_spec, P)
     sh = shapes_for(_round_S(S, P, causal), P, H, Hkv, d, B, dtype)
     km = kernel or kernel_model(topo.device)
-    return [simulate(n, sh, topo, km, causal=causal, backward=backward) for n in _strategies(strategies, H, P)]
+    return [simulate(n, sh, topo, km, causal=causal, backward=backward) for n in _strategies(strategies, H, Hkv, P)]
 
 
 def sweep(topologies, S, P, H, Hkv, d, B, dtype, causal, backward, strategies=None, Ps=SWEEP_P, Ss=SWEEP_S,
@@ -74,7 +75,7 @@ def plot_sweep(data: dict, path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     n = len(data)
     fig, axes = plt.subplots(n, 2, figsize=(11, 3.1 * n), squeeze=False)
-    colors = {"token_ring": "tab:red", "ring": "tab:blue", "ulysses": "tab:green"}
+    colors = {"token_ring": "tab:red", "ring": "tab:blue", "ulysses": "tab:green", "ring_bidir": "tab:purple"}
     for i, (spec, rec) in enumerate(data.items()):
         for j, (key, x) in enumerate((("vs_P", "P"), ("vs_S", "S"))):
             ax = axes[i][j]
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=list(_DT))
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--pass", dest="mode", default="fwd", choices=["fwd", "both"])
-    ap.add_argument("--strategies", nargs="+", default=None, choices=["token_ring", "ring", "ulysses"])
+    ap.add_argument("--strategies", nargs="+", default=None, choices=list(STRATEGIES))
     ap.add_argument("--steps", action="store_true", help="print per-step time, compute and comm")
     ap.add_argument("--calibrate-cpu", action="store_true", help="for cpu topologies, time this CPU's kernels")
     ap.add_argument("--json", default=None, help="write the predictions here")

@@ -19,7 +19,7 @@ once per ``(strategy, P, layout, causal, pass)`` into arrays, so P = 1024 costs 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -31,7 +31,7 @@ from .kernel_model import KernelModel, kernel_model
 from .topology import Topology
 
 __all__ = ["CompiledSchedule", "compile_schedule", "simulate", "simulate_pass", "SimResult", "PassResult",
-           "StepStat", "candidates"]
+           "StepStat", "candidates", "runnable", "AUTO_STRATEGIES"]
 
 
 @dataclass
@@ -41,8 +41,8 @@ class CompiledSchedule:
     layout: str
     causal: bool
     backward: bool
-    comp_classes: list      # (q_part, kv_part, causal, scope, own_q)
-    msg_classes: list       # (kind, part)
+    comp_classes: list      # (q_part, kv_part, causal, scope, own_q, heads)
+    msg_classes: list       # (kind, part, heads)
     steps: list             # per step: (comp_rank, comp_cls, msg_src, msg_dst, msg_cls) int arrays
 
 
@@ -56,11 +56,12 @@ def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward:
     steps = []
     for step in sched.steps:
         cr = np.fromiter((c.rank for c in step.computes), np.int64, len(step.computes))
-        ck = np.fromiter((cc.setdefault((c.q_part, c.kv_part, c.causal, c.scope, c.q_owner == c.rank), len(cc))
+        ck = np.fromiter((cc.setdefault((c.q_part, c.kv_part, c.causal, c.scope, c.q_owner == c.rank, c.heads),
+                                        len(cc))
                           for c in step.computes), np.int64, len(step.computes))
         ms = np.fromiter((m.src for m in step.messages), np.int64, len(step.messages))
         md = np.fromiter((m.dst for m in step.messages), np.int64, len(step.messages))
-        mk = np.fromiter((mc.setdefault((m.kind, m.part), len(mc)) for m in step.messages), np.int64,
+        mk = np.fromiter((mc.setdefault((m.kind, m.part, m.heads), len(mc)) for m in step.messages), np.int64,
                          len(step.messages))
         steps.append((cr, ck, ms, md, mk))
     return CompiledSchedule(strategy, P, layout, causal, backward, list(cc), list(mc), steps)
@@ -137,10 +138,16 @@ def _rows(part: str, n: int) -> int:
     return sl.stop - sl.start
 
 
+def _head_shapes(sh: Shapes, heads: str) -> Shapes:
+    """The shapes a compute or message of head half ``heads`` works on (half the query and K/V heads)."""
+    return sh if heads == "all" else replace(sh, H=sh.H // 2, Hkv=sh.Hkv // 2)
+
+
 def _compute_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> np.ndarray:
     e = sh.dtype.itemsize
     out = []
-    for q_part, kv_part, causal, scope, own in cs.comp_classes:
+    for q_part, kv_part, causal, scope, own, heads in cs.comp_classes:
+        hs = _head_shapes(sh, heads)
         if scope == "heads":  # Ulysses: the whole sequence, H/P query heads, Hkv'/P K/V heads
             S = sh.s * sh.P
             hq, hk = sh.H // sh.P, ulysses_kv_heads(sh.H, sh.Hkv, sh.P) // sh.P
@@ -150,27 +157,27 @@ def _compute_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> np.ndar
             out.append(t)
             continue
         nq, nk = _rows(q_part, sh.s), _rows(kv_part, sh.s)
-        t = km.block_time(sh.B * nq, nk, sh.H, sh.Hkv, sh.d, causal, cs.backward, e)
+        t = km.block_time(sh.B * nq, nk, hs.H, hs.Hkv, sh.d, causal, cs.backward, e)
         if not cs.backward:
-            t += km.merge_time(sh.B * nq * sh.H * sh.d) if own else 0.0
+            t += km.merge_time(sh.B * nq * hs.H * sh.d) if own else 0.0
         else:
-            t += km.add_time(sh.B * nq * sh.H * sh.d) + km.add_time(2 * sh.B * nk * sh.Hkv * sh.d)
+            t += km.add_time(sh.B * nq * hs.H * sh.d) + km.add_time(2 * sh.B * nk * hs.Hkv * sh.d)
         out.append(t)
     return np.array(out)
 
 
 def _message_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> tuple[np.ndarray, np.ndarray]:
     nbytes, handle = [], []
-    for kind, part in cs.msg_classes:
-        b = message_bytes(Message(0, 1, kind, 0, part), sh)
+    for kind, part, heads in cs.msg_classes:
+        b = message_bytes(Message(0, 1, kind, 0, part, heads), sh)
         nbytes.append(b)
-        rows = sh.B * _rows(part, sh.s)
+        rows, hs = sh.B * _rows(part, sh.s), _head_shapes(sh, heads)
         if kind == "out":
-            handle.append(km.merge_time(rows * sh.H * sh.d))
+            handle.append(km.merge_time(rows * hs.H * sh.d))
         elif kind == "dq":
-            handle.append(km.add_time(rows * sh.H * sh.d))
+            handle.append(km.add_time(rows * hs.H * sh.d))
         elif kind == "dkv":
-            handle.append(km.add_time(2 * rows * sh.Hkv * sh.d))
+            handle.append(km.add_time(2 * rows * hs.Hkv * sh.d))
         elif kind in ("u_out", "u_grad"):
             handle.append(km.copy_time(b))
         else:
@@ -218,9 +225,19 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
                       float(sent.max()) if P else 0.0, steps)
 
 
+# What ``auto`` chooses among: the strategies validated against the testbed (bench/validate_model.py).
+# ring_bidir is simulated and benchmarked but not yet validated, so auto does not pick it.
+AUTO_STRATEGIES = ("token_ring", "ring", "ulysses")
+
+
+def runnable(name: str, H: int, Hkv: int, P: int) -> bool:
+    """Whether ``name`` can run: Ulysses needs ``H % P == 0``, ring_bidir an even ``Hkv``."""
+    return (name != "ulysses" or H % P == 0) and (name != "ring_bidir" or Hkv % 2 == 0)
+
+
 def candidates(H: int, P: int) -> list[str]:
-    """Strategies that can run: Ulysses only when ``H % P == 0``."""
-    return [n for n in STRATEGIES if n != "ulysses" or H % P == 0]
+    """Strategies ``auto`` may pick for ``H`` query heads on ``P`` ranks: Ulysses only when ``H % P == 0``."""
+    return [n for n in AUTO_STRATEGIES if runnable(n, H, H, P)]
 
 
 def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelModel | None = None, *,
@@ -230,6 +247,8 @@ def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelMo
     layout = layout or ("zigzag" if causal else "contiguous")
     if strategy == "ulysses" and shapes.H % shapes.P:
         raise ValueError(f"ulysses needs H % P == 0 (H={shapes.H}, P={shapes.P})")
+    if strategy == "ring_bidir" and shapes.Hkv % 2:
+        raise ValueError(f"ring_bidir needs an even number of K/V heads (Hkv={shapes.Hkv})")
     if topology.P != shapes.P:
         topology = topology.with_P(shapes.P)
     km = kernel or kernel_model(topology.device)

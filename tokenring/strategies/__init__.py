@@ -5,6 +5,7 @@ STRATEGIES = {
     "token_ring": token_ring.STRATEGY,
     "ring": ring.STRATEGY,
     "ulysses": ulysses.STRATEGY,
+    "ring_bidir": ring.BIDIR,
 }
 
 __all__ = ["STRATEGIES"]

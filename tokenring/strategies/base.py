@@ -18,7 +18,7 @@ from ..comm import Comm, Trace
 from ..executor import execute
 from ..kernels import block_backward, block_forward
 from ..merge import acc_dtype, merge_, new_accumulator
-from ..schedules import Compute, Message, Schedule, Shapes, part_slice, part_within, payload
+from ..schedules import Compute, Message, Schedule, Shapes, head_slice, part_slice, part_within, payload
 
 __all__ = ["Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy", "ScheduledAttention"]
 
@@ -44,25 +44,36 @@ class Config:
 
 
 class Store:
-    """Tensors held on this rank, keyed ``(kind, owner)``, each stored with the rows it covers."""
+    """Tensors held on this rank, keyed ``(kind, owner, heads)``; each entry remembers the rows and heads it
+    covers, so a reader can ask for any sub-part (a rank's own inputs are stored whole)."""
 
     def __init__(self, sh: Shapes):
         self.sh = sh
-        self.entries: dict[tuple[str, int], tuple[str, list[torch.Tensor]]] = {}
+        self.entries: dict[tuple[str, int, str], tuple[str, str, list[torch.Tensor]]] = {}
 
-    def put(self, kind: str, owner: int, part: str, tensors: list[torch.Tensor]) -> None:
-        self.entries[(kind, owner)] = (part, tensors)
+    def put(self, kind: str, owner: int, part: str, tensors: list[torch.Tensor], heads: str = "all",
+            key_heads: str | None = None) -> None:
+        """Store ``tensors`` covering rows ``part`` and ``heads``, under key heads ``key_heads`` (default:
+        ``heads``; a travelling accumulator for one head half may be kept full-size)."""
+        self.entries[(kind, owner, heads if key_heads is None else key_heads)] = (part, heads, tensors)
 
-    def take(self, kind: str, owner: int, part: str) -> list[torch.Tensor]:
-        """The ``part`` rows of entry ``(kind, owner)``, sliced along each tensor's sequence dim."""
-        held, tensors = self.entries[(kind, owner)]
-        rel = part_within(part, held)
-        if rel == "all":
-            return tensors
+    def get(self, kind: str, owner: int, heads: str = "all") -> tuple[str, str, list[torch.Tensor]] | None:
+        return self.entries.get((kind, owner, heads)) or self.entries.get((kind, owner, "all"))
+
+    def take(self, kind: str, owner: int, part: str, heads: str = "all") -> list[torch.Tensor]:
+        """The ``part`` rows and ``heads`` of entry ``(kind, owner)``, as views."""
+        held_part, held_heads, tensors = self.get(kind, owner, heads)
+        rel_rows = part_within(part, held_part)
+        rel_heads = part_within(heads, held_heads)
         out = []
-        for t, (_, _, dim) in zip(tensors, payload(kind, held, self.sh)):
-            out.append(t.narrow(dim, part_slice(rel, t.shape[dim]).start, t.shape[dim] // 2))
+        for t, (_, _, dim) in zip(tensors, payload(kind, held_part, self.sh, held_heads)):
+            t = t.narrow(dim, *_span(part_slice(rel_rows, t.shape[dim])))
+            out.append(t.narrow(3 - dim, *_span(head_slice(rel_heads, t.shape[3 - dim]))))
         return out
+
+
+def _span(sl: slice) -> tuple[int, int]:
+    return sl.start, sl.stop - sl.start
 
 
 class _OpsBase:
@@ -72,10 +83,11 @@ class _OpsBase:
         self.store = self._store.entries
 
     def payload(self, m: Message) -> list[torch.Tensor]:
-        return [t.contiguous() for t in self._store.take(m.kind, m.owner, m.part)]
+        return [t.contiguous() for t in self._store.take(m.kind, m.owner, m.part, m.heads)]
 
     def empty(self, m: Message) -> list[torch.Tensor]:
-        return [torch.empty(shape, dtype=dt, device=self.device) for shape, dt, _ in payload(m.kind, m.part, self.sh)]
+        return [torch.empty(shape, dtype=dt, device=self.device)
+                for shape, dt, _ in payload(m.kind, m.part, self.sh, m.heads)]
 
     def rows(self, part: str) -> slice:
         return part_slice(part, self.sh.s)
@@ -88,24 +100,24 @@ class ForwardOps(_OpsBase):
         self._store.put("kv", self.me, "all", [k, v])
         self.o, self.lse = new_accumulator(sh.B, sh.s, sh.H, sh.d, q.dtype, q.device)
 
-    def _merge(self, part: str, o, lse) -> None:
-        sl = self.rows(part)
-        merge_(self.o[:, sl], self.lse[:, :, sl], o, lse)
+    def _merge(self, part: str, heads: str, o, lse) -> None:
+        sl, hs = self.rows(part), head_slice(heads, self.sh.H)
+        merge_(self.o[:, sl, hs], self.lse[:, hs, sl], o, lse)
 
     def compute(self, c: Compute) -> None:
-        (q,) = self._store.take("q", c.q_owner, c.q_part)
-        k, v = self._store.take("kv", c.kv_owner, c.kv_part)
+        (q,) = self._store.take("q", c.q_owner, c.q_part, c.heads)
+        k, v = self._store.take("kv", c.kv_owner, c.kv_part, c.heads)
         o, lse = block_forward(q, k, v, c.causal, self.cfg.scale)
         if c.q_owner == self.me:
-            self._merge(c.q_part, o, lse)
+            self._merge(c.q_part, c.heads, o, lse)
         else:
-            self._store.put("out", c.q_owner, c.q_part, [o, lse])
+            self._store.put("out", c.q_owner, c.q_part, [o, lse], c.heads)
 
     def receive(self, m: Message, tensors) -> None:
         if m.kind == "out":
-            self._merge(m.part, *tensors)
+            self._merge(m.part, m.heads, *tensors)
         else:
-            self._store.put(m.kind, m.owner, m.part, tensors)
+            self._store.put(m.kind, m.owner, m.part, tensors, m.heads)
 
 
 class BackwardOps(_OpsBase):
@@ -118,34 +130,39 @@ class BackwardOps(_OpsBase):
         self.dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         self.dv = torch.zeros_like(self.dk)
 
-    def _add_dkv(self, owner: int, part: str, dk, dv) -> None:
+    def dkv_buffer(self, owner: int, heads: str) -> list[torch.Tensor]:
+        """The dK/dV accumulator for ``owner``'s K/V (head half ``heads``): this rank's own gradients, or a
+        travelling one for another rank, created full-size in the accumulator dtype on first use."""
         if owner == self.me:
-            dst = (self.dk, self.dv)
-        else:  # a travelling accumulator for another rank's K/V, kept full-size in the accumulator dtype
-            if ("dkv", owner) not in self.store:
-                self._store.put("dkv", owner, "all", [torch.zeros_like(self.dk), torch.zeros_like(self.dv)])
-            dst = self.store[("dkv", owner)][1]
-        sl = self.rows(part)
-        dst[0][:, sl] += dk
-        dst[1][:, sl] += dv
+            return [self.dk, self.dv]
+        if ("dkv", owner, heads) not in self.store:
+            self._store.put("dkv", owner, "all", [torch.zeros_like(self.dk), torch.zeros_like(self.dv)],
+                            key_heads=heads)
+        return self.store[("dkv", owner, heads)][2]
+
+    def _add_dkv(self, owner: int, part: str, heads: str, dk, dv) -> None:
+        sl, hs = self.rows(part), head_slice(heads, self.sh.Hkv)
+        acc_k, acc_v = self.dkv_buffer(owner, heads)
+        acc_k[:, sl, hs] += dk
+        acc_v[:, sl, hs] += dv
 
     def compute(self, c: Compute) -> None:
-        q, dout, lse, delta = self._store.take("qgrad", c.q_owner, c.q_part)
-        k, v = self._store.take("kv", c.kv_owner, c.kv_part)
+        q, dout, lse, delta = self._store.take("qgrad", c.q_owner, c.q_part, c.heads)
+        k, v = self._store.take("kv", c.kv_owner, c.kv_part, c.heads)
         dq, dk, dv = block_backward(dout, q, k, v, lse, delta, c.causal, self.cfg.scale)
         if c.q_owner == self.me:
-            self.dq[:, self.rows(c.q_part)] += dq
+            self.dq[:, self.rows(c.q_part), head_slice(c.heads, self.sh.H)] += dq
         else:  # dQ partials go home in the input dtype, like forward partials
-            self._store.put("dq", c.q_owner, c.q_part, [dq.to(q.dtype)])
-        self._add_dkv(c.kv_owner, c.kv_part, dk, dv)
+            self._store.put("dq", c.q_owner, c.q_part, [dq.to(q.dtype)], c.heads)
+        self._add_dkv(c.kv_owner, c.kv_part, c.heads, dk, dv)
 
     def receive(self, m: Message, tensors) -> None:
         if m.kind == "dq":
-            self.dq[:, self.rows(m.part)] += tensors[0]
+            self.dq[:, self.rows(m.part), head_slice(m.heads, self.sh.H)] += tensors[0]
         elif m.kind == "dkv":
-            self._add_dkv(m.owner, m.part, *tensors)
+            self._add_dkv(m.owner, m.part, m.heads, *tensors)
         else:
-            self._store.put(m.kind, m.owner, m.part, tensors)
+            self._store.put(m.kind, m.owner, m.part, tensors, m.heads)
 
 
 def shapes_of(q: torch.Tensor, k: torch.Tensor, P: int) -> Shapes:
