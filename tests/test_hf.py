@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 import hf_cases  # noqa: E402
 
-STRATEGIES = ["token_ring", "ring", "ulysses"]
+STRATEGIES = ["token_ring", "ring", "ring_bidir", "ulysses"]
 
 
 def test_llama_gqa_matches_single_process(pools):

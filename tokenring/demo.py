@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import tokenring
 from tokenring.launch import spawn
 
-STRATEGIES = ("token_ring", "ring", "ulysses")
+STRATEGIES = ("token_ring", "ring", "ring_bidir", "ulysses")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -229,6 +229,9 @@ def _model_main(a) -> int:
     if "ulysses" in strategies and heads % P:
         strategies.remove("ulysses")
         print(f"(ulysses skipped: {heads} heads do not divide over {P} ranks)")
+    if "ring_bidir" in strategies and kvh % 2:
+        strategies.remove("ring_bidir")
+        print(f"(ring_bidir skipped: it needs an even number of KV heads, the model has {kvh})")
     cores = os.cpu_count() or 1
     print(f"{what}, {heads} heads / {kvh} KV heads, float32")
     print(f"prefill of a {S}-token prompt: {P} local gloo ranks (zigzag, attn_implementation='tokenring', "
@@ -298,7 +301,7 @@ def _layer_rank(rank: int, P: int, S: int, H: int, Hkv: int, d: int, repeats: in
     q, k, v = (tokenring.shard(t, dim=1, layout="zigzag") for t in _inputs(S, H, Hkv, d))
     res = {}
     for name in STRATEGIES:
-        if name == "ulysses" and H % P:
+        if (name == "ulysses" and H % P) or (name == "ring_bidir" and Hkv % 2):
             continue
         out = tokenring.attention(q, k, v, causal=True, strategy=name)  # warm-up, checks shapes once
         times = []
