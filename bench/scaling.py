@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from tokenring.sim import candidates, get_topology, kernel_model, simulate  # noqa: E402
-from tokenring.sim.cli import HARDWARE_PRESETS  # noqa: E402
+from tokenring.sim.cli import HARDWARE_PRESETS, plot_curves  # noqa: E402
 from tokenring.sim.simulator import shapes_for  # noqa: E402
 
 SEQS = [131072, 1048576]
@@ -104,23 +104,11 @@ def _plot(rows, path, what):
     presets = list(dict.fromkeys(r["preset"] for r in rows))
     cols = [(S, h) for S in SEQS for h in HEADS]
     fig, axes = plt.subplots(len(presets), len(cols), figsize=(3.6 * len(cols), 2.8 * len(presets)), squeeze=False)
-    colors = {"token_ring": "tab:red", "ring": "tab:blue", "ulysses": "tab:green"}
     for i, preset in enumerate(presets):
         for j, (S, h) in enumerate(cols):
             ax = axes[i][j]
-            for st, c in colors.items():
-                ps = [r for r in rows if r["preset"] == preset and r["S"] == S and r["heads"] == h
-                      and r["strategy"] == st]
-                if not ps:
-                    continue
-                ax.plot([r["P"] for r in ps], [r["time_s"] * 1e3 for r in ps], "-", color=c, label=st)
-                for r in ps:
-                    ax.plot(r["P"], r["time_s"] * 1e3, "o", color=c, ms=4,
-                            mfc=c if r["regime"] == "compute-bound" else "white")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            plot_curves(ax, [r for r in rows if r["preset"] == preset and r["S"] == S and r["heads"] == h], "P")
             ax.set_title(f"{preset}, S={S // 1024}K, {h}", fontsize=8)
-            ax.grid(True, which="both", alpha=0.3)
             if j == 0:
                 ax.set_ylabel("ms / layer")
             if i == len(presets) - 1:

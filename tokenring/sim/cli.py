@@ -22,7 +22,7 @@ from .kernel_model import kernel_model
 from .simulator import candidates, runnable, shapes_for, simulate
 from .topology import get_topology
 
-__all__ = ["main", "sweep", "HARDWARE_PRESETS"]
+__all__ = ["main", "sweep", "plot_curves", "HARDWARE_PRESETS"]
 
 HARDWARE_PRESETS = ["a10-pcie-4", "h100-nvswitch-8", "ascend910b-mesh-8", "mi300x-mesh-8", "ib-2x8"]
 TESTBED_PRESETS = ["switch:200mbit", "ring:200mbit", "mesh:200mbit"]
@@ -69,32 +69,39 @@ def sweep(topologies, S, P, H, Hkv, d, B, dtype, causal, backward, strategies=No
     return out
 
 
+COLORS = {"token_ring": "tab:red", "ring": "tab:blue", "ulysses": "tab:green", "ring_bidir": "tab:purple"}
+
+
+def plot_curves(ax, points: list[dict], x: str, ms_key: str = "time_s") -> None:
+    """One line per strategy of ``points`` (dicts with ``strategy``, ``x``, ``ms_key`` in seconds, ``regime``)
+    on log-log axes; markers filled where compute-bound, hollow where comm-bound."""
+    for st, color in COLORS.items():
+        ps = [p for p in points if p["strategy"] == st]
+        if not ps:
+            continue
+        ax.plot([p[x] for p in ps], [p[ms_key] * 1e3 for p in ps], "-", color=color, label=st)
+        for p in ps:
+            ax.plot(p[x], p[ms_key] * 1e3, "o", color=color, ms=4,
+                    mfc=color if p["regime"] == "compute-bound" else "white")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def plot_sweep(data: dict, path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     n = len(data)
     fig, axes = plt.subplots(n, 2, figsize=(11, 3.1 * n), squeeze=False)
-    colors = {"token_ring": "tab:red", "ring": "tab:blue", "ulysses": "tab:green", "ring_bidir": "tab:purple"}
     for i, (spec, rec) in enumerate(data.items()):
         for j, (key, x) in enumerate((("vs_P", "P"), ("vs_S", "S"))):
             ax = axes[i][j]
-            pts = rec[key]["points"]
-            for st in colors:
-                ps = [p for p in pts if p["strategy"] == st]
-                if not ps:
-                    continue
-                ax.plot([p[x] for p in ps], [p["time_s"] * 1e3 for p in ps], "-", color=colors[st], label=st)
-                for p in ps:  # filled: compute-bound, hollow: comm-bound
-                    ax.plot(p[x], p["time_s"] * 1e3, "o", color=colors[st], ms=4,
-                            mfc=colors[st] if p["regime"] == "compute-bound" else "white")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            plot_curves(ax, rec[key]["points"], x)
             ax.set_xlabel(x)
             ax.set_ylabel("ms")
             fixed = f"S={rec['vs_P']['S']}" if key == "vs_P" else f"P={rec['vs_S']['P']}"
             ax.set_title(f"{spec}, {fixed}", fontsize=9)
-            ax.grid(True, which="both", alpha=0.3)
             if i == 0 and j == 0:
                 ax.legend(fontsize=8)
     fig.suptitle(title + "  (filled marker: compute-bound, hollow: comm-bound)", fontsize=10)
