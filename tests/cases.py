@@ -145,15 +145,19 @@ def dead_peer(rank: int, P: int, timeout: float) -> str:
 
 
 def peak_memory_case(rank: int, P: int, s: int, H: int, d: int, strategy: str) -> int:
-    """Peak resident memory growth (bytes) of one causal forward+backward at local length ``s``."""
+    """Peak resident memory growth (bytes) of one causal forward+backward at local length ``s``, after a
+    small warm-up call so that one-time allocations (kernel libraries, thread pools, gloo buffers) are not
+    counted."""
     import resource
-    torch.manual_seed(rank)
-    q = torch.randn(1, s, H, d, requires_grad=True)
-    k = torch.randn(1, s, H, d, requires_grad=True)
-    v = torch.randn(1, s, H, d, requires_grad=True)
+
+    def call(n):
+        torch.manual_seed(rank)
+        q, k, v = (torch.randn(1, n, H, d, requires_grad=True) for _ in range(3))
+        tokenring.attention(q, k, v, causal=True, strategy=strategy).sum().backward()
+
+    call(256)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = tokenring.attention(q, k, v, causal=True, strategy=strategy)
-    out.sum().backward()
+    call(s)
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
 
 
