@@ -45,7 +45,8 @@ def run(presets, seqs, Ps, backward, log=print) -> list[dict]:
             for S in seqs:
                 for label, (H, Hkv) in HEADS.items():
                     sh = shapes_for(S, P, H, Hkv, 128, 1, torch.bfloat16)
-                    res = [simulate(n, sh, topo, km, causal=True, backward=backward) for n in candidates(H, P)]
+                    res = [simulate(n, sh, topo, km, causal=True, backward=backward)
+                           for n in candidates(H, P, Hkv)]
                     best = min(r.time for r in res)
                     for r in res:
                         rows.append(dict(preset=preset, topology=topo.describe(), S=S, P=P, heads=label,

@@ -60,7 +60,7 @@ def _kernel(topo: Topology, P: int):
 def _evaluate(sh: Shapes, causal: bool, layout: str, backward: bool, topo: Topology) -> list[SimResult]:
     km = _kernel(topo, sh.P)
     return [simulate(n, sh, topo, km, causal=causal, layout=layout, backward=backward)
-            for n in candidates(sh.H, sh.P)]
+            for n in candidates(sh.H, sh.P, sh.Hkv)]
 
 
 def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_type: str = "cpu",

@@ -38,7 +38,7 @@ def _round_S(S: int, P: int, causal: bool) -> int:
 
 def _strategies(requested, H, Hkv, P):
     """The requested strategies that can run (default: those ``auto`` chooses among)."""
-    return [s for s in (requested or candidates(H, P)) if runnable(s, H, Hkv, P)]
+    return [s for s in (requested or candidates(H, P, Hkv)) if runnable(s, H, Hkv, P)]
 
 
 def predict(topo_spec, S, P, H, Hkv, d, B, dtype, causal, backward, strategies=None, kernel=None) -> list:
