@@ -38,6 +38,7 @@ from statistics import median
 
 import torch
 
+from .launch import free_port
 from .strategies import STRATEGIES
 
 __all__ = ["run", "launch", "main", "OURS", "PEERS"]
@@ -480,13 +481,6 @@ def _worker(spec_path: str, rank: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- launcher
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(spec: dict, *, prefix=None, env=None, master_addr: str = "127.0.0.1", port: int | None = None,
            workdir: str | None = None, timeout: float | None = None) -> dict:
     """Run one benchmark case on ``spec['P']`` rank processes and return rank 0's result dict.
@@ -497,7 +491,7 @@ def launch(spec: dict, *, prefix=None, env=None, master_addr: str = "127.0.0.1",
     P = spec["P"]
     own_dir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="tokenring-bench-")
-    spec = dict(spec, master_addr=master_addr, port=port or _free_port(),
+    spec = dict(spec, master_addr=master_addr, port=port or free_port(),
                 result_path=os.path.join(workdir, "result.json"))
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:

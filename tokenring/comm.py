@@ -55,8 +55,9 @@ class Trace:
 
 
 class _Pending:
-    def __init__(self, comm: "Comm", step: int, works: list, t0: float):
-        self.comm, self.step, self.works, self.t0 = comm, step, works, t0
+    def __init__(self, comm: "Comm", step: int, works: list, records: list[dict], t0: float, posted: float):
+        self.comm, self.step, self.works, self.records = comm, step, works, records
+        self.t0, self.posted = t0, posted
 
     def wait(self) -> None:
         deadline = self.t0 + self.comm.timeout
@@ -66,16 +67,11 @@ class _Pending:
                 work.wait(datetime.timedelta(seconds=remaining))
             except Exception as e:  # gloo raises RuntimeError on timeout or a closed connection
                 raise self.comm.failure(direction, m, self.step, e) from e
-        if self.comm.trace is not None:
+        if self.comm.trace is not None:  # one event per message, from its log record
             t1 = time.perf_counter()
-            seen = set()
-            for direction, m, _, _ in self.works:
-                if id(m) in seen:  # one event per message, not per tensor
-                    continue
-                seen.add(id(m))
-                self.comm.trace.add(direction, m.kind, self.comm._posted[id(m)], t1, step=self.step,
-                                    peer=m.dst if direction == "send" else m.src, kind=m.kind, owner=m.owner,
-                                    part=m.part, heads=m.heads, bytes=self.comm._nbytes[id(m)])
+            for rec in self.records:
+                info = {k: v for k, v in rec.items() if k != "direction"}
+                self.comm.trace.add(rec["direction"], rec["kind"], self.posted, t1, **info)
 
 
 class Comm:
@@ -93,8 +89,6 @@ class Comm:
         self.trace = trace
         self.what = what
         self.log: list[dict] = []
-        self._posted: dict[int, float] = {}
-        self._nbytes: dict[int, int] = {}
 
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
@@ -116,23 +110,24 @@ class Comm:
         All of a step's operations go into one ``batch_isend_irecv``: on NCCL that is one group call, so
         ranks that all receive from one neighbour and send to another cannot deadlock; on gloo it posts
         them in this order, receives first."""
-        ops, meta = [], []
+        ops, meta, records = [], [], []
         now = time.perf_counter()
         for direction, items in (("recv", recvs), ("send", sends)):
             fn = dist.irecv if direction == "recv" else dist.isend
             for m, tensors in items:
                 peer = m.src if direction == "recv" else m.dst
+                gpeer = self._global(peer)
+                kind = _KIND_TAG[m.kind] * len(HEADS) + HEADS.index(m.heads)
                 nbytes = 0
                 for i, t in enumerate(tensors):
-                    kind = _KIND_TAG[m.kind] * len(HEADS) + HEADS.index(m.heads)
                     tag = (step * len(_KIND_TAG) * len(HEADS) + kind) * 8 + i
                     t = t.contiguous()  # kept referenced in `meta` until the wait completes
-                    ops.append(dist.P2POp(fn, t, self._global(peer), self.group, tag))
+                    ops.append(dist.P2POp(fn, t, gpeer, self.group, tag))
                     meta.append((direction, m, t))
                     nbytes += t.numel() * t.element_size()
-                self._posted[id(m)], self._nbytes[id(m)] = now, nbytes
-                self.log.append(dict(step=step, direction=direction, peer=peer, kind=m.kind, owner=m.owner,
-                                     part=m.part, heads=m.heads, bytes=nbytes))
+                records.append(dict(step=step, direction=direction, peer=peer, kind=m.kind, owner=m.owner,
+                                    part=m.part, heads=m.heads, bytes=nbytes))
+        self.log.extend(records)
         t0 = time.monotonic()
         try:
             handles = dist.batch_isend_irecv(ops) if ops else []
@@ -140,4 +135,4 @@ class Comm:
             direction, m, _ = meta[0]
             raise self.failure(direction, m, step, e) from e
         works = [(direction, m, w, t) for (direction, m, t), w in zip(meta, handles)]
-        return _Pending(self, step, works, t0)
+        return _Pending(self, step, works, records, t0, now)
