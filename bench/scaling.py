@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from tokenring.sim import candidates, get_topology, kernel_model, simulate  # noqa: E402
-from tokenring.sim.cli import HARDWARE_PRESETS, plot_curves  # noqa: E402
+from tokenring.sim.cli import HARDWARE_PRESETS, plot_curves, save_figure  # noqa: E402
 from tokenring.sim.simulator import shapes_for  # noqa: E402
 
 SEQS = [131072, 1048576]
@@ -116,10 +116,7 @@ def _plot(rows, path, what):
                 ax.set_xlabel("P")
             if i == 0 and j == 0:
                 ax.legend(fontsize=7)
-    fig.suptitle(what + " — filled: compute-bound, hollow: comm-bound", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.985))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, what, dpi=100)
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,7 @@ from .kernel_model import kernel_model
 from .simulator import candidates, runnable, shapes_for, simulate
 from .topology import get_topology
 
-__all__ = ["main", "sweep", "plot_curves", "HARDWARE_PRESETS"]
+__all__ = ["main", "sweep", "plot_curves", "save_figure", "HARDWARE_PRESETS"]
 
 HARDWARE_PRESETS = ["a10-pcie-4", "h100-nvswitch-8", "ascend910b-mesh-8", "mi300x-mesh-8", "ib-2x8"]
 TESTBED_PRESETS = ["switch:200mbit", "ring:200mbit", "mesh:200mbit"]
@@ -104,9 +104,15 @@ def plot_sweep(data: dict, path: str, title: str) -> None:
             ax.set_title(f"{spec}, {fixed}", fontsize=9)
             if i == 0 and j == 0:
                 ax.legend(fontsize=8)
+    save_figure(fig, path, title, dpi=110)
+
+
+def save_figure(fig, path: str, title: str, dpi: int) -> None:
+    """Title (with the marker legend of :func:`plot_curves`), lay out, write and close ``fig``."""
+    import matplotlib.pyplot as plt
     fig.suptitle(title + "  (filled marker: compute-bound, hollow: comm-bound)", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.985))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 
