@@ -26,7 +26,7 @@ from statistics import median
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # a fresh clone works without installing
 
-from tokenring import bench, testbed  # noqa: E402
+from tokenring.tools import bench, testbed  # noqa: E402
 
 
 def steady_step(r: dict, phase: str = "fwd") -> float | None:

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from tokenring.sim import candidates, get_topology, kernel_model, simulate  # noqa: E402
-from tokenring.sim.cli import HARDWARE_PRESETS, plot_curves, save_figure  # noqa: E402
+from tokenring.tools.simulate import HARDWARE_PRESETS, plot_curves, save_figure  # noqa: E402
 from tokenring.sim.simulator import shapes_for  # noqa: E402
 
 SEQS = [131072, 1048576]

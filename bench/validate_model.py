@@ -5,8 +5,8 @@
 
 Grid (24 configurations): testbed topology {switch, ring, mesh} x {MHA (H=Hkv=8), GQA (H=8, Hkv=2)} x
 {non-causal, causal (zigzag)} x link rate {100, 400} Mbit/s per direction; P=4 ranks, S=4096, d=64, float32,
-forward, 1 thread per rank. Every strategy is measured in each configuration (``tokenring.bench`` inside
-``tokenring.testbed``: median of the timed calls, slowest rank) and predicted by ``tokenring.sim`` with
+forward, 1 thread per rank. Every strategy is measured in each configuration (``tokenring.tools.bench``
+inside ``tokenring.tools.testbed``: median of the timed calls, slowest rank) and predicted by ``tokenring.sim`` with
 
 - the topology preset ``<kind>:<rate>mbit`` (tbf efficiency, loopback cap, per-message latency), and
 - the kernel model calibrated on this CPU at the start (``calibrate_cpu``: one timing process, slowed by the
@@ -39,9 +39,9 @@ import tokenring  # noqa: E402
 from tokenring.sim import get_topology, simulate  # noqa: E402
 from tokenring.sim.kernel_model import cpu_share, kernel_model  # noqa: E402
 from tokenring.sim.simulator import shapes_for  # noqa: E402
+from tokenring.tools import DTYPES  # noqa: E402
 
 OURS = ("token_ring", "ring", "ulysses")
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def grid(topologies, rates, heads, causals):
@@ -50,8 +50,8 @@ def grid(topologies, rates, heads, causals):
 
 
 def measure(cfg, a) -> dict:
-    from tokenring import bench
-    from tokenring.testbed import Testbed
+    from tokenring.tools import bench
+    from tokenring.tools.testbed import Testbed
     spec = bench.make_spec(P=a.P, S=a.S, H=cfg["H"], Hkv=cfg["Hkv"], d=a.d, dtype=a.dtype, causal=cfg["causal"],
                            mode="fwd", strategies=OURS, warmup=1, repeats=a.repeats, trace=False, comm_only=False,
                            threads=a.threads, timeout=300.0)
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
         with open(a.from_json) as f:
             meas = json.load(f)["measurements"]
     else:
-        from tokenring.testbed import available
+        from tokenring.tools.testbed import available
         why = available()
         if why:
             print(f"validate_model: cannot measure: {why}. Use --from-json with earlier measurements.")
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
 
 
 def _machine() -> dict:
-    from tokenring.bench import machine
+    from tokenring.tools.bench import machine
     return machine()
 
 

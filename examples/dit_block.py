@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tokenring
-from tokenring.launch import spawn
+from tokenring.tools.launch import spawn
 
 
 class DiTBlock(nn.Module):

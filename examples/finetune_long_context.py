@@ -21,7 +21,7 @@ import time
 import torch
 
 import tokenring.hf as thf
-from tokenring.launch import spawn
+from tokenring.tools.launch import spawn
 
 
 def build(model_path: str | None, attn: str, layers: int = 2):

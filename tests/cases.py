@@ -1,4 +1,4 @@
-"""Functions run on every rank of a :class:`rankpool.RankPool`: ``fn(rank, P, *args)``.
+"""Functions run on every rank of a :class:`tokenring.tools.launch.RankPool`: ``fn(rank, P, *args)``.
 
 Each correctness case builds the full inputs from a seed (identical on all ranks), shards them, runs
 ``tokenring.attention`` forward and backward, and compares this rank's rows with a float64 single-process
@@ -47,7 +47,16 @@ def check_case(rank: int, P: int, case: dict) -> dict:
     ref_out.backward(dout_full.double())
     idx = local_positions(S, P, rank, layout)
     local = [t.index_select(1, idx).clone().requires_grad_() for t in full]
-    out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout)
+    topo = case.get("topology")
+    if isinstance(topo, list):  # a different setting per rank: rank 0's choice must still rule
+        topo = topo[rank % len(topo)]
+    if topo:
+        tokenring.set_topology(topo)
+    try:
+        out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout)
+    finally:
+        if topo:
+            tokenring.set_topology(None)
     out.backward(dout_full.index_select(1, idx))
     tol = TOL[dtype]
     errs = {}
@@ -183,3 +192,19 @@ def subgroup_case(rank: int, P: int, strategy: str) -> float | None:
     ref.sum().backward()
     grad_ref = tokenring.shard(ref_in.grad, dim=1, layout="zigzag", group=sub)
     return max((full - ref).abs().max().item(), (local.grad - grad_ref).abs().max().item())
+
+
+def chosen_strategy(rank: int, P: int, topology: str, strategy: str) -> str:
+    """Which strategy ran (from the byte log's name) when this rank set ``topology`` (rank 0 decides)."""
+    tokenring.set_topology(topology)
+    try:
+        q = torch.randn(1, 64, 4, 16, dtype=torch.float64)
+        log: list = []
+        tokenring.attention(q, q, q, strategy=strategy, _config=dict(comm_log=log))
+        return log[0][0]
+    finally:
+        tokenring.set_topology(None)
+
+
+def chosen_strategy_mixed(rank: int, P: int, strategy: str) -> str:
+    return chosen_strategy(rank, P, "mesh:100mbit" if rank == 0 else "switch:10gbit", strategy)

@@ -1,6 +1,6 @@
 import pytest
 
-from rankpool import RankPool
+from tokenring.tools.launch import RankPool
 
 _pools: dict[int, RankPool] = {}
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from tokenring import bench
-from tokenring.trace import chrome_trace, direction, step_metrics
+from tokenring.tools import bench
+from tokenring.tools.trace import chrome_trace, direction, step_metrics
 
 
 def test_bench_cli_validates_and_writes_json_and_traces(tmp_path, capsys):

@@ -1,8 +1,9 @@
-"""Byte accounting against DESIGN.md's formulas, clear errors for bad input, and no hang on a dead peer."""
+"""Byte accounting against the design's formulas (docs/DESIGN.md), clear errors for bad input, and no hang on
+a dead peer."""
 import pytest
 
 import cases
-from tokenring.launch import spawn
+from tokenring.tools.launch import spawn
 
 B, s, H, Hkv, d = 1, 8, 4, 2, 16
 E = 2  # bfloat16 bytes per element; lse, delta and travelling dK/dV are float32 (4 bytes)
@@ -35,7 +36,8 @@ def test_token_ring_zigzag_bytes(pools, P):
     a rank before j) needs it, and only the second half after the path wraps past rank 0. The partial of Q_j
     computed on rank r returns straight to j: all rows when r < j, the second half when r > j. Partial =
     out (rows*H*d*e) + lse (rows*H*4)."""
-    case = dict(B=B, s=s, H=H, Hkv=H, d=d, dtype="bfloat16", causal=True, layout="zigzag", strategy="token_ring")
+    case = dict(B=B, s=s, H=H, Hkv=H, d=d, dtype="bfloat16", causal=True, layout="zigzag",
+                strategy="token_ring_paper")
     for r, log in enumerate(pools(P).run(cases.comm_log_case, case)):
         want = []
         for t in range(P - 1):  # during step t, rank r forwards the Q it holds, Q_j with j = r + t, to r - 1
@@ -46,7 +48,7 @@ def test_token_ring_zigzag_bytes(pools, P):
             j = (r + t) % P
             rows = s if r < j else s // 2
             want.append((t + 1, j, "out", rows * B * H * d * E + rows * B * H * 4))
-        got = sorted((x["step"], x["peer"], x["kind"], x["bytes"]) for x in _sent(log, "token_ring forward"))
+        got = sorted((x["step"], x["peer"], x["kind"], x["bytes"]) for x in _sent(log, "token_ring:relay forward"))
         assert got == sorted(want)
         # Backward: (Q, dO) in bf16 plus (lse, delta) in float32 travel the same path; dQ partials go home.
         want_b = []
@@ -56,8 +58,65 @@ def test_token_ring_zigzag_bytes(pools, P):
         for t, j, _, nbytes in (w for w in want if w[2] == "out"):
             rows = nbytes // (B * H * (d * E + 4))
             want_b.append((t, j, "dq", rows * B * H * d * E))
-        got_b = sorted((x["step"], x["peer"], x["kind"], x["bytes"]) for x in _sent(log, "token_ring backward"))
+        got_b = sorted((x["step"], x["peer"], x["kind"], x["bytes"]) for x in _sent(log, "token_ring:relay backward"))
         assert got_b == sorted(want_b)
+
+
+def _zigzag_rows(q_owner: int, kv_owner: int) -> tuple[int, int]:
+    """Rows of the queries and of the keys that meet in a zigzag causal off-diagonal block (local length s)."""
+    return (s, s // 2) if kv_owner < q_owner else (s // 2, s)
+
+
+def _chunk_rows(rows_first: int, rows: int, c: int) -> list[int]:
+    """Row counts of the c chunks of ``rows`` rows starting at local row ``rows_first`` (floors of s-fractions)."""
+    bounds = [(rows_first * c + i * rows) // c for i in range(c + 1)]  # rows_first + i*rows/c, floored
+    return [bounds[i + 1] - bounds[i] for i in range(c)]
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("c,k", [(1, 1), (2, 1), (2, 3), (3, 2)])
+def test_direct_bytes(pools, P, c, k):
+    """Direct variants, zigzag causal, forward and backward, per message: each owner sends each rank exactly
+    the rows it attends with, in c chunks, the chunk computed at step x = 1 + (v-1)*c + i (visitor position v)
+    posted at max(0, x - k*c); TokenRing returns each chunk's partial at x + 1 (out: rows*H*(d*e + 4), dq:
+    rows*H*d*e); pass-KV's backward returns each chunk's dK/dV (float32) at x + 1."""
+    k = min(k, max(1, P - 1))
+    for fam in ("token_ring", "ring"):
+        name = f"{fam}:direct,c={c},k={k}"
+        case = dict(B=B, s=s, H=H, Hkv=H if fam == "token_ring" else Hkv, d=d, dtype="bfloat16", causal=True,
+                    layout="zigzag", strategy=name)
+        hk = case["Hkv"]
+        for r, log in enumerate(pools(P).run(cases.comm_log_case, case)):
+            want_f, want_b = [], []
+            for j in range(P):
+                if j == r:
+                    continue
+                if fam == "token_ring":
+                    v_out, v_back = (r - j) % P, (j - r) % P  # j computes Q_r at position v_out; r computes Q_j
+                    q_rows = _zigzag_rows(r, j)[0]
+                    for i, n in enumerate(_chunk_rows(0 if q_rows == s else s // 2, q_rows, c)):
+                        x = 1 + (v_out - 1) * c + i
+                        want_f.append((max(0, x - k * c), j, "q", n * B * H * d * E))
+                        want_b.append((max(0, x - k * c), j, "qgrad", n * B * H * (2 * d * E + 8)))
+                    p_rows = _zigzag_rows(j, r)[0]
+                    for i, n in enumerate(_chunk_rows(0 if p_rows == s else s // 2, p_rows, c)):
+                        x = 1 + (v_back - 1) * c + i
+                        want_f.append((x + 1, j, "out", n * B * H * (d * E + 4)))
+                        want_b.append((x + 1, j, "dq", n * B * H * d * E))
+                else:
+                    v_out, v_back = (j - r) % P, (r - j) % P  # j computes against KV_r at position v_out
+                    kv_rows = _zigzag_rows(j, r)[1]
+                    for i, n in enumerate(_chunk_rows(0, kv_rows, c)):  # K/V rows needed start at 0 (lo or all)
+                        x = 1 + (v_out - 1) * c + i
+                        want_f.append((max(0, x - k * c), j, "kv", 2 * n * B * hk * d * E))
+                        want_b.append((max(0, x - k * c), j, "kv", 2 * n * B * hk * d * E))
+                    g_rows = _zigzag_rows(r, j)[1]
+                    for i, n in enumerate(_chunk_rows(0, g_rows, c)):
+                        x = 1 + (v_back - 1) * c + i
+                        want_b.append((x + 1, j, "dkv", 2 * n * B * hk * d * 4))
+            for what, want in (("forward", want_f), ("backward", want_b)):
+                got = sorted((x["step"], x["peer"], x["kind"], x["bytes"]) for x in _sent(log, f"{name} {what}"))
+                assert got == sorted(want), (name, what, r)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])

@@ -32,7 +32,7 @@ def grid(P: int, strategy: str) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ring_bidir", "ulysses"])
+@pytest.mark.parametrize("strategy", ["token_ring", "token_ring_paper", "ring", "ring_bidir", "ulysses"])
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 def test_matches_reference(pools, P, strategy):
     todo = grid(P, strategy)
@@ -71,3 +71,45 @@ def test_process_subgroup(pools, strategy):
     errs = pools(4).run(cases.subgroup_case, strategy)
     assert errs[0] is None and errs[2] is None
     assert errs[1] < 1e-10 and errs[3] < 1e-10, errs
+
+
+def variant_grid(P: int, dtypes=("float64",)) -> list[dict]:
+    """Every direct variant (token_ring and pass-KV, c in {1, 2, 3}, k in 1..P-1) over masks/layouts, MHA, GQA
+    and MQA, an odd head dim, uneven chunk sizes (local lengths 6 and 10 cut in 2 or 3 chunks)."""
+    out, i = [], 0
+    names = [f"{fam}:direct,c={c},k={k}" for fam in ("token_ring", "ring") for c in (1, 2, 3) for k in range(1, P)]
+    for name in names:
+        for (causal, layout), (H, Hkv) in itertools.product(LAYOUTS, HEADS):
+            i += 1
+            out.append(dict(B=1 + i % 2, s=6 if i % 2 else 10, H=H, Hkv=Hkv, d=12, dtype=dtypes[i % len(dtypes)],
+                            causal=causal, layout=layout, strategy=name, seed=i))
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
+def test_direct_variants_match_reference(pools, P):
+    todo = variant_grid(P)
+    assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
+def test_direct_variants_low_precision(pools):
+    todo = variant_grid(3, ("float32", "bfloat16"))
+    pools(3).run(cases.check_many, todo)
+
+
+def test_family_choice_on_a_mesh(pools):
+    """strategy="token_ring" / "ring:auto" / "auto" with a mesh topology (the cost model picks a direct
+    variant there) stay exact, and every rank runs rank 0's choice."""
+    todo = [dict(B=1, s=16, H=4, Hkv=Hkv, d=16, dtype="float64", causal=c, layout=lay, strategy=st, seed=3,
+                 topology="mesh:100mbit")
+            for st in ("token_ring", "ring:auto", "auto") for c, lay in LAYOUTS for Hkv in (4, 1)]
+    pools(4).run(cases.check_many, todo)
+
+
+def test_rank0_decides_the_variant(pools):
+    """Ranks told different topologies still run one strategy: rank 0's choice (a per-host input such as a
+    topology set on one rank only cannot split them)."""
+    names = pools(4).run(cases.chosen_strategy, "mesh:100mbit" , "token_ring")
+    assert len(set(names)) == 1, names
+    mixed = pools(4).run(cases.chosen_strategy_mixed, "token_ring")
+    assert len(set(mixed)) == 1 and mixed[0] == names[0], (mixed, names)

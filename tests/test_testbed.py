@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tokenring import bench, testbed
+from tokenring.tools import bench, testbed
 
 TB = testbed.Testbed  # not bound as "Testbed": pytest would try to collect it
 
@@ -74,7 +74,7 @@ def test_failing_rank_still_tears_down():
 @needs_root
 def test_sigterm_tears_down():
     prefix = f"trtest-{os.getpid()}-sig"
-    code = (f"import time; from tokenring.testbed import Testbed\n"
+    code = (f"import time; from tokenring.tools.testbed import Testbed\n"
             f"with Testbed(2, 'ring', 100, prefix={prefix!r}):\n    print('up', flush=True); time.sleep(60)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

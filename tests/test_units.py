@@ -10,7 +10,7 @@ from tokenring.kernels import block_backward, block_forward
 from tokenring.layouts import global_order, local_positions
 from tokenring.merge import merge_, new_accumulator
 from tokenring.schedules import block_pair
-from tokenring.strategies import STRATEGIES
+from tokenring.strategies import STRATEGIES, get
 
 
 def test_merge_exact_and_inf_safe():
@@ -100,40 +100,51 @@ def _attended(P, layout, causal):
     return S, pos, need
 
 
-@pytest.mark.parametrize("name", ["token_ring", "ring", "ring_bidir"])
+def _variants(P: int) -> list[str]:
+    names = ["token_ring:relay", "ring", "ring_bidir"]
+    for c in (1, 2, 3):
+        for k in range(1, max(2, P)):
+            names += [f"token_ring:direct,c={c},k={k}", f"ring:direct,c={c},k={k}"]
+    return names
+
+
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "contiguous"), (True, "zigzag")])
-def test_schedules_cover_each_pair_once(name, P, causal, layout):
-    """Every attended (query, key) pair is computed exactly once for each head half, no masked pair is
-    computed, every compute has its inputs (rows and heads) on the rank that runs it, and no message goes to
-    its sender."""
-    from tokenring.schedules import part_slice, part_within
-    strat = STRATEGIES[name]
+def test_schedules_cover_each_pair_once(P, causal, layout):
+    """For every schedule variant: every attended (query, key) pair is computed exactly once for each head
+    half, no masked pair is computed, every compute has its inputs (rows and heads) on the rank that runs it
+    (a message counts from the step after it is due), no message goes to its sender or is due before it is
+    posted or after the last step."""
+    from tokenring.schedules import part_slice
+    from tokenring.strategies.base import covers
     S, pos, need = _attended(P, layout, causal)
     need = {(a, b, h) for a, b in need for h in ("h0", "h1")}
     s = S // P
-    for sched in (strat.forward_schedule(P, layout, causal), strat.backward_schedule(P, layout, causal)):
-        seen = []
-        have = {(r, kind, r, "all"): ("all", "all") for r in range(P) for kind in ("q", "qgrad", "kv")}
+    for name in _variants(P):
+        strat = get(name)
+        for sched in (strat.forward_schedule(P, layout, causal), strat.backward_schedule(P, layout, causal)):
+            seen = []
+            have = {(r, kind, r, "all"): [("all", "all", -1)] for r in range(P) for kind in ("q", "qgrad", "kv")}
 
-        def held(rank, kind, owner, heads, part):
-            got = have.get((rank, kind, owner, heads)) or have.get((rank, kind, owner, "all"))
-            assert got is not None, (rank, kind, owner, heads)
-            part_within(part, got[0]), part_within(heads, got[1])  # raises if not covered
+            def held(rank, kind, owner, heads, part, t):
+                got = have.get((rank, kind, owner, heads), []) + have.get((rank, kind, owner, "all"), [])
+                assert any(ready < t and covers(p, part) and h in ("all", heads) for p, h, ready in got), \
+                    (name, sched.backward, t, rank, kind, owner, heads, part, got)
 
-        for step in sched.steps:
-            for c in step.computes:
-                held(c.rank, sched.q_kind, c.q_owner, c.heads, c.q_part)
-                held(c.rank, "kv", c.kv_owner, c.heads, c.kv_part)
-                for a in pos[c.q_owner][part_slice(c.q_part, s)]:
-                    for b in pos[c.kv_owner][part_slice(c.kv_part, s)]:
-                        if (not c.causal) or b <= a:
-                            seen += [(a, b, h) for h in (("h0", "h1") if c.heads == "all" else (c.heads,))]
-            for m in step.messages:
-                assert m.src != m.dst
-                have[(m.dst, m.kind, m.owner, m.heads)] = (m.part, m.heads)
-        assert len(seen) == len(set(seen)), "a pair was computed twice"
-        assert set(seen) == need
+            for t, step in enumerate(sched.steps):
+                for c in step.computes:
+                    held(c.rank, sched.q_kind, c.q_owner, c.heads, c.q_part, t)
+                    held(c.rank, "kv", c.kv_owner, c.heads, c.kv_part, t)
+                    for a in pos[c.q_owner][part_slice(c.q_part, s)]:
+                        for b in pos[c.kv_owner][part_slice(c.kv_part, s)]:
+                            if (not c.diag) or b <= a:
+                                seen += [(a, b, h) for h in (("h0", "h1") if c.heads == "all" else (c.heads,))]
+                for m in step.messages:
+                    assert m.src != m.dst
+                    assert m.due == -1 or t <= m.due < len(sched.steps), (name, t, m)
+                    have.setdefault((m.dst, m.kind, m.owner, m.heads), []).append((m.part, m.heads, max(t, m.due)))
+            assert len(seen) == len(set(seen)), f"{name}: a pair was computed twice"
+            assert set(seen) == need, name
 
 
 def test_zigzag_pairs_are_half_blocks():

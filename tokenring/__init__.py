@@ -3,13 +3,23 @@
     out = tokenring.attention(q, k, v, causal=True)        # q: (B, s, H, d) shard, k/v: (B, s, Hkv, d)
     x_local = tokenring.shard(x_full, dim=1, layout="zigzag")
     x_full = tokenring.gather(x_local, dim=1, layout="zigzag")
+
+The cost model behind ``strategy="auto"`` (``tokenring.sim``) is imported on first use only.
 """
 from .api import STRATEGY_NAMES, attention, choose_strategy
 from .comm import get_timeout, set_timeout
 from .layouts import gather, local_positions, shard
-from .sim.auto import explain, get_current_topology, set_topology
 
 __version__ = "0.1.0"
 __all__ = ["attention", "shard", "gather", "local_positions", "choose_strategy", "explain", "set_topology",
            "get_current_topology", "set_timeout", "get_timeout",
            "STRATEGY_NAMES", "__version__"]
+
+_LAZY = {"explain", "set_topology", "get_current_topology"}  # from tokenring.sim.auto, imported when first used
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from .sim import auto
+        return getattr(auto, name)
+    raise AttributeError(f"module 'tokenring' has no attribute {name!r}")

@@ -8,16 +8,25 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import os
+
 from .comm import get_timeout
-from .layouts import LAYOUTS, check_layout, group_info
-from .schedules import Shapes, ulysses_kv_heads
-from .strategies import STRATEGIES
+from .layouts import LAYOUTS, check_layout, default_layout, group_info
+from .schedules import Shapes
+from .strategies import ALIASES, FAMILIES, code as strategy_code, from_code, get as get_strategy
 from .strategies.base import Config, ScheduledAttention
 
-__all__ = ["attention", "choose_strategy", "STRATEGY_NAMES"]
+__all__ = ["attention", "choose_strategy", "resolve", "STRATEGY_NAMES", "forget_choices"]
 
-STRATEGY_NAMES = tuple(STRATEGIES) + ("auto",)
-_checked: set = set()  # (group, signature) pairs already verified identical on every rank
+STRATEGY_NAMES = FAMILIES + tuple(ALIASES) + ("auto",)
+# (group, signature, $TOKENRING_TOPOLOGY) -> the strategy that runs: signatures already verified identical on
+# every rank, with the choice rank 0 made for "auto".
+_checked: dict = {}
+
+
+def forget_choices() -> None:
+    """Drop the verified signatures and the cached ``auto`` choices (``set_topology`` calls this)."""
+    _checked.clear()
 
 
 def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
@@ -53,8 +62,9 @@ def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -
 
 def choose_strategy(H: int, Hkv: int, P: int, *, B: int = 1, s: int | None = None, d: int = 128,
                     dtype: torch.dtype = torch.bfloat16, causal: bool = False, layout: str | None = None,
-                    backward: bool = True, device_type: str = "cpu", topology=None) -> str:
-    """What ``strategy="auto"`` runs for this rank's shard shapes on ``P`` ranks.
+                    backward: bool = True, device_type: str = "cpu", topology=None, requested: str = "auto") -> str:
+    """What ``strategy=requested`` (``"auto"``, or a family choice such as ``"token_ring"``) runs for this
+    rank's shard shapes on ``P`` ranks: a concrete variant's spec.
 
     With the local length ``s`` given, the cost model (``tokenring.sim``) simulates every candidate's schedule
     on the group's topology (``tokenring.set_topology``, ``$TOKENRING_TOPOLOGY``, else ``loopback`` on CPU /
@@ -62,40 +72,57 @@ def choose_strategy(H: int, Hkv: int, P: int, *, B: int = 1, s: int | None = Non
     a candidate only when ``H % P == 0``. Without ``s``, the shape-free rule: TokenRing for MHA, pass-KV
     ring for GQA/MQA (K+V is smaller than Q there)."""
     if s is None or P < 2:
-        return "token_ring" if H == Hkv else "ring"
+        if requested != "auto":
+            return get_strategy(requested).variants(P)[0].name
+        return "token_ring:relay" if H == Hkv else "ring"
     from .sim.auto import choose
-    layout = layout or ("zigzag" if causal else "contiguous")
-    return choose(Shapes(B, s, H, Hkv, d, dtype, P), causal, layout, backward, device_type, topology)[0]
+    layout = layout or default_layout(causal)
+    return choose(Shapes(B, s, H, Hkv, d, dtype, P), causal, layout, backward, device_type, topology, requested)[0]
+
+
+def resolve(strategy: str, q_shape, k_shape, P: int, *, dtype=torch.bfloat16, causal: bool = False,
+            layout: str | None = None, backward: bool = True, device_type: str = "cpu"):
+    """The concrete strategy ``tokenring.attention(strategy=...)`` runs for these shard shapes on ``P`` ranks
+    (from this process's topology setting; inside ``attention`` rank 0 decides for everyone)."""
+    if strategy != "auto" and get_strategy(strategy).mode != "auto":
+        return get_strategy(strategy)
+    B, s, H, d = q_shape
+    return get_strategy(choose_strategy(H, k_shape[2], P, B=B, s=s, d=d, dtype=dtype, causal=causal,
+                                        layout=layout, backward=backward, device_type=device_type,
+                                        requested=strategy))
 
 
 def _code(text: str) -> int:
     return zlib.crc32(text.encode())  # stable across processes, unlike hash()
 
 
-def _signature(q, k, causal, layout, strategy, scale, resolved) -> list[float]:
+def _signature(q, k, causal, layout, strategy, scale, backward) -> list[float]:
     B, s, H, d = q.shape
     return [B, s, H, k.shape[2], d, _code(str(q.dtype)), _code(q.device.type),
-            float(causal), LAYOUTS.index(layout), STRATEGY_NAMES.index(strategy), scale,
-            STRATEGY_NAMES.index(resolved)]
+            float(causal), LAYOUTS.index(layout), _code(strategy), scale, float(backward)]
 
 
 _FIELDS = ["batch", "local length", "query heads", "key/value heads", "head dim", "dtype", "device type",
-           "causal", "layout", "strategy", "softmax_scale",
-           "strategy chosen by auto (set the same tokenring.set_topology / $TOKENRING_TOPOLOGY on every rank)"]
+           "causal", "layout", "strategy", "softmax_scale", "backward (inputs requiring grad)"]
 
 
 def _show(field: str, value: float) -> str:
-    if field == "strategy" or field.startswith("strategy chosen"):
-        return STRATEGY_NAMES[int(value)]
+    if field == "strategy":
+        return next((repr(n) for n in STRATEGY_NAMES if _code(n) == value), f"a spec with code {int(value)}")
     return f"{value:g}" if field in ("softmax_scale",) else str(int(value))
 
 
-def _check_across_ranks(sig: list[float], describe: str, group, device, rank: int, P: int) -> None:
-    """Verify every rank calls with the same shapes and options, once per (group, signature)."""
-    key = (id(group), tuple(sig))
+def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P: int):
+    """Verify that every rank calls with the same shapes and options, and return the strategy to run.
+
+    ``decide()`` resolves the strategy; only rank 0 calls it (``auto`` runs the cost model there) and its
+    answer travels with the signature exchange, so no per-host input (cores, threads, a topology set on one
+    rank only) can make the ranks disagree. Done once per (group, signature); later calls reuse the result."""
+    key = (id(group), tuple(sig), os.environ.get("TOKENRING_TOPOLOGY"))
     if key in _checked:
-        return
-    mine = torch.tensor(sig, dtype=torch.float64, device=device)
+        return _checked[key]
+    choice = strategy_code(decide()) if rank == 0 else [-1.0] * 4
+    mine = torch.tensor(sig + choice, dtype=torch.float64, device=device)
     allsig = [torch.empty_like(mine) for _ in range(P)]
     work = dist.all_gather(allsig, mine, group=group, async_op=True)
     try:
@@ -113,7 +140,8 @@ def _check_across_ranks(sig: list[float], describe: str, group, device, rank: in
                 f"tokenring: rank {r} calls attention with a different {'; '.join(bad)}; here: {describe}. "
                 f"Every rank must pass shards of the same shape, dtype and options; shard the sequence with "
                 f"tokenring.shard() so local lengths are equal.")
-    _checked.add(key)
+    _checked[key] = from_code(allsig[0][-4:].tolist())
+    return _checked[key]
 
 
 def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
@@ -130,14 +158,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``q``: (B, s, H, d), ``k``/``v``: (B, s, Hkv, d), this rank's shard (laid out by ``layout``; default
     ``"zigzag"`` when causal, else ``"contiguous"``, and it must match how the caller sharded). Returns
     (B, s, H, d) in ``q.dtype``: the same rows of single-device attention over the whole sequence.
-    Differentiable in ``q``, ``k``, ``v``. ``strategy``: ``"token_ring"``, ``"ring"``, ``"ring_bidir"``,
-    ``"ulysses"`` or ``"auto"``. With no process group initialised (or one rank) plain attention runs.
+    Differentiable in ``q``, ``k``, ``v``. ``strategy``: ``"token_ring"`` (the TokenRing variant the cost
+    model predicts fastest), ``"token_ring_paper"`` (= ``"token_ring:relay"``), an explicit variant such as
+    ``"token_ring:direct,c=2,k=3"`` or ``"ring:direct,c=1,k=3"``, ``"ring"``, ``"ring:auto"``,
+    ``"ring_bidir"``, ``"ulysses"`` or ``"auto"`` (every strategy and variant). Choices are made on rank 0 and
+    shared. With no process group initialised (or one rank) plain attention runs.
     """
     rank, P = group_info(group)
     _check_local(q, k, v, rank)
-    if strategy not in STRATEGY_NAMES:
-        raise ValueError(f"strategy={strategy!r} is unknown; choose one of {STRATEGY_NAMES}")
-    layout = layout if layout is not None else ("zigzag" if causal else "contiguous")
+    if strategy != "auto":
+        get_strategy(strategy)  # unknown names fail here, on every rank, before any communication
+    layout = layout if layout is not None else default_layout(causal)
     check_layout(layout)
     B, s, H, d = q.shape
     Hkv = k.shape[2]
@@ -147,23 +178,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if layout == "zigzag" and s % 2:
         raise ValueError(f"rank {rank}: layout='zigzag' needs an even local length (two chunks per rank), got "
                          f"{s}; pad the global sequence to a multiple of 2*P = {2 * P}")
-    name = strategy
-    if name == "ulysses" and H % P:
-        raise ValueError(f"strategy='ulysses' needs the {H} query heads to divide over {P} ranks (H % P == 0); "
-                         f"use strategy='token_ring' or 'ring', or a group size that divides {H}")
-    if name == "ring_bidir" and Hkv % 2:
-        raise ValueError(f"strategy='ring_bidir' sends half of the K/V heads each way and needs an even number "
-                         f"of key/value heads, got {Hkv}; use strategy='ring' (or 'token_ring')")
-    if strategy == "auto":  # the cost model; a pure function of shapes and topology, identical on every rank
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        name = choose_strategy(H, Hkv, P, B=B, s=s, d=d, dtype=q.dtype, causal=causal, layout=layout,
-                               backward=grad, device_type=q.device.type)
-    describe = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}"
-    _check_across_ranks(_signature(q, k, causal, layout, strategy, scale, name), describe, group,
-                        q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P)
+    if strategy != "auto":
+        why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
+        if why:
+            raise ValueError(why)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+
+    def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
+        return resolve(strategy, q.shape, k.shape, P, dtype=q.dtype, causal=causal, layout=layout,
+                       backward=backward, device_type=q.device.type)
+
+    describe = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}, " \
+               f"strategy={strategy!r}"
+    strat = _agree(_signature(q, k, causal, layout, strategy, scale, backward), decide, describe, group,
+                   q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P)
     cfg = Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=scale, **(_config or {}))
-    if name == "ulysses":
-        rep = ulysses_kv_heads(H, Hkv, P) // Hkv
-        if rep > 1:  # replicate K/V heads so they split evenly over P (autograd sums their gradients back)
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    return ScheduledAttention.apply(q, k, v, STRATEGIES[name], cfg)
+    q, k, v = strat.prepare(q, k, v, P)
+    return ScheduledAttention.apply(q, k, v, strat, cfg)

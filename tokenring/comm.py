@@ -1,7 +1,7 @@
 """The one place that moves bytes: posts a step's messages, waits with a bounded timeout, accounts bytes and
 records a trace.
 
-Rules that keep point-to-point traffic correct on every backend (see DESIGN.md, measured on gloo):
+Rules that keep point-to-point traffic correct on every backend (measured on gloo):
 - every rank posts the same global list of messages in the same order, receives first, then sends: no
   deadlock by construction, and gloo does not serialise transfers to different peers;
 - each tensor of a message gets a distinct tag (a second guard against swapped messages on gloo; NCCL
@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .messages import KINDS, kind as message_kind
 from .schedules import HEADS, Message
 
 __all__ = ["Comm", "Trace", "get_timeout", "set_timeout"]
 
+_PAIR_SLOTS = 256  # most messages one step may carry between the same two ranks (distinct tags)
+
 _TIMEOUT_S = float(os.environ.get("TOKENRING_TIMEOUT", "300"))
-_KIND_TAG = {k: i for i, k in enumerate(["q", "kv", "out", "qgrad", "dq", "dkv", "u_qkv", "u_out", "u_dout",
-                                          "u_grad"])}
 
 
 def set_timeout(seconds: float) -> None:
@@ -55,9 +56,13 @@ class Trace:
 
 
 class _Pending:
-    def __init__(self, comm: "Comm", step: int, works: list, records: list[dict], t0: float, posted: float):
-        self.comm, self.step, self.works, self.records = comm, step, works, records
-        self.t0, self.posted = t0, posted
+    """Posted operations of one step that are due together: ``wait()`` blocks until they are done;
+    ``recvs`` are the ``(message, buffers)`` received."""
+
+    def __init__(self, comm: "Comm", step: int, due: int, works: list, records: list[dict], recvs: list,
+                 t0: float, posted: float):
+        self.comm, self.step, self.due, self.works, self.records = comm, step, due, works, records
+        self.recvs, self.t0, self.posted = recvs, t0, posted
 
     def wait(self) -> None:
         deadline = self.t0 + self.comm.timeout
@@ -104,35 +109,47 @@ class Comm:
             f"if it is only slow.")
 
     def start(self, step: int, sends: list[tuple[Message, list[torch.Tensor]]],
-              recvs: list[tuple[Message, list[torch.Tensor]]]) -> _Pending:
-        """Post ``recvs`` (into the given buffers) then ``sends``; returns a handle whose ``wait()`` blocks.
+              recvs: list[tuple[Message, list[torch.Tensor]]]) -> list[_Pending]:
+        """Post ``recvs`` (into the given buffers) then ``sends``; returns one handle per due step (a message's
+        ``due``, else this step) whose ``wait()`` blocks until those operations are done.
 
-        All of a step's operations go into one ``batch_isend_irecv``: on NCCL that is one group call, so
+        The operations due together go into one ``batch_isend_irecv``: on NCCL that is one group call, so
         ranks that all receive from one neighbour and send to another cannot deadlock; on gloo it posts
-        them in this order, receives first."""
-        ops, meta, records = [], [], []
+        them in this order, receives first. Tags are distinct per (step, kind, head half, position among the
+        step's messages between the same two ranks, tensor), so chunks of one kind never swap on gloo."""
         now = time.perf_counter()
+        groups: dict[int, tuple[list, list, list, list]] = {}
         for direction, items in (("recv", recvs), ("send", sends)):
             fn = dist.irecv if direction == "recv" else dist.isend
+            seen: dict[int, int] = {}
             for m, tensors in items:
+                due = step if m.due < 0 else m.due
+                ops, meta, records, got = groups.setdefault(due, ([], [], [], []))
                 peer = m.src if direction == "recv" else m.dst
                 gpeer = self._global(peer)
-                kind = _KIND_TAG[m.kind] * len(HEADS) + HEADS.index(m.heads)
+                kind = message_kind(m.kind).tag * len(HEADS) + HEADS.index(m.heads)
+                nth = seen[peer] = seen.get(peer, -1) + 1  # same order on both ends: the schedule's order
                 nbytes = 0
                 for i, t in enumerate(tensors):
-                    tag = (step * len(_KIND_TAG) * len(HEADS) + kind) * 8 + i
+                    tag = ((step * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + kind) * 8 + i
                     t = t.contiguous()  # kept referenced in `meta` until the wait completes
                     ops.append(dist.P2POp(fn, t, gpeer, self.group, tag))
                     meta.append((direction, m, t))
                     nbytes += t.numel() * t.element_size()
                 records.append(dict(step=step, direction=direction, peer=peer, kind=m.kind, owner=m.owner,
                                     part=m.part, heads=m.heads, bytes=nbytes))
-        self.log.extend(records)
-        t0 = time.monotonic()
-        try:
-            handles = dist.batch_isend_irecv(ops) if ops else []
-        except Exception as e:  # a peer that is already gone can fail the posting itself
-            direction, m, _ = meta[0]
-            raise self.failure(direction, m, step, e) from e
-        works = [(direction, m, w, t) for (direction, m, t), w in zip(meta, handles)]
-        return _Pending(self, step, works, records, t0, now)
+                if direction == "recv":
+                    got.append((m, tensors))
+        out = []
+        for due in sorted(groups):
+            ops, meta, records, got = groups[due]
+            self.log.extend(records)
+            t0 = time.monotonic()
+            try:
+                handles = dist.batch_isend_irecv(ops)
+            except Exception as e:  # a peer that is already gone can fail the posting itself
+                direction, m, _ = meta[0]
+                raise self.failure(direction, m, step, e) from e
+            works = [(direction, m, w, t) for (direction, m, t), w in zip(meta, handles)]
+            out.append(_Pending(self, step, due, works, records, got, t0, now))
+        return out

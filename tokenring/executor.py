@@ -1,12 +1,14 @@
 """Runs a :class:`~tokenring.schedules.Schedule` on real tensors: the one step loop every strategy shares.
 
 Per step: allocate receive buffers, post the step's messages (they progress in the background), run the
-step's computes meanwhile, wait, hand the received payloads to the strategy's ``Ops``, and free buffers no
-later step reads. What a compute or a received message *means* is the ``Ops``' business.
+step's computes meanwhile, wait for the messages due at this step (posted now or earlier: a message may be
+given until a later step, so a prefetch does not hold up the steps in between), hand the received payloads to
+the strategy's ``Ops``, and free what no later step reads. What a compute or a received message *means* is the ``Ops``' business.
 """
 from __future__ import annotations
 
 import time
+from functools import lru_cache
 from typing import Protocol
 
 import torch
@@ -18,45 +20,37 @@ __all__ = ["Ops", "execute"]
 
 
 class Ops(Protocol):
-    store: dict
-
     def payload(self, m: Message) -> list[torch.Tensor]: ...          # tensors to send for ``m``
     def empty(self, m: Message) -> list[torch.Tensor]: ...            # receive buffers for ``m``
     def compute(self, c: Compute) -> None: ...
     def receive(self, m: Message, tensors: list[torch.Tensor]) -> None: ...
+    def release(self, step: int, last_reads: dict) -> None: ...       # free what no later step reads
 
 
-def _last_use(sched: Schedule, plan) -> dict:
-    """``(kind, owner)`` -> last step that reads it on this rank (a compute's inputs or a message's payload);
-    store keys are ``(kind, owner, heads)``, and every head half of an entry lives as long as the latest."""
-    last = {}
-    for t, (computes, sends, _) in enumerate(plan):
-        for c in computes:
-            last[(sched.q_kind, c.q_owner)] = t
-            last[("kv", c.kv_owner)] = t
-        for m in sends:
-            last[(m.kind, m.owner)] = t
-    return last
+@lru_cache(maxsize=512)
+def _rank_plan(sched: Schedule, rank: int):
+    """This rank's per-step (computes, sends, receives) and the last step reading each stored entry."""
+    return sched.for_rank(rank), sched.last_reads(rank)
 
 
 def execute(sched: Schedule, comm: Comm, ops: Ops) -> None:
-    me = comm.rank
-    plan = sched.for_rank(me)
-    last = _last_use(sched, plan)
+    plan, last = _rank_plan(sched, comm.rank)
     trace = comm.trace
+    inflight: dict[int, list] = {}  # due step -> posted operations to complete at its end
     for t, (computes, sends, recvs) in enumerate(plan):
-        bufs = [ops.empty(m) for m in recvs]
-        pending = comm.start(t, [(m, ops.payload(m)) for m in sends], list(zip(recvs, bufs)))
+        for pending in comm.start(t, [(m, ops.payload(m)) for m in sends], [(m, ops.empty(m)) for m in recvs]):
+            inflight.setdefault(pending.due, []).append(pending)
         for c in computes:
             t0 = time.perf_counter()
             ops.compute(c)
             if trace is not None:
                 trace.add("compute", f"Q{c.q_owner}.{c.q_part} x KV{c.kv_owner}.{c.kv_part}", t0,
-                          time.perf_counter(), step=t, q_owner=c.q_owner, kv_owner=c.kv_owner,
-                          causal=c.causal)
-        pending.wait()
-        for m, b in zip(recvs, bufs):
-            ops.receive(m, b)
-        # Free what no later step reads; a rank's own inputs (owner == me) live for the whole call.
-        for key in [k for k in ops.store if k[1] != me and last.get(k[:2], -1) <= t]:
-            del ops.store[key]
+                          time.perf_counter(), step=t, q_owner=c.q_owner, kv_owner=c.kv_owner, diag=c.diag)
+        for pending in inflight.pop(t, []):
+            pending.wait()
+            for m, bufs in pending.recvs:
+                ops.receive(m, bufs)
+        ops.release(t, last)
+    if inflight:
+        raise RuntimeError(f"schedule {sched.strategy}: messages due after its last step {len(plan) - 1}: "
+                           f"{sorted(inflight)}")

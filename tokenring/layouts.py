@@ -12,9 +12,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["LAYOUTS", "check_layout", "local_positions", "global_order", "shard", "gather", "group_info"]
+__all__ = ["LAYOUTS", "default_layout", "check_layout", "local_positions", "global_order", "shard", "gather", "group_info"]
 
 LAYOUTS = ("contiguous", "zigzag")
+
+
+def default_layout(causal: bool) -> str:
+    """``zigzag`` for causal attention (it balances the triangle's work over the ranks), else ``contiguous``."""
+    return "zigzag" if causal else "contiguous"
 
 
 def check_layout(layout: str) -> None:

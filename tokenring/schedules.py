@@ -5,42 +5,80 @@ A strategy is a :class:`Schedule`. The executor (``executor.py``) runs it on rea
 reality use one description. Nothing here touches ``torch.distributed``.
 
 Vocabulary
-- *Part* of a rank's local rows: ``"all"``, ``"lo"`` (first half) or ``"hi"`` (second half). Zigzag causal
-  attention only ever needs halves (see :func:`block_pair`). *Heads*: ``"all"``, ``"h0"`` or ``"h1"`` (half of
-  the K/V heads with their query heads), for strategies that send the two halves different ways.
+- *Part* of a rank's local rows: ``"all"``, ``"lo"`` (first half), ``"hi"`` (second half), or in general
+  ``"a:b/n"``: rows ``[a*s//n, b*s//n)`` of the ``s`` local rows (row chunks of a block; ``"lo"`` is
+  ``"0:1/2"``). Zigzag causal attention only ever needs halves (see :func:`block_pair`). *Heads*: ``"all"``,
+  ``"h0"`` or ``"h1"`` (half of the K/V heads with their query heads), for strategies that send the two
+  halves different ways.
 - :class:`Compute`: rank ``rank`` attends the ``q_part`` rows of rank ``q_owner``'s queries to the ``kv_part``
-  rows of rank ``kv_owner``'s keys/values (``scope="heads"``: Ulysses' full-sequence, ``H/P``-head block).
-- :class:`Message`: a payload of ``kind`` (see :func:`payload`) about rank ``owner``'s rows ``part``, from
-  ``src`` to ``dst``. Messages of step ``t`` are posted when step ``t`` starts and overlap its computes; what
-  they deliver is usable from step ``t + 1`` on.
+  rows of rank ``kv_owner``'s keys/values; ``diag`` marks the causal diagonal block (masked lower-triangular;
+  every other block is attended in full). What the rows mean is the strategy's business (Ulysses: the whole
+  sequence over ``H/P`` heads).
+- :class:`Message`: a payload of ``kind`` (see :mod:`tokenring.messages`) about rank ``owner``'s rows
+  ``part``, from ``src`` to ``dst``. Messages of step ``t`` are posted when step ``t`` starts and overlap its
+  computes; what they deliver is usable from step ``t + 1`` on (from ``due + 1`` for a message given until
+  step ``due``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from math import gcd
 
 import torch
 
 from .merge import acc_dtype
+from .messages import kind as message_kind
 
-__all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair", "part_slice",
-           "part_union", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
+__all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
+           "part_slice", "part_union", "part_within", "part_rows", "chunk", "rows", "direct", "drop_empty_tail", "payload", "message_bytes", "relay",
+           "ulysses_kv_heads"]
 
 PARTS = ("all", "lo", "hi")
 # Head halves, for strategies that split K/V heads between two directions: "h0" is the first half of the K/V
 # heads together with the query heads that attend to them (GQA groups are contiguous), "h1" the second half.
 HEADS = ("all", "h0", "h1")
+_NAMED = {(0, 1, 1): "all", (0, 1, 2): "lo", (1, 2, 2): "hi"}
+
+
+def _make(a: int, b: int, n: int) -> str:
+    g = gcd(gcd(a, b), n)
+    a, b, n = a // g, b // g, n // g
+    return _NAMED.get((a, b, n), f"{a}:{b}/{n}")
+
+
+@lru_cache(maxsize=4096)
+def _frac(part: str) -> tuple[int, int, int]:
+    """``part`` as ``(a, b, n)``: rows ``[a*s//n, b*s//n)``."""
+    for key, name in _NAMED.items():
+        if part == name:
+            return key
+    try:
+        ab, n = part.split("/")
+        a, b = ab.split(":")
+        a, b, n = int(a), int(b), int(n)
+    except ValueError:
+        raise ValueError(f"unknown part {part!r}: use 'all', 'lo', 'hi' or 'a:b/n'") from None
+    if not 0 <= a < b <= n:
+        raise ValueError(f"part {part!r} is not a row range within the block")
+    return a, b, n
+
+
+def chunk(part: str, i: int, c: int) -> str:
+    """Row chunk ``i`` of ``c`` equal chunks of ``part`` (``chunk("hi", 0, 2) == "2:3/4"``)."""
+    a, b, n = _frac(part)
+    return _make(a * c + i * (b - a), a * c + (i + 1) * (b - a), n * c)
 
 
 def part_slice(part: str, n: int) -> slice:
-    """Row slice of ``part`` within ``n`` local rows (``n`` is even whenever a half is used)."""
-    if part == "all":
-        return slice(0, n)
-    if part == "lo":
-        return slice(0, n // 2)
-    if part == "hi":
-        return slice(n // 2, n)
-    raise ValueError(f"unknown part {part!r}")
+    """Row slice of ``part`` within ``n`` local rows (floors: any ``n`` works, chunks differ by a row at most)."""
+    a, b, m = _frac(part)
+    return slice(a * n // m, b * n // m)
+
+
+def part_rows(part: str, n: int) -> int:
+    sl = part_slice(part, n)
+    return sl.stop - sl.start
 
 
 def head_slice(heads: str, n: int) -> slice:
@@ -49,21 +87,28 @@ def head_slice(heads: str, n: int) -> slice:
 
 
 def part_union(a: str | None, b: str | None) -> str | None:
-    """Smallest part covering both (``None`` = nothing)."""
+    """Smallest row range covering both (``None`` = nothing)."""
     if a is None or a == b:
         return b
     if b is None:
         return a
-    return "all"
+    (a0, a1, an), (b0, b1, bn) = _frac(a), _frac(b)
+    n = an * bn // gcd(an, bn)
+    return _make(min(a0 * (n // an), b0 * (n // bn)), max(a1 * (n // an), b1 * (n // bn)), n)
 
 
 def part_within(part: str, holder: str) -> str:
-    """``part`` expressed relative to rows stored as ``holder`` (``"all"`` when they coincide)."""
+    """``part`` expressed relative to rows stored as ``holder``; ``ValueError`` unless ``holder`` covers it."""
     if holder == part:
         return "all"
     if holder == "all":
         return part
-    raise ValueError(f"rows {part!r} requested from a buffer that only holds {holder!r}")
+    (p0, p1, pn), (h0, h1, hn) = _frac(part), _frac(holder)
+    n = pn * hn // gcd(pn, hn)
+    p0, p1, h0, h1 = p0 * (n // pn), p1 * (n // pn), h0 * (n // hn), h1 * (n // hn)
+    if not h0 <= p0 < p1 <= h1:
+        raise ValueError(f"rows {part!r} requested from a buffer that only holds {holder!r}")
+    return _make(p0 - h0, p1 - h0, h1 - h0)
 
 
 @dataclass(frozen=True)
@@ -73,19 +118,21 @@ class Compute:
     q_part: str
     kv_owner: int
     kv_part: str
-    causal: bool
-    scope: str = "block"  # "block": local rows; "heads": Ulysses' full sequence over H/P heads
+    diag: bool = False
     heads: str = "all"
 
 
 @dataclass(frozen=True)
 class Message:
+    """``due``: the step by whose end it must have arrived (``-1``: the step it is posted in); the receiver
+    handles it then, so steps in between run while it is in flight."""
     src: int
     dst: int
     kind: str
     owner: int
     part: str = "all"
     heads: str = "all"
+    due: int = -1
 
 
 @dataclass
@@ -94,7 +141,7 @@ class Step:
     messages: list[Message] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)  # identity hash: schedules are cached and looked up by object
 class Schedule:
     """Steps of one strategy for ``P`` ranks. ``q_kind`` names the store entry a compute reads queries from
     (``"q"`` forward, ``"qgrad"`` backward: queries with dO, lse and delta)."""
@@ -112,10 +159,58 @@ class Schedule:
                  [m for m in st.messages if m.src == r],
                  [m for m in st.messages if m.dst == r]) for st in self.steps]
 
+    def last_reads(self, r: int) -> dict[tuple[str, int], int]:
+        """``(kind, owner)`` -> the last step at which rank ``r`` reads that entry (as a compute's queries or
+        K/V, or as the payload of a message it sends): after it the entry can be released."""
+        last = {}
+        for t, (computes, sends, _) in enumerate(self.for_rank(r)):
+            for c in computes:
+                last[(self.q_kind, c.q_owner)] = t
+                last[("kv", c.kv_owner)] = t
+            for m in sends:
+                last[(m.kind, m.owner)] = t
+        return last
+
+    def describe(self, sh: "Shapes | None" = None, ranks=None) -> str:
+        """A per-step, per-rank table of what each rank computes, sends and receives (with bytes when ``sh``
+        is given): the plan ``tokenring explain --plan`` prints."""
+        what = f"{self.strategy} {'backward' if self.backward else 'forward'}, P={self.P}, layout={self.layout}, " \
+               f"causal={self.causal}"
+        if sh is not None:
+            what += f"; B={sh.B} s={sh.s}/rank H={sh.H} Hkv={sh.Hkv} d={sh.d} {str(sh.dtype).replace('torch.', '')}"
+        lines = [what]
+        ranks = range(self.P) if ranks is None else ranks
+
+        def size(m: Message) -> str:
+            return f" {message_bytes(m, sh) / 1e6:.3g}MB" if sh is not None else ""
+
+        def heads(h: str) -> str:
+            return "" if h == "all" else f"[{h}]"
+
+        for t, st in enumerate(self.steps):
+            lines.append(f"step {t}")
+            for r in ranks:
+                comp = [f"Q{c.q_owner}.{c.q_part} x KV{c.kv_owner}.{c.kv_part}{heads(c.heads)}"
+                        f"{' diag' if c.diag else ''}" for c in st.computes if c.rank == r]
+                send = [f"{m.kind}({m.owner}.{m.part}){heads(m.heads)}->{m.dst}{size(m)}"
+                        f"{f' by step {m.due}' if m.due > t else ''}" for m in st.messages if m.src == r]
+                recv = [f"{m.kind}({m.owner}.{m.part}){heads(m.heads)}<-{m.src}" for m in st.messages if m.dst == r]
+                if comp or send or recv:
+                    lines.append(f"  rank {r}: compute {', '.join(comp) or '-'} | send {', '.join(send) or '-'} | "
+                                 f"recv {', '.join(recv) or '-'}")
+        if sh is not None:
+            sent = [sum(message_bytes(m, sh) for st in self.steps for m in st.messages if m.src == r)
+                    for r in range(self.P)]
+            lines.append(f"bytes sent per rank: max {max(sent) / 1e6:.4g} MB, total {sum(sent) / 1e6:.4g} MB")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
 
 def block_pair(q_owner: int, kv_owner: int, P: int, layout: str, causal: bool) -> tuple[str, str, bool] | None:
     """Which rows of ``q_owner``'s queries meet which rows of ``kv_owner``'s keys, and whether the block is the
-    causal diagonal: ``(q_part, kv_part, causal)``, or ``None`` when the block is empty (never computed, never
+    causal diagonal: ``(q_part, kv_part, diag)``, or ``None`` when the block is empty (never computed, never
     communicated).
 
     Zigzag: rank ``r`` holds chunks ``r`` and ``2P-1-r``. If the keys' owner comes earlier (``kv < q``) every
@@ -154,6 +249,84 @@ def relay(owner: int, path: list[int], needs: list[str | None], kind: str,
     return out
 
 
+def drop_empty_tail(steps: list[Step]) -> list[Step]:
+    """``steps`` without trailing steps that neither compute nor communicate."""
+    while steps and not steps[-1].computes and not steps[-1].messages:
+        steps.pop()
+    return steps
+
+
+def rows(a: int, b: int, n: int) -> str:
+    """The part naming rows ``[a*s//n, b*s//n)``."""
+    return _make(a, b, n)
+
+
+def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: str, chunks: int,
+           lookahead: int) -> Schedule:
+    """Direct (mesh-native), fine-grained schedule: every block one rank lacks comes *straight from its owner*,
+    cut into ``chunks`` row chunks that are computed one per step, and sent up to ``lookahead`` blocks ahead.
+
+    ``mover="q"`` (TokenRing): rank ``r`` attends the queries of ``j = r + v`` (``v = 1 .. P-1``) to its own
+    K/V; each chunk's partial (``out`` / ``dq``) goes straight home one step after it is computed, so a
+    call ends about one chunk after its last compute, not one block. ``mover="kv"`` (pass-KV as an
+    all-gather overlapped with compute): rank ``r`` attends its queries to the K/V of ``j = r - v``; the
+    partial merges locally, and in backward each chunk's dK/dV goes home.
+
+    Per rank: step 0 computes the first ``c/(c+1)`` of the own block's rows, steps ``1 ..`` the visiting
+    chunks, and the last step the remaining own rows, which hides the last partial's trip home. A chunk
+    needed at step ``x`` is posted by its owner at step ``max(0, x - lookahead*chunks)`` and due by step
+    ``x - 1``; a partial is posted at ``x + 1`` and due by step ``x + k*c`` (the receiver merges it then), so
+    up to ``k`` blocks of partials travel at once, to different owners over different links.
+    Memory: a rank holds at most ``k + 1`` visiting blocks (those in flight and the one computed) and ``k``
+    blocks of partials (its own in flight home, and others' arriving), whatever ``P``.
+    """
+    c, k = chunks, lookahead
+    if c < 1 or not 1 <= k <= max(1, P - 1):
+        raise ValueError(f"chunks must be >= 1 and lookahead in 1..P-1 = {P - 1}; got chunks={c}, lookahead={k}")
+    if mover not in ("q", "kv"):
+        raise ValueError(f"mover must be 'q' or 'kv', got {mover!r}")
+    carry = "kv" if mover == "kv" else ("qgrad" if backward else "q")
+    ret = ("dq" if backward else "out") if mover == "q" else ("dkv" if backward else None)
+    front, back = rows(0, c, c + 1), rows(c, c + 1, c + 1)
+    plans = []  # per rank: [(step, computes, carry messages (posted, message), returns (step, message))]
+    for r in range(P):
+        items, x = [], 1
+        for v in range(1, P):
+            j = (r + v) % P if mover == "q" else (r - v) % P
+            pair = block_pair(j, r, P, layout, causal) if mover == "q" else block_pair(r, j, P, layout, causal)
+            if pair is None:
+                continue
+            q_part, kv_part, _ = pair
+            for i in range(c):
+                if mover == "q":
+                    part = chunk(q_part, i, c)
+                    comp = Compute(r, j, part, r, kv_part)
+                else:
+                    part = chunk(kv_part, i, c)
+                    comp = Compute(r, r, q_part, j, part)
+                items.append((x, j, part, comp))
+                x += 1
+        plans.append((items, x))  # x: the step of the own block's back rows
+    last = max(x for _, x in plans)
+    steps = [Step() for _ in range(last + 1)]
+    for r, (items, final) in enumerate(plans):
+        if causal:
+            steps[0].computes.append(Compute(r, r, front, r, front, True))
+            steps[final].computes += [Compute(r, r, back, r, front), Compute(r, r, back, r, back, True)]
+        else:
+            steps[0].computes.append(Compute(r, r, front, r, "all"))
+            steps[final].computes.append(Compute(r, r, back, r, "all"))
+        for x, j, part, comp in items:
+            steps[x].computes.append(comp)
+            steps[max(0, x - k * c)].messages.append(Message(j, r, carry, j, part, due=x - 1))
+            if ret is not None:
+                steps[x + 1].messages.append(Message(r, j, ret, j, part, due=min(x + k * c, last)))
+    for st in steps:  # by rank, then in posting order: readable plans and traces (semantics unaffected)
+        st.computes.sort(key=lambda cmp: cmp.rank)
+    q_kind = "qgrad" if backward else "q"
+    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps))
+
+
 def ulysses_kv_heads(H: int, Hkv: int, P: int) -> int:
     """K/V heads Ulysses scatters: ``Hkv`` repeated the fewest times that makes it divisible by ``P``
     (``H % P == 0`` guarantees the repeat factor divides ``H // Hkv``)."""
@@ -173,33 +346,19 @@ class Shapes:
 
 
 def payload(kind: str, part: str, sh: Shapes, heads: str = "all") -> list[tuple[tuple[int, ...], torch.dtype, int]]:
-    """Tensors of a message: ``(shape, dtype, sequence dim)`` each; the head dim is ``3 - sequence dim``
-    ((B, n, h, d) tensors and (B, h, n) row statistics). Partial outputs travel in the input dtype, row
-    statistics (lse, delta) and travelling dK/dV accumulators in the accumulator dtype."""
+    """Tensors of a message of ``kind`` (its row in :data:`tokenring.messages.KINDS`) about rows ``part`` and
+    head half ``heads``: ``(shape, dtype, sequence dim)`` each; the head dim is ``3 - sequence dim`` ((B, n, h,
+    d) tensors and (B, h, n) row statistics). Partial outputs travel in the input dtype, row statistics (lse,
+    delta) and travelling dK/dV accumulators in the accumulator dtype."""
+    spec = message_kind(kind)
     if heads != "all":
         sh = replace(sh, H=sh.H // 2, Hkv=sh.Hkv // 2)
-    n = part_slice(part, sh.s).stop - part_slice(part, sh.s).start
+    n = part_rows(part, sh.s)
     B, H, Hkv, d, dt, acc = sh.B, sh.H, sh.Hkv, sh.d, sh.dtype, acc_dtype(sh.dtype)
-    rows_q, rows_kv, stat = ((B, n, H, d), dt, 1), ((B, n, Hkv, d), dt, 1), ((B, H, n), acc, 2)
-    if kind in ("q", "dq"):
-        return [rows_q]
-    if kind == "kv":
-        return [rows_kv, rows_kv]
-    if kind == "out":
-        return [rows_q, stat]
-    if kind == "qgrad":  # queries, dO, lse, delta
-        return [rows_q, rows_q, stat, stat]
-    if kind == "dkv":
-        return [((B, n, Hkv, d), acc, 1)] * 2
-    hq, hk = H // sh.P, ulysses_kv_heads(H, Hkv, sh.P) // sh.P
-    uq, ukv = ((B, n, hq, d), dt, 1), ((B, n, hk, d), dt, 1)
-    if kind == "u_qkv":
-        return [uq, ukv, ukv]
-    if kind in ("u_out", "u_dout"):
-        return [uq]
-    if kind == "u_grad":
-        return [uq, ukv, ukv]
-    raise ValueError(f"unknown message kind {kind!r}")
+    shapes = {"q": ((B, n, H, d), dt, 1), "kv": ((B, n, Hkv, d), dt, 1), "stat": ((B, H, n), acc, 2),
+              "kv_acc": ((B, n, Hkv, d), acc, 1),
+              "uq": ((B, n, H // sh.P, d), dt, 1), "ukv": ((B, n, ulysses_kv_heads(H, Hkv, sh.P) // sh.P, d), dt, 1)}
+    return [shapes[t] for t in spec.tensors]
 
 
 def message_bytes(m: Message, sh: Shapes) -> int:

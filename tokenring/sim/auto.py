@@ -4,8 +4,8 @@ Which interconnect: :func:`set_topology` (a preset name, ``"mesh:200mbit"``, a J
 :class:`~tokenring.sim.topology.Topology`), else ``$TOKENRING_TOPOLOGY`` (same forms), else a documented
 default: ``loopback`` (local gloo ranks sharing one host, a switch-like model of the loopback's ~1.4 GB/s)
 on CPU, ``h100-nvswitch-8`` on CUDA. The kernel model is the topology's device (``cpu``: a fixed analytic
-model, never a timing taken on this rank), so the choice is a pure function of identical inputs and every
-rank makes the same one; ``tokenring.attention`` verifies that across ranks anyway. Choices are cached per
+model, never a timing taken on this rank). ``tokenring.attention`` asks the model on rank 0 only and sends its
+choice to every rank with the signature check, so ranks never disagree. Choices are cached per
 (shapes, dtype, causal, layout, pass, topology).
 """
 from __future__ import annotations
@@ -36,6 +36,8 @@ def set_topology(spec=None) -> None:
         get_topology(spec)  # validate now, not at the first attention call
     _explicit = spec
     _cache.clear()
+    from ..api import forget_choices
+    forget_choices()  # calls after this re-decide (rank 0) and re-verify
 
 
 def get_current_topology(P: int, device_type: str = "cpu") -> tuple[Topology, str]:
@@ -57,25 +59,39 @@ def _kernel(topo: Topology, P: int):
     return kernel_model(topo.device)
 
 
-def _evaluate(sh: Shapes, causal: bool, layout: str, backward: bool, topo: Topology) -> list[SimResult]:
+def variant_candidates(requested: str, sh: Shapes, causal: bool, layout: str) -> list[str]:
+    """The concrete strategies ``requested`` may run: for ``"auto"`` every variant of every family ``auto``
+    considers, for a family choice (``"token_ring"``, ``"ring:auto"``) its variants, else itself; only those
+    whose ``check`` passes for these shapes."""
+    from ..strategies import get
+    fams = candidates(sh.H, sh.P, sh.Hkv) if requested == "auto" else [requested]
+    zigzag = causal and layout == "zigzag"
+    return [v.name for f in fams for v in get(f).variants(sh.P) if v.check(sh.H, sh.Hkv, sh.P, sh.s, zigzag) is None]
+
+
+def _evaluate(sh: Shapes, causal: bool, layout: str, backward: bool, topo: Topology, requested: str) -> list[SimResult]:
     km = _kernel(topo, sh.P)
     return [simulate(n, sh, topo, km, causal=causal, layout=layout, backward=backward)
-            for n in candidates(sh.H, sh.P, sh.Hkv)]
+            for n in variant_candidates(requested, sh, causal, layout)]
 
 
 def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_type: str = "cpu",
-           topology=None) -> tuple[str, list[SimResult], Topology, str]:
-    """``(strategy, predictions, topology, where the topology came from)``; the fastest prediction wins,
-    ties (within 0.5%) go to the earlier of token_ring, ring, ulysses."""
+           topology=None, requested: str = "auto") -> tuple[str, list[SimResult], Topology, str]:
+    """``(strategy, predictions, topology, where the topology came from)`` for ``requested`` (``"auto"`` or a
+    family choice such as ``"token_ring"``): the fastest prediction wins, ties (within 0.5%) go to the earlier
+    candidate (token_ring's relay, then its direct variants by chunks and lookahead, then ring, ulysses)."""
     if topology is not None:
         topo, origin = get_topology(topology, sh.P), "argument"
     else:
         topo, origin = get_current_topology(sh.P, device_type)
     key = (sh, causal, layout, backward, topo.name, topo.P, repr(_explicit), os.environ.get("TOKENRING_TOPOLOGY"),
            torch.get_num_threads(),
-           topology if isinstance(topology, (str, type(None))) else repr(topology))
+           topology if isinstance(topology, (str, type(None))) else repr(topology), requested)
     if key not in _cache:
-        results = _evaluate(sh, causal, layout, backward, topo)
+        results = _evaluate(sh, causal, layout, backward, topo, requested)
+        if not results:
+            raise ValueError(f"no variant of {requested!r} can run B={sh.B} s={sh.s} H={sh.H} Hkv={sh.Hkv} on "
+                             f"P={sh.P} ranks")
         best = min(r.time for r in results)
         name = next(r.strategy for r in results if r.time <= best * 1.005)
         _cache[key] = (name, results, topo, origin)
@@ -98,7 +114,7 @@ def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: in
     """Print (to ``file``; ``None``: don't) and return why ``auto`` picks what it picks for this rank's shard
     ``q`` (B, s, H, d) and ``k`` (B, s, Hkv, d) -- tensors or shape tuples -- on ``P`` ranks (default: the
     size of ``group`` / the default group): the predicted time of every candidate on the topology."""
-    from ..layouts import group_info
+    from ..layouts import default_layout, group_info
 
     qs = _shape(q)
     ks = _shape(k) if k is not None else qs
@@ -110,7 +126,7 @@ def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: in
     if dtype is None:
         dtype = q.dtype if isinstance(q, torch.Tensor) else torch.bfloat16
     device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
-    layout = layout or ("zigzag" if causal else "contiguous")
+    layout = layout or default_layout(causal)
     sh = Shapes(B, s, H, ks[2], d, dtype, P)
     out = io.StringIO()
     if P < 2:

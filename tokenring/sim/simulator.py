@@ -25,8 +25,10 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ..schedules import Message, Shapes, message_bytes, part_slice, ulysses_kv_heads
-from ..strategies import STRATEGIES
+from ..layouts import default_layout
+from ..messages import kind as message_kind
+from ..schedules import Message, Shapes, message_bytes, part_rows
+from ..strategies import get as get_strategy, runnable as runnable_strategies
 from .kernel_model import KernelModel, kernel_model
 from .topology import Topology
 
@@ -41,30 +43,32 @@ class CompiledSchedule:
     layout: str
     causal: bool
     backward: bool
-    comp_classes: list      # (q_part, kv_part, causal, scope, own_q, heads)
+    comp_classes: list      # Compute objects with rank 0 / owners canonicalised: (own queries?, the compute)
     msg_classes: list       # (kind, part, heads)
-    steps: list             # per step: (comp_rank, comp_cls, msg_src, msg_dst, msg_cls) int arrays
+    steps: list             # per step: (comp_rank, comp_cls, msg_src, msg_dst, msg_cls, msg_due) int arrays
+    deferred: bool = False  # some message is due after the step that posts it
 
 
 @lru_cache(maxsize=48)
 def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward: bool) -> CompiledSchedule:
     """The strategy's schedule (exactly what the executor runs) as per-step arrays."""
-    st = STRATEGIES[strategy]
-    sched = (st.backward_schedule if backward else st.forward_schedule)(P, layout, causal)
+    sched = get_strategy(strategy).schedule(P, layout, causal, backward)
     cc: dict = {}
     mc: dict = {}
     steps = []
     for step in sched.steps:
         cr = np.fromiter((c.rank for c in step.computes), np.int64, len(step.computes))
-        ck = np.fromiter((cc.setdefault((c.q_part, c.kv_part, c.causal, c.scope, c.q_owner == c.rank, c.heads),
-                                        len(cc))
+        # A compute's cost depends on its rows, heads and mask, and on whether it merges locally (own queries).
+        ck = np.fromiter((cc.setdefault((c.q_owner == c.rank, replace(c, rank=0, q_owner=0, kv_owner=0)), len(cc))
                           for c in step.computes), np.int64, len(step.computes))
         ms = np.fromiter((m.src for m in step.messages), np.int64, len(step.messages))
         md = np.fromiter((m.dst for m in step.messages), np.int64, len(step.messages))
         mk = np.fromiter((mc.setdefault((m.kind, m.part, m.heads), len(mc)) for m in step.messages), np.int64,
                          len(step.messages))
-        steps.append((cr, ck, ms, md, mk))
-    return CompiledSchedule(strategy, P, layout, causal, backward, list(cc), list(mc), steps)
+        du = np.fromiter((len(steps) if m.due < 0 else m.due for m in step.messages), np.int64, len(step.messages))
+        steps.append((cr, ck, ms, md, mk, du))
+    deferred = any(bool((st[5] > t).any()) for t, st in enumerate(steps))
+    return CompiledSchedule(strategy, P, layout, causal, backward, list(cc), list(mc), steps, deferred)
 
 
 @dataclass
@@ -133,55 +137,36 @@ class SimResult:
                                  step_comm_s=[s.comm for s in p.steps]) for p in self.passes])
 
 
-def _rows(part: str, n: int) -> int:
-    sl = part_slice(part, n)
-    return sl.stop - sl.start
-
-
-def _head_shapes(sh: Shapes, heads: str) -> Shapes:
-    """The shapes a compute or message of head half ``heads`` works on (half the query and K/V heads)."""
-    return sh if heads == "all" else replace(sh, H=sh.H // 2, Hkv=sh.Hkv // 2)
-
-
 def _compute_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> np.ndarray:
     e = sh.dtype.itemsize
+    strategy = get_strategy(cs.strategy)
     out = []
-    for q_part, kv_part, causal, scope, own, heads in cs.comp_classes:
-        hs = _head_shapes(sh, heads)
-        if scope == "heads":  # Ulysses: the whole sequence, H/P query heads, Hkv'/P K/V heads
-            S = sh.s * sh.P
-            hq, hk = sh.H // sh.P, ulysses_kv_heads(sh.H, sh.Hkv, sh.P) // sh.P
-            t = km.block_time(S, S, hq, hk, sh.d, causal, cs.backward, e)
-            # gather the received head groups into one sequence (cat + reorder) and cut the result back up
-            t += km.copy_time(S * (hq + 2 * hk) * sh.d * e * 2) + km.copy_time(S * hq * sh.d * e)
-            out.append(t)
-            continue
-        nq, nk = _rows(q_part, sh.s), _rows(kv_part, sh.s)
-        t = km.block_time(sh.B * nq, nk, hs.H, hs.Hkv, sh.d, causal, cs.backward, e)
-        if not cs.backward:
-            t += km.merge_time(sh.B * nq * hs.H * sh.d) if own else 0.0
-        else:
-            t += km.add_time(sh.B * nq * hs.H * sh.d) + km.add_time(2 * sh.B * nk * hs.Hkv * sh.d)
+    for own, c in cs.comp_classes:
+        dims = strategy.block_dims(c, sh)
+        t = km.block_time(dims.rows_q, dims.rows_k, dims.H, dims.Hkv, sh.d, c.diag, cs.backward, e)
+        t += sum(km.copy_time(b) for b in dims.copies)
+        if not dims.copies:  # merging / accumulating the block's results on this rank
+            if not cs.backward:
+                t += km.merge_time(dims.rows_q * dims.H * sh.d) if own else 0.0
+            else:
+                t += km.add_time(dims.rows_q * dims.H * sh.d) + km.add_time(2 * dims.rows_k * sh.B * dims.Hkv * sh.d)
         out.append(t)
     return np.array(out)
 
 
 def _message_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes of each message class, and the receiver's cost of handling one (its ``handling`` in the table of
+    message kinds: merging a partial, adding a gradient, copying a head group into place)."""
     nbytes, handle = [], []
     for kind, part, heads in cs.msg_classes:
         b = message_bytes(Message(0, 1, kind, 0, part, heads), sh)
         nbytes.append(b)
-        rows, hs = sh.B * _rows(part, sh.s), _head_shapes(sh, heads)
-        if kind == "out":
-            handle.append(km.merge_time(rows * hs.H * sh.d))
-        elif kind == "dq":
-            handle.append(km.add_time(rows * hs.H * sh.d))
-        elif kind == "dkv":
-            handle.append(km.add_time(2 * rows * hs.Hkv * sh.d))
-        elif kind in ("u_out", "u_grad"):
-            handle.append(km.copy_time(b))
-        else:
-            handle.append(0.0)
+        h = 1 if heads == "all" else 2
+        how = message_kind(kind).handling
+        rows = sh.B * part_rows(part, sh.s)
+        elems = rows * sh.d * (2 * sh.Hkv // h if kind == "dkv" else sh.H // h)
+        cost = {"merge": km.merge_time, "add": km.add_time, "copy": lambda _: km.copy_time(b)}
+        handle.append(cost[how](elems) if how else 0.0)
     return np.array(nbytes, dtype=np.float64), np.array(handle)
 
 
@@ -194,7 +179,13 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
     waited = np.zeros(P)
     sent = np.zeros(P)
     steps = []
-    for cr, ck, ms, md, mk in cs.steps:
+    # Messages due after the step that posts them: (src, dst, finish, handling) per due step. Those between the
+    # same two ranks go one after the other (one connection), so a later one starts when the earlier is done.
+    due_later: dict[int, list] = {}
+    pair_free = np.zeros(P * P) if cs.deferred else None
+    for t, st in enumerate(cs.steps):
+        cr, ck, ms, md, mk = st[:5]
+        du = st[5] if len(st) > 5 else np.full(ms.size, t)
         comp = np.bincount(cr, weights=comp_cost[ck], minlength=P) if cr.size else np.zeros(P)
         end = T + comp
         comm_t = 0.0
@@ -202,10 +193,19 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
         if ms.size:
             b = nbytes[mk]
             dur = topo.flow_times(ms, md, b)
-            fin = np.maximum(T[ms], T[md]) + dur
-            np.maximum.at(end, ms, fin)
-            np.maximum.at(end, md, fin)
-            post = np.bincount(md, weights=handle[mk], minlength=P)
+            start = np.maximum(T[ms], T[md])
+            if pair_free is not None:
+                pair = ms * P + md
+                start = np.maximum(start, pair_free[pair])
+            fin = start + dur
+            if pair_free is not None:
+                np.maximum.at(pair_free, pair, fin)
+            now = du <= t
+            np.maximum.at(end, ms[now], fin[now])
+            np.maximum.at(end, md[now], fin[now])
+            post = np.bincount(md[now], weights=handle[mk[now]], minlength=P)
+            for i in np.nonzero(~now)[0]:
+                due_later.setdefault(int(du[i]), []).append((ms[i], md[i], fin[i], handle[mk[i]]))
             out_b = np.bincount(ms, weights=b, minlength=P)
             sent += out_b
             if topo.cpu_per_byte:  # moving bytes costs the computing cores time (CPU hosts)
@@ -213,6 +213,10 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
                 comp = comp + cpu
                 end = np.maximum(end, T + comp)
             comm_t = float(dur.max())
+        for src, dst, fin, h in due_later.pop(t, []):
+            end[src] = max(end[src], fin)
+            end[dst] = max(end[dst], fin)
+            post[dst] += h
         new = end + post
         wait = end - (T + comp)
         busy += comp + post
@@ -228,29 +232,35 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
 # What ``auto`` chooses among: the strategies validated against the testbed (bench/validate_model.py).
 # ring_bidir is simulated and benchmarked but not validated: measured with the grid, the model under-predicts it
 # by up to 37% (GQA at 100 Mbit/s, bench/results/model_validation_with_ring_bidir.md), so auto leaves it out.
-AUTO_STRATEGIES = ("token_ring", "ring", "ulysses")
+AUTO_STRATEGIES = ("token_ring", "ring:auto", "ulysses")
 
 
 def runnable(name: str, H: int, Hkv: int, P: int) -> bool:
-    """Whether ``name`` can run: Ulysses needs ``H % P == 0``, ring_bidir an even ``Hkv``."""
-    return (name != "ulysses" or H % P == 0) and (name != "ring_bidir" or Hkv % 2 == 0)
+    """Whether strategy ``name`` can run these heads on ``P`` ranks (its ``check``)."""
+    return bool(runnable_strategies(H, Hkv, P, [name]))
 
 
 def candidates(H: int, P: int, Hkv: int | None = None) -> list[str]:
-    """Strategies ``auto`` may pick for ``H`` query / ``Hkv`` K/V heads on ``P`` ranks: Ulysses only when
-    ``H % P == 0``, ring_bidir only with an even ``Hkv``."""
-    return [n for n in AUTO_STRATEGIES if runnable(n, H, H if Hkv is None else Hkv, P)]
+    """Strategies ``auto`` may pick for ``H`` query / ``Hkv`` K/V heads on ``P`` ranks: those of
+    :data:`AUTO_STRATEGIES` whose ``check`` passes."""
+    return runnable_strategies(H, H if Hkv is None else Hkv, P, AUTO_STRATEGIES)
 
 
 def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelModel | None = None, *,
              causal: bool = False, layout: str | None = None, backward: bool = False) -> SimResult:
     """Predict one attention call (``backward=True``: forward + backward) of ``strategy`` on ``topology``
     (resized to ``shapes.P`` ranks if needed)."""
-    layout = layout or ("zigzag" if causal else "contiguous")
-    if strategy == "ulysses" and shapes.H % shapes.P:
-        raise ValueError(f"ulysses needs H % P == 0 (H={shapes.H}, P={shapes.P})")
-    if strategy == "ring_bidir" and shapes.Hkv % 2:
-        raise ValueError(f"ring_bidir needs an even number of K/V heads (Hkv={shapes.Hkv})")
+    layout = layout or default_layout(causal)
+    st = get_strategy(strategy)
+    zigzag = causal and layout == "zigzag"
+    why = st.check(shapes.H, shapes.Hkv, shapes.P, shapes.s, zigzag)
+    if why:
+        raise ValueError(why)
+    if st.mode == "auto":  # a family choice: its fastest variant (what tokenring.attention would run)
+        results = [simulate(v.name, shapes, topology, kernel, causal=causal, layout=layout, backward=backward)
+                   for v in st.variants(shapes.P) if v.check(shapes.H, shapes.Hkv, shapes.P, shapes.s, zigzag) is None]
+        best = min(r.time for r in results)
+        return next(r for r in results if r.time <= best * 1.005)
     if topology.P != shapes.P:
         topology = topology.with_P(shapes.P)
     km = kernel or kernel_model(topology.device)

@@ -383,9 +383,9 @@ class GraphTopology(Topology):
 # ---------------------------------------------------------------------------------------------------------
 # Presets. Effective rates = nominal x achievable fraction (stated per preset).
 
-TESTBED_EFFICIENCY = 0.92  # DESIGN.md: a 200 Mbit/s tbf moved 23 MB/s between two namespaces (of 25 MB/s)
+TESTBED_EFFICIENCY = 0.92  # docs/DESIGN.md: a 200 Mbit/s tbf moved 23 MB/s between two namespaces (of 25 MB/s)
 TESTBED_LATENCY = 150e-6   # gloo over TCP on veth, per message (order of magnitude; small next to the payloads)
-LOOPBACK_BW = 1.4e9        # DESIGN.md: loopback moves ~1.4 GB/s on 2 cores in total, both directions together
+LOOPBACK_BW = 1.4e9        # docs/DESIGN.md: loopback moves ~1.4 GB/s on 2 cores in total, both directions together
 
 # Inter-node fabrics for presets grown beyond one node.
 _IB_NDR = dict(nic_bw=0.9 * 400e9 / 8, nic_latency=15e-6)   # ConnectX-7 NDR 400 Gb/s per GPU (DGX H100)
@@ -439,7 +439,7 @@ def _mi300x(P=8):
 
 def host_cpu_per_byte(P: int, threads: int = 1, cores: int | None = None) -> float:
     """Wall seconds a local rank spends per byte it sends or receives through the host's network stack:
-    the loopback moves LOOPBACK_BW with all cores busy (DESIGN.md), half the work at each end, stretched by
+    the loopback moves LOOPBACK_BW with all cores busy (docs/DESIGN.md), half the work at each end, stretched by
     the rank's share of the cores when ``P x threads`` exceeds them."""
     cores = cores or os.cpu_count() or 1
     share = min(1.0, cores / max(1, P * threads))
@@ -448,7 +448,7 @@ def host_cpu_per_byte(P: int, threads: int = 1, cores: int | None = None) -> flo
 
 def _testbed(kind: str, rate=200e6 / 8, P=4, efficiency=TESTBED_EFFICIENCY):
     bw = parse_rate(rate) * efficiency
-    src = (f"TokenRing CPU testbed (DESIGN.md): one network namespace per rank, veth links shaped by tc tbf at "
+    src = (f"TokenRing CPU testbed (docs/DESIGN.md): one network namespace per rank, veth links shaped by tc tbf at "
            f"{parse_rate(rate) * 8 / 1e6:g} Mbit/s per direction, x{efficiency} achieved; all traffic also "
            f"shares the host's loopback capacity ({LOOPBACK_BW / 1e9} GB/s) and costs the ranks' cores CPU time "
            f"per byte moved.")
@@ -466,7 +466,7 @@ def _testbed(kind: str, rate=200e6 / 8, P=4, efficiency=TESTBED_EFFICIENCY):
 def _loopback(P=4):
     return SwitchTopology("loopback", P, device="cpu", port_bw=LOOPBACK_BW, latency=100e-6,
                           backplane_bw=LOOPBACK_BW, cpu_per_byte=host_cpu_per_byte(P),
-                          source="Local gloo ranks on one CPU host (DESIGN.md: ~1.4 GB/s through loopback in "
+                          source="Local gloo ranks on one CPU host (docs/DESIGN.md: ~1.4 GB/s through loopback in "
                                  "total, sending both ways at once gives no more).")
 
 

@@ -1,5 +1,5 @@
-"""What ring-style strategies share: the store of visiting tensors, the forward/backward ``Ops`` that give a
-schedule's computes and messages their meaning, and the autograd Function.
+"""The strategy interface and what the schedule-driven strategies share: the store of visiting tensors, the
+forward/backward ``Ops`` that give a schedule's computes and messages their meaning, and the autograd Function.
 
 Forward: a compute of my queries merges into my accumulator; a compute of a visitor's queries becomes an
 ``out`` partial waiting to go home, and an ``out`` that arrives is merged. Backward: my dQ accumulates
@@ -10,7 +10,7 @@ Pass-KV (``ring``) and pass-Q (``token_ring``) differ only in their schedules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from functools import lru_cache
 
 import torch
 
@@ -18,9 +18,125 @@ from ..comm import Comm, Trace
 from ..executor import execute
 from ..kernels import block_backward, block_forward
 from ..merge import acc_dtype, merge_, new_accumulator
-from ..schedules import Compute, Message, Schedule, Shapes, head_slice, part_slice, part_within, payload
+from ..messages import kind as message_kind
+from ..schedules import (Compute, Message, Schedule, Shapes, head_slice, part_rows, part_slice, part_union,
+                         part_within, payload)
 
-__all__ = ["Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy", "ScheduledAttention"]
+__all__ = ["Strategy", "BlockDims", "Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy",
+           "ScheduledAttention", "shapes_of"]
+
+
+@dataclass(frozen=True)
+class BlockDims:
+    """What one compute costs, for the simulator: ``B*nq`` query rows (batch folded in) against ``nk`` key rows
+    over ``H`` query / ``Hkv`` K/V heads, plus ``copies``: sizes in bytes of data reshuffled around it."""
+    rows_q: int
+    rows_k: int
+    H: int
+    Hkv: int
+    copies: tuple[int, ...] = ()
+
+
+class Strategy:
+    """One way to run exact attention over ranks. Subclasses give the schedules and the execution.
+
+    - ``name``: the spec that :func:`tokenring.strategies.get` parses back (``"token_ring:direct,c=2,k=3"``);
+      ``family``: the registry name it belongs to; ``mode``/``chunks``/``lookahead``: its parameters;
+    - ``variants(P)``: the concrete strategies a cost model chooses among (itself, unless ``mode="auto"``);
+    - ``check(H, Hkv, P, s=None, zigzag=False)``: why these heads (and local length ``s``, halves of it when
+      ``zigzag`` causal) cannot run on ``P`` ranks (a message saying what to do instead), or ``None``;
+    - ``prepare(q, k, v, P)``: differentiable input adjustments before the call (Ulysses repeats K/V heads);
+    - ``build_schedule(P, layout, causal, backward)``: the :class:`~tokenring.schedules.Schedule` (plain data,
+      cached by :meth:`schedule`) that the executor runs and the simulator costs;
+    - ``block_dims(c, sh)``: the size of one compute, for the simulator;
+    - ``forward(q, k, v, cfg)`` -> ``(out, saved)`` and ``backward(dout, saved, cfg)`` -> ``(dq, dk, dv)``.
+    """
+    name: str = ""
+    family: str = ""
+    mode: str = ""
+    chunks: int = 1
+    lookahead: int = 1
+
+    def variants(self, P: int) -> list["Strategy"]:
+        return [self]
+
+    def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
+        return None
+
+    def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P: int):
+        return q, k, v
+
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+        raise NotImplementedError
+
+    def schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+        """The schedule, built once per ``(P, layout, causal, backward)`` (treat it as read-only)."""
+        return _cached_schedule(self, P, layout, causal, backward)
+
+    def forward_schedule(self, P: int, layout: str, causal: bool) -> Schedule:
+        return self.schedule(P, layout, causal, False)
+
+    def backward_schedule(self, P: int, layout: str, causal: bool) -> Schedule:
+        return self.schedule(P, layout, causal, True)
+
+    def block_dims(self, c: Compute, sh: Shapes) -> BlockDims:
+        """Row blocks of the local shard; a head half halves both head counts."""
+        h = 1 if c.heads == "all" else 2
+        return BlockDims(sh.B * part_rows(c.q_part, sh.s), part_rows(c.kv_part, sh.s), sh.H // h, sh.Hkv // h)
+
+    def forward(self, q, k, v, cfg: "Config"):
+        raise NotImplementedError
+
+    def backward(self, dout, saved, cfg: "Config"):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<strategy {self.name}>"
+
+
+# Variant parameters a cost model tries (small sets: each variant is one more simulation per decision, and a
+# direct schedule has about P*P*c computes, so large groups try fewer).
+def chunk_choices(P: int) -> tuple[int, ...]:
+    return (1, 2, 4) if P <= 16 else (1, 2) if P <= 64 else (1,)
+
+
+def lookaheads(P: int) -> list[int]:
+    """Lookaheads tried for ``P`` ranks: 1, 2, 4, ... and ``P - 1`` (all at once); 1 and ``P - 1`` beyond 64."""
+    if P > 64:
+        return [1, P - 1]
+    ks, k = [], 1
+    while k < P - 1:
+        ks.append(k)
+        k *= 2
+    return ks + [max(1, P - 1)]
+
+
+def spec_name(family: str, mode: str, chunks: int, lookahead: int, default: str = "auto") -> str:
+    """The canonical spec of a strategy variant: ``family`` for its default mode, ``family:mode`` otherwise,
+    ``family:direct,c=C,k=K`` for a direct one."""
+    if mode == "direct":
+        return f"{family}:direct,c={chunks},k={lookahead}"
+    return family if mode == default else f"{family}:{mode}"
+
+
+def check_chunks(st: Strategy, P: int, s: int | None, zigzag: bool) -> str | None:
+    """Why a direct variant cannot cut this rank's rows as asked (every chunk needs at least one row)."""
+    if st.mode != "direct":
+        return None
+    if not 1 <= st.lookahead <= max(1, P - 1):
+        return f"{st.name}: lookahead k must be between 1 and P-1 = {P - 1} blocks"
+    if s is not None:
+        rows = s // 2 if zigzag else s  # zigzag causal blocks use half of a rank's rows
+        if rows < st.chunks or s < st.chunks + 1:
+            return (f"{st.name}: {st.chunks} chunks need at least {st.chunks} rows per visiting block and "
+                    f"{st.chunks + 1} local rows, but this rank has {s}{' (halves of it)' if zigzag else ''}; "
+                    f"use fewer chunks (c=) or a longer sequence")
+    return None
+
+
+@lru_cache(maxsize=256)
+def _cached_schedule(strategy: Strategy, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+    return strategy.build_schedule(P, layout, causal, backward)
 
 
 @dataclass
@@ -44,32 +160,59 @@ class Config:
 
 
 class Store:
-    """Tensors held on this rank, keyed ``(kind, owner, heads)``; each entry remembers the rows and heads it
-    covers, so a reader can ask for any sub-part (a rank's own inputs are stored whole)."""
+    """Tensors held on this rank, keyed ``(kind, owner, heads)``. An entry is a list of *pieces*, each covering
+    some rows (``part``) and heads, so visiting row chunks of one owner can arrive one by one; a reader asks
+    for any rows and heads that one piece covers (a rank's own inputs are stored whole)."""
 
-    def __init__(self, sh: Shapes):
-        self.sh = sh
-        self.entries: dict[tuple[str, int, str], tuple[str, str, list[torch.Tensor]]] = {}
+    def __init__(self, sh: Shapes, me: int):
+        self.sh, self.me = sh, me
+        self.entries: dict[tuple[str, int, str], list[tuple[str, str, list[torch.Tensor]]]] = {}
 
-    def put(self, kind: str, owner: int, part: str, tensors: list[torch.Tensor], heads: str = "all",
-            key_heads: str | None = None) -> None:
-        """Store ``tensors`` covering rows ``part`` and ``heads``, under key heads ``key_heads`` (default:
-        ``heads``; a travelling accumulator for one head half may be kept full-size)."""
-        self.entries[(kind, owner, heads if key_heads is None else key_heads)] = (part, heads, tensors)
+    def put(self, kind: str, owner: int, part: str, tensors: list[torch.Tensor], heads: str = "all") -> None:
+        """Store ``tensors`` covering rows ``part`` and ``heads`` (replacing a piece of exactly those rows)."""
+        pieces = self.entries.setdefault((kind, owner, heads), [])
+        pieces[:] = [p for p in pieces if p[0] != part]
+        pieces.append((part, heads, tensors))
 
-    def get(self, kind: str, owner: int, heads: str = "all") -> tuple[str, str, list[torch.Tensor]] | None:
-        return self.entries.get((kind, owner, heads)) or self.entries.get((kind, owner, "all"))
+    def find(self, kind: str, owner: int, part: str, heads: str = "all"):
+        """The piece ``(part, heads, tensors)`` that holds rows ``part`` of ``heads``, or ``None``."""
+        for key in ((kind, owner, heads), (kind, owner, "all")):
+            for piece in reversed(self.entries.get(key, ())):
+                if covers(piece[0], part):
+                    return piece
+        return None
 
     def take(self, kind: str, owner: int, part: str, heads: str = "all") -> list[torch.Tensor]:
         """The ``part`` rows and ``heads`` of entry ``(kind, owner)``, as views."""
-        held_part, held_heads, tensors = self.get(kind, owner, heads)
-        rel_rows = part_within(part, held_part)
-        rel_heads = part_within(heads, held_heads)
+        piece = self.find(kind, owner, part, heads)
+        if piece is None:
+            held = {k: [p[0] for p in v] for k, v in self.entries.items() if k[:2] == (kind, owner)}
+            raise ValueError(f"rank {self.me}: rows {part!r} of {kind} of rank {owner} (heads {heads}) are not "
+                             f"held here (held: {held}); the schedule is inconsistent")
+        held_part, held_heads, tensors = piece
+        want, held = part_slice(part, self.sh.s), part_slice(held_part, self.sh.s)
         out = []
         for t, (_, _, dim) in zip(tensors, payload(kind, held_part, self.sh, held_heads)):
-            t = t.narrow(dim, *_span(part_slice(rel_rows, t.shape[dim])))
-            out.append(t.narrow(3 - dim, *_span(head_slice(rel_heads, t.shape[3 - dim]))))
+            t = t.narrow(dim, want.start - held.start, want.stop - want.start)
+            if held_heads != heads:  # a head half of a full-heads entry
+                t = t.narrow(3 - dim, *_span(head_slice(heads, t.shape[3 - dim])))
+            out.append(t)
         return out
+
+    def release(self, step: int, last_reads: dict[tuple[str, int], int]) -> None:
+        """Drop what no step after ``step`` reads (``last_reads`` from :meth:`Schedule.last_reads`); this
+        rank's own inputs live for the whole call."""
+        for key in [k for k in self.entries if k[1] != self.me and last_reads.get(k[:2], -1) <= step]:
+            del self.entries[key]
+
+
+def covers(holder: str, part: str) -> bool:
+    """Whether rows ``holder`` include rows ``part``."""
+    try:
+        part_within(part, holder)
+        return True
+    except ValueError:
+        return False
 
 
 def _span(sl: slice) -> tuple[int, int]:
@@ -79,25 +222,34 @@ def _span(sl: slice) -> tuple[int, int]:
 class _OpsBase:
     def __init__(self, sh: Shapes, cfg: Config, device):
         self.sh, self.cfg, self.me, self.device = sh, cfg, cfg.rank, device
-        self._store = Store(sh)
-        self.store = self._store.entries
+        self.store = Store(sh, cfg.rank)
 
     def payload(self, m: Message) -> list[torch.Tensor]:
-        return [t.contiguous() for t in self._store.take(m.kind, m.owner, m.part, m.heads)]
+        return [t.contiguous() for t in self.store.take(m.kind, m.owner, m.part, m.heads)]
 
     def empty(self, m: Message) -> list[torch.Tensor]:
         return [torch.empty(shape, dtype=dt, device=self.device)
                 for shape, dt, _ in payload(m.kind, m.part, self.sh, m.heads)]
 
+    def release(self, step: int, last_reads: dict) -> None:
+        self.store.release(step, last_reads)
+
     def rows(self, part: str) -> slice:
         return part_slice(part, self.sh.s)
+
+    # The local kernels, as methods so that a benchmark can swap them out (communication-only runs).
+    def block_forward(self, q, k, v, diag: bool):
+        return block_forward(q, k, v, diag, self.cfg.scale)
+
+    def block_backward(self, dout, q, k, v, lse, delta, diag: bool):
+        return block_backward(dout, q, k, v, lse, delta, diag, self.cfg.scale)
 
 
 class ForwardOps(_OpsBase):
     def __init__(self, q, k, v, sh: Shapes, cfg: Config):
         super().__init__(sh, cfg, q.device)
-        self._store.put("q", self.me, "all", [q])
-        self._store.put("kv", self.me, "all", [k, v])
+        self.store.put("q", self.me, "all", [q])
+        self.store.put("kv", self.me, "all", [k, v])
         self.o, self.lse = new_accumulator(sh.B, sh.s, sh.H, sh.d, q.dtype, q.device)
 
     def _merge(self, part: str, heads: str, o, lse) -> None:
@@ -105,64 +257,78 @@ class ForwardOps(_OpsBase):
         merge_(self.o[:, sl, hs], self.lse[:, hs, sl], o, lse)
 
     def compute(self, c: Compute) -> None:
-        (q,) = self._store.take("q", c.q_owner, c.q_part, c.heads)
-        k, v = self._store.take("kv", c.kv_owner, c.kv_part, c.heads)
-        o, lse = block_forward(q, k, v, c.causal, self.cfg.scale)
+        (q,) = self.store.take("q", c.q_owner, c.q_part, c.heads)
+        k, v = self.store.take("kv", c.kv_owner, c.kv_part, c.heads)
+        o, lse = self.block_forward(q, k, v, c.diag)
         if c.q_owner == self.me:
             self._merge(c.q_part, c.heads, o, lse)
         else:
-            self._store.put("out", c.q_owner, c.q_part, [o, lse], c.heads)
+            self.store.put("out", c.q_owner, c.q_part, [o, lse], c.heads)
 
     def receive(self, m: Message, tensors) -> None:
-        if m.kind == "out":
+        action = message_kind(m.kind).receive
+        if action == "merge":
             self._merge(m.part, m.heads, *tensors)
+        elif action == "store":
+            self.store.put(m.kind, m.owner, m.part, tensors, m.heads)
         else:
-            self._store.put(m.kind, m.owner, m.part, tensors, m.heads)
+            raise ValueError(f"forward cannot receive a {m.kind!r} message ({action})")
 
 
 class BackwardOps(_OpsBase):
     def __init__(self, q, k, v, dout, lse, delta, sh: Shapes, cfg: Config):
         super().__init__(sh, cfg, q.device)
-        self._store.put("qgrad", self.me, "all", [q, dout, lse, delta])
-        self._store.put("kv", self.me, "all", [k, v])
+        self.store.put("qgrad", self.me, "all", [q, dout, lse, delta])
+        self.store.put("kv", self.me, "all", [k, v])
         acc = acc_dtype(q.dtype)
         self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         self.dv = torch.zeros_like(self.dk)
 
-    def dkv_buffer(self, owner: int, heads: str) -> list[torch.Tensor]:
-        """The dK/dV accumulator for ``owner``'s K/V (head half ``heads``): this rank's own gradients, or a
-        travelling one for another rank, created full-size in the accumulator dtype on first use."""
-        if owner == self.me:
-            return [self.dk, self.dv]
-        if ("dkv", owner, heads) not in self.store:
-            self._store.put("dkv", owner, "all", [torch.zeros_like(self.dk), torch.zeros_like(self.dv)],
-                            key_heads=heads)
-        return self.store[("dkv", owner, heads)][2]
-
     def _add_dkv(self, owner: int, part: str, heads: str, dk, dv) -> None:
-        sl, hs = self.rows(part), head_slice(heads, self.sh.Hkv)
-        acc_k, acc_v = self.dkv_buffer(owner, heads)
-        acc_k[:, sl, hs] += dk
-        acc_v[:, sl, hs] += dv
+        """Add a dK/dV contribution for rows ``part`` of ``owner``'s K/V (head half ``heads``): into this rank's
+        own gradients, or into a ``dkv`` piece for another rank (created on first use, in the accumulator
+        dtype; widened when a contribution covers rows the piece does not, e.g. ``lo`` then ``all``)."""
+        if owner == self.me:
+            sl, hs = self.rows(part), head_slice(heads, self.sh.Hkv)
+            self.dk[:, sl, hs] += dk
+            self.dv[:, sl, hs] += dv
+            return
+        piece = self.store.find("dkv", owner, part, heads)
+        if piece is None:
+            old = self.store.entries.pop(("dkv", owner, heads), [])
+            whole = part
+            for p in old:
+                whole = part_union(whole, p[0])
+            acc = [torch.zeros(shape, dtype=dt, device=self.device)
+                   for shape, dt, _ in payload("dkv", whole, self.sh, heads)]
+            self.store.put("dkv", owner, whole, acc, heads)
+            for p_part, _, tensors in old:
+                for a, t in zip(self.store.take("dkv", owner, p_part, heads), tensors):
+                    a += t
+        for a, t in zip(self.store.take("dkv", owner, part, heads), (dk, dv)):
+            a += t
 
     def compute(self, c: Compute) -> None:
-        q, dout, lse, delta = self._store.take("qgrad", c.q_owner, c.q_part, c.heads)
-        k, v = self._store.take("kv", c.kv_owner, c.kv_part, c.heads)
-        dq, dk, dv = block_backward(dout, q, k, v, lse, delta, c.causal, self.cfg.scale)
+        q, dout, lse, delta = self.store.take("qgrad", c.q_owner, c.q_part, c.heads)
+        k, v = self.store.take("kv", c.kv_owner, c.kv_part, c.heads)
+        dq, dk, dv = self.block_backward(dout, q, k, v, lse, delta, c.diag)
         if c.q_owner == self.me:
             self.dq[:, self.rows(c.q_part), head_slice(c.heads, self.sh.H)] += dq
         else:  # dQ partials go home in the input dtype, like forward partials
-            self._store.put("dq", c.q_owner, c.q_part, [dq.to(q.dtype)], c.heads)
+            self.store.put("dq", c.q_owner, c.q_part, [dq.to(q.dtype)], c.heads)
         self._add_dkv(c.kv_owner, c.kv_part, c.heads, dk, dv)
 
     def receive(self, m: Message, tensors) -> None:
-        if m.kind == "dq":
+        action = message_kind(m.kind).receive
+        if action == "add_dq":
             self.dq[:, self.rows(m.part), head_slice(m.heads, self.sh.H)] += tensors[0]
-        elif m.kind == "dkv":
+        elif action == "add_dkv":
             self._add_dkv(m.owner, m.part, m.heads, *tensors)
+        elif action == "store":
+            self.store.put(m.kind, m.owner, m.part, tensors, m.heads)
         else:
-            self._store.put(m.kind, m.owner, m.part, tensors, m.heads)
+            raise ValueError(f"backward cannot receive a {m.kind!r} message ({action})")
 
 
 def shapes_of(q: torch.Tensor, k: torch.Tensor, P: int) -> Shapes:
@@ -176,26 +342,21 @@ def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
-class ScheduledStrategy:
-    """A strategy given by two schedule builders ``(P, layout, causal) -> Schedule``."""
-
-    def __init__(self, name: str, forward_schedule: Callable[[int, str, bool], Schedule],
-                 backward_schedule: Callable[[int, str, bool], Schedule]):
-        self.name = name
-        self.forward_schedule = forward_schedule
-        self.backward_schedule = backward_schedule
+class ScheduledStrategy(Strategy):
+    """A strategy run by :class:`ForwardOps` / :class:`BackwardOps`: merge partials of my queries, ship others'
+    home, accumulate dK/dV. Subclasses only give ``build_schedule`` (and ``check`` where heads constrain)."""
 
     def forward(self, q, k, v, cfg: Config):
         """Returns ``out`` (B, s, H, d) and the tensors backward needs."""
         ops = ForwardOps(q, k, v, shapes_of(q, k, cfg.P), cfg)
-        execute(self.forward_schedule(cfg.P, cfg.layout, cfg.causal), cfg.comm(f"{self.name} forward"), ops)
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False), cfg.comm(f"{self.name} forward"), ops)
         out = ops.o.to(q.dtype)
         return out, (q, k, v, out, ops.lse)
 
     def backward(self, dout, saved, cfg: Config):
         q, k, v, out, lse = saved
         ops = BackwardOps(q, k, v, dout, lse, row_delta(dout, out), shapes_of(q, k, cfg.P), cfg)
-        execute(self.backward_schedule(cfg.P, cfg.layout, cfg.causal), cfg.comm(f"{self.name} backward"), ops)
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True), cfg.comm(f"{self.name} backward"), ops)
         return ops.dq.to(q.dtype), ops.dk.to(k.dtype), ops.dv.to(v.dtype)
 
 

@@ -4,23 +4,24 @@ At step ``t`` rank ``r`` attends its queries to the K/V of ``i = r - t`` and mer
 Backward: K/V travel the same way; dQ accumulates locally; the dK/dV of ``K/V_i`` accumulate (in float32) in
 a buffer that travels with them from one contributing rank to the next and finally to ``i``.
 
-``ring_bidir`` (bidirectional pass-KV): the first half of the K/V heads travels ``r -> r + 1`` and the second
-half ``r -> r - 1``, each meeting the query heads that attend to it. Every link direction then carries half of
-ring's bytes per step, without a full mesh and keeping GQA's small K/V messages. Needs an even ``Hkv``.
+:func:`pass_kv` takes *lanes*: ``(head half, direction)`` pairs; ring is one lane, ``ring_bidir`` two.
+
+``ring:direct,c=C,k=K`` (:func:`tokenring.schedules.direct` with ``mover="kv"``): every owner sends its K/V
+straight to every rank in ``c`` row chunks, up to ``k`` blocks ahead (``k = P-1``: an all-gather overlapped
+with compute); partials merge locally, and in backward each chunk's dK/dV goes straight home. ``ring`` alone
+is the classic ring above; ``ring:auto`` lets the cost model pick among the variants.
 """
 from __future__ import annotations
 
-from ..schedules import Compute, Message, Schedule, Step, block_pair, part_union, relay
-from .base import ScheduledStrategy
-from .token_ring import _drop_empty_tail
+from ..schedules import Compute, Message, Schedule, Step, block_pair, direct, drop_empty_tail, part_union, relay
+from .base import ScheduledStrategy, check_chunks, chunk_choices, lookaheads, spec_name
 
-__all__ = ["forward_schedule", "backward_schedule", "STRATEGY", "BIDIR"]
+__all__ = ["pass_kv", "Ring", "STRATEGY"]
 
 ONE_WAY = (("all", +1),)
-TWO_WAY = (("h0", +1), ("h1", -1))  # (head half, direction its K/V travel)
 
 
-def _pass_kv(P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, name: str = "ring") -> Schedule:
+def pass_kv(P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, name: str = "ring") -> Schedule:
     steps = [Step() for _ in range(P + 1)]  # the extra step only brings the last dK/dV home
     for i in range(P):
         own = block_pair(i, i, P, layout, causal)
@@ -47,24 +48,40 @@ def _pass_kv(P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, n
     # Computes were appended per K/V owner; order them by rank for readable traces (semantics unaffected).
     for st in steps:
         st.computes.sort(key=lambda c: c.rank)
-    return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", _drop_empty_tail(steps))
+    return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", drop_empty_tail(steps))
 
 
-def forward_schedule(P: int, layout: str, causal: bool) -> Schedule:
-    return _pass_kv(P, layout, causal, backward=False)
+MODES = ("relay", "direct")
 
 
-def backward_schedule(P: int, layout: str, causal: bool) -> Schedule:
-    return _pass_kv(P, layout, causal, backward=True)
+class Ring(ScheduledStrategy):
+    """``mode``: ``"relay"`` (the classic ring, the default) or ``"direct"`` (``chunks``, ``lookahead`` as in
+    :func:`~tokenring.schedules.direct`); ``"auto"``: the cost model picks among :meth:`variants`."""
+    family = "ring"
+
+    def __init__(self, mode: str = "relay", chunks: int = 1, lookahead: int = 1):
+        if mode not in MODES + ("auto",):
+            raise ValueError(f"ring mode must be one of {MODES + ('auto',)}, got {mode!r}")
+        if mode == "relay" and (chunks, lookahead) != (1, 1):
+            raise ValueError("ring (relay) passes whole K/V blocks one hop per step; chunks and lookahead apply "
+                             "to ring:direct")
+        self.mode, self.chunks, self.lookahead = mode, int(chunks), int(lookahead)
+        self.name = spec_name(self.family, mode, self.chunks, self.lookahead, default="relay")
+
+    def variants(self, P: int) -> list["Ring"]:
+        if self.mode != "auto":
+            return [self]
+        return [Ring()] + [Ring("direct", c, k) for c in chunk_choices(P) for k in lookaheads(P)]
+
+    def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
+        return check_chunks(self, P, s, zigzag)
+
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+        if self.mode == "auto":
+            raise ValueError("ring:auto has no schedule of its own: resolve it with the cost model first")
+        if self.mode == "relay":
+            return pass_kv(P, layout, causal, backward)
+        return direct(self.name, P, layout, causal, backward, "kv", self.chunks, self.lookahead)
 
 
-def bidir_forward_schedule(P: int, layout: str, causal: bool) -> Schedule:
-    return _pass_kv(P, layout, causal, False, TWO_WAY, "ring_bidir")
-
-
-def bidir_backward_schedule(P: int, layout: str, causal: bool) -> Schedule:
-    return _pass_kv(P, layout, causal, True, TWO_WAY, "ring_bidir")
-
-
-STRATEGY = ScheduledStrategy("ring", forward_schedule, backward_schedule)
-BIDIR = ScheduledStrategy("ring_bidir", bidir_forward_schedule, bidir_backward_schedule)
+STRATEGY = Ring()

@@ -1,5 +1,21 @@
 """TokenRing (pass-Q, return partials): K/V stay home, queries travel, partial results go straight home.
 
+Two schedules (``token_ring:relay`` / ``token_ring_paper``, and ``token_ring:direct,c=C,k=K``);
+``strategy="token_ring"`` runs the one the cost model predicts fastest on the topology (see
+:func:`tokenring.set_topology`), decided on rank 0.
+
+``direct`` (:func:`tokenring.schedules.direct` with ``mover="q"``): each owner sends its queries straight to
+every rank, in ``c`` row chunks, up to ``k`` blocks ahead, so on a full mesh all links carry queries at once;
+each chunk's partial goes home one step after it is computed, and the last own rows are computed at the end,
+hiding the last partial's trip. ::
+
+    rank r, steps:   0         1 .. c        c+1 .. 2c    ...   (P-1)c + 1
+    compute        own rows   Q_{r+1} chunks Q_{r+2} chunks      own last rows
+    receive        Q chunks (from their owners, k blocks ahead) + partials of Q_r (from whoever computed them)
+    send           Q_r chunks to every rank + the partial of the chunk computed one step earlier, to its owner
+
+``relay`` (the paper's schedule):
+
 At step ``t`` rank ``r`` holds the queries of ``j = r + t`` (they travel ``r + 1 -> r``, one hop per step),
 attends them to its own K/V, and during step ``t + 1`` sends the partial ``(out, lse)`` directly to ``j``
 while it computes the next block. Queries use the link towards ``r - 1``, partials the links towards their
@@ -12,10 +28,10 @@ locally and returns the partial dQ straight to the owner.
 """
 from __future__ import annotations
 
-from ..schedules import Compute, Message, Schedule, Step, block_pair, relay
-from .base import ScheduledStrategy
+from ..schedules import Compute, Message, Schedule, Step, block_pair, direct, drop_empty_tail, relay
+from .base import ScheduledStrategy, check_chunks, chunk_choices, lookaheads, spec_name
 
-__all__ = ["forward_schedule", "backward_schedule", "STRATEGY"]
+__all__ = ["TokenRing", "STRATEGY", "PAPER"]
 
 
 def _pass_q(P: int, layout: str, causal: bool, backward: bool) -> Schedule:
@@ -36,21 +52,42 @@ def _pass_q(P: int, layout: str, causal: bool, backward: bool) -> Schedule:
         needs = [(pair[0] if pair else None) for pair in (block_pair(j, r, P, layout, causal) for r in path)]
         for t, m in relay(j, path, needs, carry):
             steps[t].messages.append(m)
-    return Schedule("token_ring", P, layout, causal, backward, carry, _drop_empty_tail(steps))
+    return Schedule("token_ring:relay", P, layout, causal, backward, carry, drop_empty_tail(steps))
 
 
-def _drop_empty_tail(steps: list[Step]) -> list[Step]:
-    while steps and not steps[-1].computes and not steps[-1].messages:
-        steps.pop()
-    return steps
+MODES = ("relay", "direct")
 
 
-def forward_schedule(P: int, layout: str, causal: bool) -> Schedule:
-    return _pass_q(P, layout, causal, backward=False)
+class TokenRing(ScheduledStrategy):
+    """``mode``: ``"relay"`` (the paper's) or ``"direct"`` with ``chunks`` row chunks per visiting block and
+    ``lookahead`` blocks sent ahead; ``"auto"``: the cost model picks among :meth:`variants`."""
+    family = "token_ring"
+
+    def __init__(self, mode: str = "auto", chunks: int = 1, lookahead: int = 1):
+        if mode not in MODES + ("auto",):
+            raise ValueError(f"token_ring mode must be one of {MODES + ('auto',)}, got {mode!r}")
+        if mode == "relay" and (chunks, lookahead) != (1, 1):
+            raise ValueError("token_ring:relay is the paper's schedule (whole blocks, one hop per step); "
+                             "chunks and lookahead apply to token_ring:direct")
+        self.mode, self.chunks, self.lookahead = mode, int(chunks), int(lookahead)
+        self.name = spec_name(self.family, mode, self.chunks, self.lookahead)
+
+    def variants(self, P: int) -> list["TokenRing"]:
+        if self.mode != "auto":
+            return [self]
+        return [TokenRing("relay")] + [TokenRing("direct", c, k) for c in chunk_choices(P) for k in lookaheads(P)]
+
+    def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
+        return check_chunks(self, P, s, zigzag)
+
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+        if self.mode == "auto":
+            raise ValueError("token_ring (auto variant) has no schedule of its own: resolve it with the cost "
+                             "model first (tokenring.api.resolve) or name a variant, e.g. 'token_ring:direct,c=2,k=1'")
+        if self.mode == "relay":
+            return _pass_q(P, layout, causal, backward)
+        return direct(self.name, P, layout, causal, backward, "q", self.chunks, self.lookahead)
 
 
-def backward_schedule(P: int, layout: str, causal: bool) -> Schedule:
-    return _pass_q(P, layout, causal, backward=True)
-
-
-STRATEGY = ScheduledStrategy("token_ring", forward_schedule, backward_schedule)
+STRATEGY = TokenRing()
+PAPER = TokenRing("relay")

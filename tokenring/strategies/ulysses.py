@@ -2,8 +2,8 @@
 
 Step 0 sends rank ``p`` the ``p``-th group of ``H/P`` query heads (and ``Hkv'/P`` K/V heads) of my rows; step
 1 runs full-sequence attention on my head group; step 2 returns each rank its rows of my heads. K/V heads
-are repeated beforehand (in :func:`tokenring.api.attention`, differentiably) to ``Hkv'``, the fewest that
-split evenly over ``P``. The all-to-alls are point-to-point messages run by the same executor as the rings,
+are repeated beforehand (in :meth:`Ulysses.prepare`, differentiably) to ``Hkv'``, the fewest that split
+evenly over ``P``. The all-to-alls are point-to-point messages run by the same executor as the rings,
 so they share byte accounting, timeouts and traces, and the simulator sees them too.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 from ..executor import execute
 from ..kernels import block_backward, block_forward
 from ..layouts import global_order
-from ..schedules import Compute, Message, Schedule, Shapes, Step, payload
-from .base import Config, row_delta
+from ..schedules import Compute, Message, Schedule, Shapes, Step, payload, ulysses_kv_heads
+from .base import BlockDims, Config, Strategy, row_delta
 
-__all__ = ["forward_schedule", "backward_schedule", "STRATEGY"]
+__all__ = ["Ulysses", "STRATEGY"]
 
 
 def _all_to_all(P: int, kind: str) -> list[Message]:
@@ -27,17 +27,9 @@ def _all_to_all(P: int, kind: str) -> list[Message]:
 def _schedule(P: int, layout: str, causal: bool, backward: bool) -> Schedule:
     first, last = ("u_dout", "u_grad") if backward else ("u_qkv", "u_out")
     steps = [Step(messages=_all_to_all(P, first)),
-             Step(computes=[Compute(r, r, "all", r, "all", causal, scope="heads") for r in range(P)]),
+             Step(computes=[Compute(r, r, "all", r, "all", causal) for r in range(P)]),
              Step(messages=_all_to_all(P, last))]
-    return Schedule("ulysses", P, layout, causal, backward, "heads", steps)
-
-
-def forward_schedule(P: int, layout: str, causal: bool) -> Schedule:
-    return _schedule(P, layout, causal, backward=False)
-
-
-def backward_schedule(P: int, layout: str, causal: bool) -> Schedule:
-    return _schedule(P, layout, causal, backward=True)
+    return Schedule("ulysses", P, layout, causal, backward, first, steps)
 
 
 class _UlyssesOps:
@@ -46,7 +38,6 @@ class _UlyssesOps:
 
     def __init__(self, sh: Shapes, cfg: Config, device, local: dict[str, list[torch.Tensor]]):
         self.sh, self.cfg, self.me, self.device = sh, cfg, cfg.rank, device
-        self.store: dict = {}
         self.local = local  # kind -> tensors (B, s, heads, d), split by head group when sent
         self.got: dict[int, list[torch.Tensor]] = {}
         S = sh.s * sh.P
@@ -71,6 +62,9 @@ class _UlyssesOps:
     def receive(self, m: Message, tensors) -> None:
         self.got[m.src] = tensors
 
+    def release(self, step: int, last_reads: dict) -> None:
+        pass  # nothing visits: what arrives is consumed whole by the one compute or reassembly
+
     def gathered(self, kind: str) -> list[torch.Tensor]:
         """Full sequence (natural order) of my head group, from what every rank sent me."""
         self.got[self.me] = [self._heads(t, self.me) for t in self.local[kind]]
@@ -92,7 +86,7 @@ class _UlyssesOps:
 class _Forward(_UlyssesOps):
     def compute(self, c: Compute) -> None:
         q, k, v = self.gathered("u_qkv")
-        o, lse = block_forward(q, k, v, c.causal, self.cfg.scale)
+        o, lse = block_forward(q, k, v, c.diag, self.cfg.scale)
         self.saved = (q, k, v, o, lse)  # my head group over the full sequence, for backward
         self.scatter_back([o])
 
@@ -105,19 +99,39 @@ class _Backward(_UlyssesOps):
     def compute(self, c: Compute) -> None:
         (dout,) = self.gathered("u_dout")
         dq, dk, dv = block_backward(dout, self.q, self.k, self.v, self.lse, row_delta(dout, self.o),
-                                    c.causal, self.cfg.scale)
+                                    c.diag, self.cfg.scale)
         self.scatter_back([dq.to(self.q.dtype), dk.to(self.k.dtype), dv.to(self.v.dtype)])
 
 
-class UlyssesStrategy:
+class Ulysses(Strategy):
     name = "ulysses"
-    forward_schedule = staticmethod(forward_schedule)
-    backward_schedule = staticmethod(backward_schedule)
+
+    def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
+        if H % P:
+            return (f"strategy='ulysses' needs the {H} query heads to divide over {P} ranks (H % P == 0); "
+                    f"use strategy='token_ring' or 'ring', or a group size that divides {H}")
+        return None
+
+    def prepare(self, q, k, v, P: int):
+        rep = ulysses_kv_heads(q.shape[2], k.shape[2], P) // k.shape[2]
+        if rep > 1:  # replicate K/V heads so they split evenly over P (autograd sums their gradients back)
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        return q, k, v
+
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+        return _schedule(P, layout, causal, backward)
+
+    def block_dims(self, c: Compute, sh: Shapes) -> BlockDims:
+        """The whole sequence over ``H/P`` query and ``Hkv'/P`` K/V heads, plus gathering the received head
+        groups into one sequence (cat + reorder) and cutting the result back up."""
+        S, e = sh.s * sh.P, sh.dtype.itemsize
+        hq, hk = sh.H // sh.P, ulysses_kv_heads(sh.H, sh.Hkv, sh.P) // sh.P
+        return BlockDims(sh.B * S, S, hq, hk, (sh.B * S * (hq + 2 * hk) * sh.d * e * 2, sh.B * S * hq * sh.d * e))
 
     def forward(self, q, k, v, cfg: Config):
         sh = Shapes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, cfg.P)
         ops = _Forward(sh, cfg, q.device, {"u_qkv": [q, k, v]})
-        execute(forward_schedule(cfg.P, cfg.layout, cfg.causal), cfg.comm("ulysses forward"), ops)
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False), cfg.comm("ulysses forward"), ops)
         (out,) = ops.heads_back([q.dtype])
         return out, ops.saved
 
@@ -126,8 +140,8 @@ class UlyssesStrategy:
         B, S, hq, d = qh.shape
         sh = Shapes(B, S // cfg.P, hq * cfg.P, kh.shape[2] * cfg.P, d, qh.dtype, cfg.P)
         ops = _Backward(sh, cfg, dout.device, {"u_dout": [dout]}, saved)
-        execute(backward_schedule(cfg.P, cfg.layout, cfg.causal), cfg.comm("ulysses backward"), ops)
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True), cfg.comm("ulysses backward"), ops)
         return tuple(ops.heads_back([qh.dtype, kh.dtype, vh.dtype]))
 
 
-STRATEGY = UlyssesStrategy()
+STRATEGY = Ulysses()

@@ -228,10 +228,14 @@ class Testbed:
 
     # ------------------------------------------------------------------ running ranks inside
     def launch_kwargs(self) -> dict:
-        """Arguments for :func:`tokenring.bench.launch` / ``run`` that put rank ``r`` in namespace ``r``."""
+        """Arguments for :func:`tokenring.tools.bench.launch` / ``run`` that put rank ``r`` in namespace ``r``
+        with gloo bound to its link. The ranks rendezvous through a file store (namespaces share the file
+        system), so no address or port is needed."""
+        # The ranks' cost model (strategy "auto", "token_ring") sees this testbed unless the caller chose one.
+        topo = os.environ.get("TOKENRING_TOPOLOGY") or f"{self.topology}:{self.rate:g}mbit"
         return dict(prefix=lambda r: ["ip", "netns", "exec", self.ns(r)],
-                    env=lambda r: {"GLOO_SOCKET_IFNAME": self.iface[r], "TP_SOCKET_IFNAME": self.iface[r]},
-                    master_addr=self.addr(0), port=29500)
+                    env=lambda r: {"GLOO_SOCKET_IFNAME": self.iface[r], "TP_SOCKET_IFNAME": self.iface[r],
+                                   "TOKENRING_TOPOLOGY": topo})
 
     def describe(self) -> dict:
         return dict(topology=self.topology, P=self.P, rate_mbit=self.rate, rate_MBps=self.rate / 8,

@@ -10,7 +10,7 @@ output (and, with a backward, every gradient) is gathered and checked against si
 the whole sequence. Reported per strategy: median time per call and its spread (min-max), per-step compute,
 communication time per step (measured alone: the same schedule and messages with the computes skipped),
 exposed (un-overlapped) communication, bytes sent per rank in each direction (``data``: Q / K/V going out;
-``results``: partials / dQ / dK/dV coming home; see :mod:`tokenring.trace`), the busiest directed link, and
+``results``: partials / dQ / dK/dV coming home; see :mod:`tokenring.messages`), the busiest directed link, and
 the ratio to the best. ``--trace-dir`` writes a Chrome trace and a PNG timeline of the median call.
 
 PyTorch's own implementations run as the outside peer:
@@ -25,7 +25,6 @@ PyTorch's own implementations run as the outside peer:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -38,22 +37,22 @@ from statistics import median
 
 import torch
 
-from .launch import free_port
-from .strategies import STRATEGIES
+from ..layouts import default_layout
+from ..strategies import STRATEGIES, get as get_strategy, why_not
+from . import DTYPES
+from .launch import init_rank
 
 __all__ = ["run", "launch", "main", "OURS", "PEERS"]
 
 OURS = tuple(STRATEGIES)  # token_ring, ring, ulysses, ring_bidir
 PEERS = ("pytorch_ring", "pytorch_cp")
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
 
 
 # ----------------------------------------------------------------------------------------------- worker side
 def _inputs(spec: dict, device):
     g = torch.Generator().manual_seed(spec["seed"])
     B, S, H, Hkv, d = spec["B"], spec["S"], spec["H"], spec["Hkv"], spec["d"]
-    dt = _DTYPES[spec["dtype"]]
+    dt = DTYPES[spec["dtype"]]
     q, k, v, do = (torch.randn(B, S, h, d, generator=g) for h in (H, Hkv, Hkv, H))
     return [t.to(device=device, dtype=dt) for t in (q, k, v, do)]
 
@@ -71,26 +70,20 @@ def _slowest(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-def _comm_only_ops(name: str):
-    """ForwardOps / BackwardOps whose computes only produce zero results of the right shape: running the real
-    schedule with them moves exactly the same messages with no compute to hide behind."""
-    from .schedules import payload
-    from .strategies.base import BackwardOps, ForwardOps
-
-    def _zeros(ops, kind, c):
-        return [torch.zeros(shape, dtype=dt, device=ops.device)
-                for shape, dt, _ in payload(kind, c.q_part, ops.sh, c.heads)]
+def _comm_only_ops():
+    """ForwardOps / BackwardOps whose local kernels only return zeros of the right shapes: running the real
+    schedule with them moves exactly the same messages with (next to) no compute to hide behind."""
+    from ..merge import acc_dtype
+    from ..strategies.base import BackwardOps, ForwardOps
 
     class Fwd(ForwardOps):
-        def compute(self, c):
-            if c.q_owner != self.me:
-                self._store.put("out", c.q_owner, c.q_part, _zeros(self, "out", c), c.heads)
+        def block_forward(self, q, k, v, diag):
+            B, n, H, _ = q.shape
+            return torch.zeros_like(q), torch.zeros(B, H, n, dtype=acc_dtype(q.dtype), device=q.device)
 
     class Bwd(BackwardOps):
-        def compute(self, c):
-            if c.q_owner != self.me:
-                self._store.put("dq", c.q_owner, c.q_part, _zeros(self, "dq", c), c.heads)
-            self.dkv_buffer(c.kv_owner, c.heads)  # a travelling accumulator must exist to be sent on
+        def block_backward(self, dout, q, k, v, lse, delta, diag):
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     return Fwd, Bwd
 
@@ -115,7 +108,7 @@ def _link_bytes(logs_by_rank: list[list]) -> dict:
 def _model_bytes(spec: dict, name: str) -> dict:
     """PyTorch peers are not traced: bytes from their algorithm (per rank, per call, forward)."""
     P, B, s, Hkv, d = spec["P"], spec["B"], spec["S"] // spec["P"], spec["Hkv"], spec["d"]
-    e = _DTYPES[spec["dtype"]].itemsize
+    e = DTYPES[spec["dtype"]].itemsize
     kv = 2 * B * s * Hkv * d * e
     fwd = (P - 1) * kv  # ring: K/V to r+1 for P-1 steps; all-gather: every rank's K/V reaches every rank
     sent = {"data": fwd, "results": 0}
@@ -136,10 +129,11 @@ class _Runner:
         self.full = _inputs(spec, device)
         self.local = [tokenring.shard(t, dim=1, layout=self.layout) for t in self.full]
         self.scale = spec["d"] ** -0.5
+        self._variants = {}  # strategy name -> the concrete variant it runs (see _concrete)
 
     # -- one call of one strategy, timed on this rank; returns (seconds, events, comm log, outputs)
     def _ours(self, name: str, traced: bool):
-        from .comm import Trace
+        from ..comm import Trace
         trace = Trace(self.rank) if traced else None
         log: list = []
         cfg = dict(trace=trace, comm_log=log, timeout=self.spec["timeout"])
@@ -185,15 +179,30 @@ class _Runner:
             log = [x for x in log if "backward" in x[0]]
         return t1 - t0, events, log, [out.detach()] + ([g for g in grads] if grads else [])
 
+    def _concrete(self, name: str):
+        """The variant ``attention(strategy=name)`` runs for these shapes (a family name such as ``token_ring``
+        is resolved by the cost model): decided on rank 0, like inside ``attention``, and sent to every rank."""
+        from ..api import resolve
+        from ..strategies import get
+        if name not in self._variants:
+            q, k = self.local[:2]
+            spec = [None]
+            if self.rank == 0:
+                spec[0] = resolve(name, q.shape, k.shape, self.P, dtype=q.dtype, causal=self.spec["causal"],
+                                  layout=self.layout, backward=self.spec["pass"] != "fwd",
+                                  device_type=self.device.type).name
+            self.dist.broadcast_object_list(spec, src=0)
+            self._variants[name] = get(spec[0])
+        return self._variants[name]
+
     def _comm_only(self, name: str):
         """Same schedule, same messages, no compute: the communication time alone."""
-        from .comm import Trace
-        from .executor import execute
-        from .schedules import Shapes
-        from .strategies import STRATEGIES
-        from .strategies.base import Config
-        strat = STRATEGIES[name]
-        Fwd, Bwd = _comm_only_ops(name)
+        from ..comm import Trace
+        from ..executor import execute
+        from ..schedules import Shapes
+        from ..strategies.base import Config
+        strat = self._concrete(name)
+        Fwd, Bwd = _comm_only_ops()
         q, k, v, do = self.local
         B, s, H, d = q.shape
         sh = Shapes(B, s, H, k.shape[2], d, q.dtype, self.P)
@@ -290,7 +299,7 @@ class _Runner:
                 out_full = torch.cat(parts, dim=1)
                 if _cp_options.enable_load_balance and S % (2 * self.P) == 0:
                     # rows are in the head-tail load balancer's order (rank r: chunks r and 2P-1-r) = zigzag
-                    from .layouts import global_order
+                    from ..layouts import global_order
                     out_full = out_full.index_select(2, torch.argsort(global_order(S, self.P, "zigzag")))
             else:
                 how = "output sequence-sharded (K/V all-gathered)"
@@ -313,10 +322,12 @@ class _Runner:
             res["times"] = _slowest(times, self.device)
             res["full_outputs"] = outs
             return res
-        if name == "ulysses" and spec["H"] % self.P:
-            return dict(strategy=name, skipped=f"ulysses needs H % P == 0 (H={spec['H']}, P={self.P})")
-        if name == "ring_bidir" and spec["Hkv"] % 2:
-            return dict(strategy=name, skipped=f"ring_bidir needs an even Hkv (Hkv={spec['Hkv']})")
+        reason = None if name in PEERS else why_not(name, spec["H"], spec["Hkv"], self.P, spec["S"] // self.P,
+                                                   spec["causal"] and self.layout == "zigzag")
+        if reason:
+            return dict(strategy=name, skipped=reason)
+        if name not in PEERS:
+            res["variant"] = self._concrete(name).name  # what a family name such as "token_ring" resolved to
         if name == "pytorch_ring" and self.device.type != "cpu":
             return dict(strategy=name, skipped="pytorch_ring is wired to the CPU flash op only")
         call = (lambda traced: self._pytorch_ring(traced)) if name == "pytorch_ring" else \
@@ -446,14 +457,12 @@ def _worker(spec_path: str, rank: int) -> int:
     import torch.distributed as dist
     with open(spec_path) as f:
         spec = json.load(f)
-    P = spec["P"]
-    torch.set_num_threads(spec["threads"])
     backend = spec["backend"]
     device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{spec['master_addr']}:{spec['port']}", rank=rank,
-                            world_size=P, timeout=datetime.timedelta(seconds=spec["timeout"]))
+    init_rank(rank, spec["P"], spec["store_dir"], backend=backend, threads=spec["threads"],
+              timeout_s=spec["timeout"])
     try:
         if spec.get("fail_rank") == rank:
             raise RuntimeError(f"rank {rank}: failure injected by --fail-rank (testing teardown)")
@@ -481,18 +490,19 @@ def _worker(spec_path: str, rank: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- launcher
-def launch(spec: dict, *, prefix=None, env=None, master_addr: str = "127.0.0.1", port: int | None = None,
-           workdir: str | None = None, timeout: float | None = None) -> dict:
+def launch(spec: dict, *, prefix=None, env=None, workdir: str | None = None, timeout: float | None = None) -> dict:
     """Run one benchmark case on ``spec['P']`` rank processes and return rank 0's result dict.
 
-    ``prefix(r)`` gives the command prefix of rank ``r`` (the testbed passes ``ip netns exec <ns>``) and
+    The ranks rendezvous through a file store in ``workdir`` (:func:`tokenring.tools.launch.init_rank`: no
+    TCP store, gloo on ``lo`` unless ``env`` sets ``GLOO_SOCKET_IFNAME``). ``prefix(r)`` gives the command
+    prefix of rank ``r`` (the testbed passes ``ip netns exec <ns>``: namespaces share the file system) and
     ``env(r)`` extra environment. A rank that fails makes every other rank be stopped (they are our own
     child processes) and raises ``RuntimeError`` with the failing rank's stderr."""
     P = spec["P"]
     own_dir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="tokenring-bench-")
-    spec = dict(spec, master_addr=master_addr, port=port or free_port(),
-                result_path=os.path.join(workdir, "result.json"))
+    store_dir = tempfile.mkdtemp(prefix="store-", dir=workdir)  # fresh for every launch in this workdir
+    spec = dict(spec, store_dir=store_dir, result_path=os.path.join(workdir, "result.json"))
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -500,10 +510,10 @@ def launch(spec: dict, *, prefix=None, env=None, master_addr: str = "127.0.0.1",
     limit = timeout or (spec["timeout"] + 120)
     try:
         for r in range(P):
-            cmd = list(prefix(r) if prefix else []) + [sys.executable, "-m", "tokenring.bench", "--_worker",
+            cmd = list(prefix(r) if prefix else []) + [sys.executable, "-m", "tokenring.tools.bench", "--_worker",
                                                         spec_path, "--_rank", str(r)]
             e = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), **(env(r) if env else {}))
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # works uninstalled, any cwd
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # uninstalled, any cwd
             e["PYTHONPATH"] = os.pathsep.join(x for x in (root, e.get("PYTHONPATH")) if x)
             err = open(os.path.join(workdir, f"rank{r}.err"), "w+")
             errs.append(err)
@@ -558,9 +568,17 @@ def launch(spec: dict, *, prefix=None, env=None, master_addr: str = "127.0.0.1",
                 p.wait()
         for e in errs:
             e.close()
-        if own_dir:
-            import shutil
-            shutil.rmtree(workdir, ignore_errors=True)
+        import shutil
+        shutil.rmtree(workdir if own_dir else store_dir, ignore_errors=True)
+
+
+def _strategy_arg(name: str) -> str:
+    if name not in PEERS:
+        try:
+            get_strategy(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return name
 
 
 def make_spec(P=4, S=4096, B=1, H=8, Hkv=None, d=64, dtype="float32", causal=False, layout=None, mode="fwd",
@@ -568,7 +586,7 @@ def make_spec(P=4, S=4096, B=1, H=8, Hkv=None, d=64, dtype="float32", causal=Fal
               backend=None, timeout=120.0, fail_rank=None) -> dict:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "gloo"
-    layout = layout or ("zigzag" if causal else "contiguous")
+    layout = layout or default_layout(causal)
     return dict(P=P, S=S, B=B, H=H, Hkv=Hkv or H, d=d, dtype=dtype, causal=causal, layout=layout, **{"pass": mode},
                 strategies=list(strategies), warmup=warmup, repeats=repeats, seed=seed, trace=trace,
                 comm_only=comm_only, threads=threads, backend=backend, timeout=timeout, fail_rank=fail_rank)
@@ -576,12 +594,7 @@ def make_spec(P=4, S=4096, B=1, H=8, Hkv=None, d=64, dtype="float32", causal=Fal
 
 def run(spec: dict, **launch_kw) -> dict:
     """Run one case; returns ``{"spec", "results", "machine"}`` with medians and checks."""
-    try:
-        out = launch(spec, **launch_kw)
-    except RuntimeError as e:  # the free port we picked was taken meanwhile (other jobs on the machine): retry once
-        if "address already in use" not in str(e).lower() or launch_kw.get("port"):
-            raise
-        out = launch(spec, **launch_kw)
+    out = launch(spec, **launch_kw)
     out["machine"] = machine()
     best = min((r["time"] for r in out["results"] if "time" in r), default=None)
     for r in out["results"]:
@@ -700,11 +713,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--dtype", default="float32", choices=list(_DTYPES))
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--layout", choices=["contiguous", "zigzag"], default=None)
     ap.add_argument("--pass", dest="mode", choices=["fwd", "bwd", "both"], default="fwd")
-    ap.add_argument("--strategies", nargs="+", default=list(OURS + PEERS), choices=list(OURS + PEERS))
+    ap.add_argument("--strategies", nargs="+", default=list(OURS + PEERS), type=_strategy_arg,
+                    help=f"any of {', '.join(OURS + PEERS)} or a variant spec such as token_ring:direct,c=2,k=3")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")

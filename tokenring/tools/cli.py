@@ -6,10 +6,11 @@ import sys
 
 # command -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS = {
-    "demo": ("tokenring.demo", "4 local ranks prefill a long prompt through a Llama-style model with every strategy, checked"),
-    "bench": ("tokenring.bench", "side-by-side benchmark of strategies (and PyTorch's own) on local ranks"),
-    "testbed": ("tokenring.testbed", "run the benchmark over emulated, bandwidth-shaped links (root)"),
-    "simulate": ("tokenring.sim.cli", "predict each strategy's time on a modelled interconnect"),
+    "demo": ("tokenring.tools.demo", "4 local ranks prefill a long prompt through a Llama-style model with every strategy, checked"),
+    "bench": ("tokenring.tools.bench", "side-by-side benchmark of strategies (and PyTorch's own) on local ranks"),
+    "testbed": ("tokenring.tools.testbed", "run the benchmark over emulated, bandwidth-shaped links (root)"),
+    "simulate": ("tokenring.tools.simulate", "predict each strategy's time on a modelled interconnect"),
+    "explain": ("tokenring.tools.explain", "what auto would pick and why, or (--plan) a strategy's schedule per rank"),
 }
 
 

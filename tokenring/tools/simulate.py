@@ -14,19 +14,17 @@ import argparse
 import json
 import os
 
-import torch
-
-from ..strategies import STRATEGIES
-from .auto import fmt_time
-from .kernel_model import kernel_model
-from .simulator import candidates, runnable, shapes_for, simulate
-from .topology import get_topology
+from ..sim.auto import fmt_time
+from ..sim.kernel_model import kernel_model
+from ..sim.simulator import candidates, shapes_for, simulate
+from ..sim.topology import get_topology
+from ..strategies import STRATEGIES, runnable, why_not
+from . import DTYPES
 
 __all__ = ["main", "sweep", "plot_curves", "save_figure", "HARDWARE_PRESETS"]
 
 HARDWARE_PRESETS = ["a10-pcie-4", "h100-nvswitch-8", "ascend910b-mesh-8", "mi300x-mesh-8", "ib-2x8"]
 TESTBED_PRESETS = ["switch:200mbit", "ring:200mbit", "mesh:200mbit"]
-_DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 SWEEP_P = [2 ** i for i in range(1, 11)]
 SWEEP_S = [2 ** i for i in range(13, 21)]  # 8K .. 1M
 
@@ -38,7 +36,7 @@ def _round_S(S: int, P: int, causal: bool) -> int:
 
 def _strategies(requested, H, Hkv, P):
     """The requested strategies that can run (default: those ``auto`` chooses among)."""
-    return [s for s in (requested or candidates(H, P, Hkv)) if runnable(s, H, Hkv, P)]
+    return runnable(H, Hkv, P, requested) if requested else candidates(H, P, Hkv)
 
 
 def predict(topo_spec, S, P, H, Hkv, d, B, dtype, causal, backward, strategies=None, kernel=None) -> list:
@@ -125,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--dtype", default="bfloat16", choices=list(_DT))
+    ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--pass", dest="mode", default="fwd", choices=["fwd", "both"])
     ap.add_argument("--strategies", nargs="+", default=None, choices=list(STRATEGIES))
@@ -136,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="tokenring-simulate", help="directory for --sweep outputs")
     ap.add_argument("--stem", default="simulate_sweep", help="file name stem of the --sweep outputs")
     a = ap.parse_args(argv)
-    dtype, backward = _DT[a.dtype], a.mode == "both"
+    dtype, backward = DTYPES[a.dtype], a.mode == "both"
     Hkv = a.kv_heads or a.heads
     topologies = a.topology or ([os.environ["TOKENRING_TOPOLOGY"]] if os.environ.get("TOKENRING_TOPOLOGY")
                                 else HARDWARE_PRESETS)
@@ -167,15 +165,17 @@ def main(argv: list[str] | None = None) -> int:
         km = kernel_model(topo.device, calibrated=a.calibrate_cpu)
         res = predict(spec, a.seq, P, a.heads, Hkv, a.head_dim, a.batch, dtype, a.causal, backward, a.strategies, km)
         if not res:
-            print(f"{spec}: no strategy can run (ulysses needs H % P == 0)")
+            why = "; ".join(w for w in (why_not(n, a.heads, Hkv, P) for n in a.strategies or STRATEGIES) if w)
+            print(f"{spec}: no strategy can run ({why})")
             continue
         best = min(r.time for r in res)
         sh = res[0].shapes
         print(f"\n{topo.describe()}  kernels: {km.name}  S={sh.s * P} B={sh.B} H={sh.H} Hkv={sh.Hkv} d={sh.d} "
               f"{a.dtype} causal={a.causal} pass={a.mode}")
-        print(f"  {'strategy':<11}{'time':>12}{'vs best':>9}{'compute':>12}{'exposed':>12}  regime")
+        w = max(11, *(len(r.strategy) + 2 for r in res))
+        print(f"  {'strategy':<{w}}{'time':>12}{'vs best':>9}{'compute':>12}{'exposed':>12}  regime")
         for r in sorted(res, key=lambda r: r.time):
-            print(f"  {r.strategy:<11}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
+            print(f"  {r.strategy:<{w}}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
                   f"{fmt_time(r.exposed_comm):>12}  {r.regime}")
             if a.steps:
                 for p in r.passes:

@@ -23,9 +23,11 @@ import torch
 import torch.nn.functional as F
 
 import tokenring
-from tokenring.launch import spawn
+from tokenring.strategies import STRATEGIES as _REGISTRY
+from tokenring.strategies import runnable, why_not
+from tokenring.tools.launch import spawn
 
-STRATEGIES = ("token_ring", "ring", "ring_bidir", "ulysses")
+STRATEGIES = tuple(_REGISTRY)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -226,12 +228,15 @@ def _model_main(a) -> int:
     else:
         heads, kvh = a.heads, a.kv_heads
         what = (f"Llama-architecture model, random weights: hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}")
-    if "ulysses" in strategies and heads % P:
-        strategies.remove("ulysses")
-        print(f"(ulysses skipped: {heads} heads do not divide over {P} ranks)")
-    if "ring_bidir" in strategies and kvh % 2:
-        strategies.remove("ring_bidir")
-        print(f"(ring_bidir skipped: it needs an even number of KV heads, the model has {kvh})")
+    try:
+        reasons = {name: why_not(name, heads, kvh, P) for name in strategies}
+    except ValueError as e:  # an unknown name in --strategies
+        print(f"tokenring demo: {e}")
+        return 2
+    for name, reason in reasons.items():
+        if reason:
+            strategies.remove(name)
+            print(f"({name} skipped: {reason})")
     cores = os.cpu_count() or 1
     print(f"{what}, {heads} heads / {kvh} KV heads, float32")
     print(f"prefill of a {S}-token prompt: {P} local gloo ranks (zigzag, attn_implementation='tokenring', "
@@ -278,7 +283,7 @@ def _model_main(a) -> int:
           f"tolerance {a.tol:g})")
     if a.png:
         try:
-            from tokenring.trace import plot_timeline
+            from tokenring.tools.trace import plot_timeline
             plot_timeline(a.png, {n: [r[n]["events"] for r in per_rank] for n in strategies},
                           title=f"attention of one layer (the middle one) during the {S}-token prefill, "
                                 f"{P} ranks")
@@ -300,9 +305,7 @@ def _inputs(S: int, H: int, Hkv: int, d: int):
 def _layer_rank(rank: int, P: int, S: int, H: int, Hkv: int, d: int, repeats: int) -> dict:
     q, k, v = (tokenring.shard(t, dim=1, layout="zigzag") for t in _inputs(S, H, Hkv, d))
     res = {}
-    for name in STRATEGIES:
-        if (name == "ulysses" and H % P) or (name == "ring_bidir" and Hkv % 2):
-            continue
+    for name in runnable(H, Hkv, P, STRATEGIES):
         out = tokenring.attention(q, k, v, causal=True, strategy=name)  # warm-up, checks shapes once
         times = []
         for _ in range(repeats):

@@ -6,7 +6,8 @@ Input: the events of :class:`tokenring.comm.Trace` from every rank (dicts with `
 ``peer``, ``kind``, ``bytes``). ``perf_counter`` is CLOCK_MONOTONIC on Linux, shared by every process of the
 machine (network namespaces included), so the ranks' events line up on one time axis.
 
-Traffic is split into two directions **by message kind**, which is what the paper's two streams are:
+Traffic is split into two directions **by message kind**, which is what the paper's two streams are; each
+kind's flow and colour come from the table :data:`tokenring.messages.KINDS`:
 
 - ``data`` ("forward direction"): inputs travelling to be computed on: ``q``, ``kv``, ``qgrad`` (Q, dO, lse,
   delta) and Ulysses' ``u_qkv`` / ``u_dout``;
@@ -23,21 +24,17 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-__all__ = ["DATA_KINDS", "RESULT_KINDS", "direction", "step_metrics", "chrome_trace", "write_chrome_trace",
-           "plot_timeline"]
+from ..messages import FLOWS, kind as _kind
 
-DATA_KINDS = frozenset({"q", "kv", "qgrad", "u_qkv", "u_dout"})
-RESULT_KINDS = frozenset({"out", "dq", "dkv", "u_out", "u_grad"})
+__all__ = ["direction", "step_metrics", "chrome_trace", "write_chrome_trace", "plot_timeline"]
+
 _TIDS = {"compute": 0, "send data": 1, "send results": 2, "recv data": 3, "recv results": 4, "exposed wait": 5}
 
 
 def direction(kind: str) -> str:
-    """``"data"`` (inputs going out: Q, K/V, Q-grad) or ``"results"`` (partials / gradients going home)."""
-    if kind in DATA_KINDS:
-        return "data"
-    if kind in RESULT_KINDS:
-        return "results"
-    raise ValueError(f"unknown message kind {kind!r}")
+    """``"data"`` (inputs going out: Q, K/V, Q-grad) or ``"results"`` (partials / gradients going home): the
+    kind's flow in :data:`tokenring.messages.KINDS` (``ValueError`` for an unknown kind)."""
+    return _kind(kind).flow
 
 
 def _phase(e: dict) -> str:
@@ -112,10 +109,6 @@ def write_chrome_trace(path: str, events_by_rank: list[list[dict]], title: str =
         json.dump(chrome_trace(events_by_rank, title), f)
 
 
-_COLORS = {"q": "#1f77b4", "kv": "#1f77b4", "qgrad": "#1f77b4", "u_qkv": "#1f77b4", "u_dout": "#1f77b4",
-           "out": "#ff7f0e", "dq": "#ff7f0e", "dkv": "#ff7f0e", "u_out": "#ff7f0e", "u_grad": "#ff7f0e"}
-
-
 def plot_timeline(path: str, traces: dict[str, list[list[dict]]], title: str = "") -> None:
     """PNG timeline; ``traces`` maps a label (e.g. a strategy) to its per-rank events. One panel per label,
     sharing the time axis; per rank three lanes: compute (grey, exposed waits red), data sent (blue: Q / K/V)
@@ -147,7 +140,7 @@ def plot_timeline(path: str, traces: dict[str, list[list[dict]]], title: str = "
                     ax.broken_barh([(x, w)], (rows["compute"], 1.0), facecolors="#7f7f7f", edgecolor="white",
                                    linewidth=0.5)
                 elif e["lane"] == "send":
-                    ax.broken_barh([(x, w)], (rows[direction(e["kind"])], 1.0), facecolors=_COLORS[e["kind"]],
+                    ax.broken_barh([(x, w)], (rows[direction(e["kind"])], 1.0), facecolors=_kind(e["kind"]).colour,
                                    edgecolor="white", linewidth=0.5, alpha=0.85)
                     if w > span * 1e3 * 0.04:
                         ax.text(x + w / 2, rows[direction(e["kind"])] + 0.5, f"{e['kind']}->{e['peer']}",
@@ -166,8 +159,8 @@ def plot_timeline(path: str, traces: dict[str, list[list[dict]]], title: str = "
     axes[-1, 0].set_xlabel("time (ms)")
     from matplotlib.patches import Patch
     fig.legend(handles=[Patch(color="#7f7f7f", label="compute"), Patch(color="#d62728", label="exposed wait"),
-                        Patch(color="#1f77b4", label="data sent (Q, K/V)"),
-                        Patch(color="#ff7f0e", label="results sent (partials, dQ, dK/dV)")],
+                        Patch(color=FLOWS["data"], label="data sent (Q, K/V)"),
+                        Patch(color=FLOWS["results"], label="results sent (partials, dQ, dK/dV)")],
                loc="lower center", fontsize=7, ncol=4)
     if title:
         fig.suptitle(title, fontsize=9, x=0.01, ha="left")

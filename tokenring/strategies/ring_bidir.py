@@ -1,0 +1,31 @@
+"""Bidirectional pass-KV: the first half of the K/V heads travels ``r -> r + 1`` and the second half
+``r -> r - 1``, each meeting the query heads that attend to it (GQA groups are contiguous).
+
+Every link direction then carries half of ring's bytes per step, without a full mesh and keeping GQA's small
+K/V messages. Needs an even ``Hkv``. The schedule is :func:`~tokenring.strategies.ring.pass_kv` with two lanes.
+"""
+from __future__ import annotations
+
+from ..schedules import Schedule
+from .base import ScheduledStrategy
+from .ring import pass_kv
+
+__all__ = ["RingBidir", "STRATEGY"]
+
+TWO_WAY = (("h0", +1), ("h1", -1))  # (head half, direction its K/V travel)
+
+
+class RingBidir(ScheduledStrategy):
+    name = "ring_bidir"
+
+    def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
+        if Hkv % 2:
+            return (f"strategy='ring_bidir' sends half of the K/V heads each way and needs an even number of "
+                    f"key/value heads, got {Hkv}; use strategy='ring' (or 'token_ring')")
+        return None
+
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+        return pass_kv(P, layout, causal, backward, TWO_WAY, self.name)
+
+
+STRATEGY = RingBidir()
