@@ -77,10 +77,15 @@ def _chunk_rows(rows_first: int, rows: int, c: int) -> list[int]:
 @pytest.mark.parametrize("c,k", [(1, 1), (2, 1), (2, 3), (3, 2)])
 def test_direct_bytes(pools, P, c, k):
     """Direct variants, zigzag causal, forward and backward, per message: each owner sends each rank exactly
-    the rows it attends with, in c chunks, the chunk computed at step x = 1 + (v-1)*c + i (visitor position v)
-    posted at max(0, x - k*c); TokenRing returns each chunk's partial at x + 1 (out: rows*H*(d*e + 4), dq:
-    rows*H*d*e); pass-KV's backward returns each chunk's dK/dV (float32) at x + 1."""
+    the rows it attends with, in c chunks; rank r works on partner j's block in round t of ``pairings(P)``
+    (M rounds), chunk i at step x = 1 + i*M + t, posted at max(0, x - k*c); TokenRing returns each chunk's
+    partial at x + 1 (out: rows*H*(d*e + 4), dq: rows*H*d*e); pass-KV's backward returns each chunk's dK/dV
+    (float32) at x + 1."""
+    from tokenring.schedules import pairings
     k = min(k, max(1, P - 1))
+    rounds = pairings(P)
+    M = len(rounds)
+    when = {(r, j): t for t, partner in enumerate(rounds) for r, j in enumerate(partner) if r != j}
     for fam in ("token_ring", "ring"):
         name = f"{fam}:direct,c={c},k={k}"
         case = dict(B=B, s=s, H=H, Hkv=H if fam == "token_ring" else Hkv, d=d, dtype="bfloat16", causal=True,
@@ -91,28 +96,27 @@ def test_direct_bytes(pools, P, c, k):
             for j in range(P):
                 if j == r:
                     continue
+                t = when[(r, j)]  # the same round on both ends: j works on r's block while r works on j's
                 if fam == "token_ring":
-                    v_out, v_back = (r - j) % P, (j - r) % P  # j computes Q_r at position v_out; r computes Q_j
-                    q_rows = _zigzag_rows(r, j)[0]
+                    q_rows = _zigzag_rows(r, j)[0]  # of Q_r, used on j
                     for i, n in enumerate(_chunk_rows(0 if q_rows == s else s // 2, q_rows, c)):
-                        x = 1 + (v_out - 1) * c + i
+                        x = 1 + i * M + t
                         want_f.append((max(0, x - k * c), j, "q", n * B * H * d * E))
                         want_b.append((max(0, x - k * c), j, "qgrad", n * B * H * (2 * d * E + 8)))
-                    p_rows = _zigzag_rows(j, r)[0]
+                    p_rows = _zigzag_rows(j, r)[0]  # of Q_j, computed here
                     for i, n in enumerate(_chunk_rows(0 if p_rows == s else s // 2, p_rows, c)):
-                        x = 1 + (v_back - 1) * c + i
+                        x = 1 + i * M + t
                         want_f.append((x + 1, j, "out", n * B * H * (d * E + 4)))
                         want_b.append((x + 1, j, "dq", n * B * H * d * E))
                 else:
-                    v_out, v_back = (j - r) % P, (r - j) % P  # j computes against KV_r at position v_out
-                    kv_rows = _zigzag_rows(j, r)[1]
-                    for i, n in enumerate(_chunk_rows(0, kv_rows, c)):  # K/V rows needed start at 0 (lo or all)
-                        x = 1 + (v_out - 1) * c + i
+                    kv_rows = _zigzag_rows(j, r)[1]  # of KV_r, used on j (the rows needed start at 0: lo or all)
+                    for i, n in enumerate(_chunk_rows(0, kv_rows, c)):
+                        x = 1 + i * M + t
                         want_f.append((max(0, x - k * c), j, "kv", 2 * n * B * hk * d * E))
                         want_b.append((max(0, x - k * c), j, "kv", 2 * n * B * hk * d * E))
-                    g_rows = _zigzag_rows(r, j)[1]
+                    g_rows = _zigzag_rows(r, j)[1]  # of KV_j, whose gradient is computed here
                     for i, n in enumerate(_chunk_rows(0, g_rows, c)):
-                        x = 1 + (v_back - 1) * c + i
+                        x = 1 + i * M + t
                         want_b.append((x + 1, j, "dkv", 2 * n * B * hk * d * 4))
             for what, want in (("forward", want_f), ("backward", want_b)):
                 got = sorted((x["step"], x["peer"], x["kind"], x["bytes"]) for x in _sent(log, f"{name} {what}"))

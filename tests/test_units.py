@@ -154,3 +154,16 @@ def test_zigzag_pairs_are_half_blocks():
         assert diag == (j == r)
         if j != r:
             assert (q_part == "all") != (kv_part == "all"), "off-diagonal zigzag pairs cost half a block"
+
+
+@pytest.mark.parametrize("P", range(1, 10))
+def test_pairings_meet_everyone_once(P):
+    """Rounds of the direct schedules: each a set of pairs (partner of partner is oneself), every ordered pair of
+    distinct ranks meets exactly once, P - 1 rounds for even P, P for odd (one bye each)."""
+    from tokenring.schedules import pairings
+    rounds = pairings(P)
+    assert len(rounds) == (P - 1 if P % 2 == 0 else P) or P == 1
+    met = [(r, j) for partner in rounds for r, j in enumerate(partner) if r != j]
+    for partner in rounds:
+        assert sorted(partner) == list(range(P)) and all(partner[partner[r]] == r for r in range(P))
+    assert sorted(met) == [(r, j) for r in range(P) for j in range(P) if r != j]

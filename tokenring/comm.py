@@ -113,18 +113,21 @@ class Comm:
         """Post ``recvs`` (into the given buffers) then ``sends``; returns one handle per due step (a message's
         ``due``, else this step) whose ``wait()`` blocks until those operations are done.
 
-        The operations due together go into one ``batch_isend_irecv``: on NCCL that is one group call, so
-        ranks that all receive from one neighbour and send to another cannot deadlock; on gloo it posts
-        them in this order, receives first. Tags are distinct per (step, kind, head half, position among the
-        step's messages between the same two ranks, tensor), so chunks of one kind never swap on gloo."""
+        All of a step's operations go into one ``batch_isend_irecv``, every receive before every send: on NCCL
+        that is one group call, so ranks that all receive from one neighbour and send to another cannot
+        deadlock; on gloo, sends posted before the receives of the same step serialise the transfers to
+        different peers (measured: each peer's messages then wait for the previous peer's). Tags are distinct
+        per (step, kind, head half, position among the step's messages between the same two ranks, tensor),
+        so chunks of one kind never swap on gloo."""
         now = time.perf_counter()
-        groups: dict[int, tuple[list, list, list, list]] = {}
+        ops, meta = [], []
+        groups: dict[int, tuple[list, list, list]] = {}  # due -> (operation indices, records, received)
         for direction, items in (("recv", recvs), ("send", sends)):
             fn = dist.irecv if direction == "recv" else dist.isend
             seen: dict[int, int] = {}
             for m, tensors in items:
                 due = step if m.due < 0 else m.due
-                ops, meta, records, got = groups.setdefault(due, ([], [], [], []))
+                idx, records, got = groups.setdefault(due, ([], [], []))
                 peer = m.src if direction == "recv" else m.dst
                 gpeer = self._global(peer)
                 kind = message_kind(m.kind).tag * len(HEADS) + HEADS.index(m.heads)
@@ -133,6 +136,7 @@ class Comm:
                 for i, t in enumerate(tensors):
                     tag = ((step * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + kind) * 8 + i
                     t = t.contiguous()  # kept referenced in `meta` until the wait completes
+                    idx.append(len(ops))
                     ops.append(dist.P2POp(fn, t, gpeer, self.group, tag))
                     meta.append((direction, m, t))
                     nbytes += t.numel() * t.element_size()
@@ -140,16 +144,18 @@ class Comm:
                                     part=m.part, heads=m.heads, bytes=nbytes))
                 if direction == "recv":
                     got.append((m, tensors))
+        if not ops:
+            return []
+        t0 = time.monotonic()
+        try:
+            handles = dist.batch_isend_irecv(ops)
+        except Exception as e:  # a peer that is already gone can fail the posting itself
+            direction, m, _ = meta[0]
+            raise self.failure(direction, m, step, e) from e
         out = []
         for due in sorted(groups):
-            ops, meta, records, got = groups[due]
+            idx, records, got = groups[due]
             self.log.extend(records)
-            t0 = time.monotonic()
-            try:
-                handles = dist.batch_isend_irecv(ops)
-            except Exception as e:  # a peer that is already gone can fail the posting itself
-                direction, m, _ = meta[0]
-                raise self.failure(direction, m, step, e) from e
-            works = [(direction, m, w, t) for (direction, m, t), w in zip(meta, handles)]
+            works = [(*meta[i][:2], handles[i], meta[i][2]) for i in idx]
             out.append(_Pending(self, step, due, works, records, got, t0, now))
         return out

@@ -24,13 +24,13 @@ class Ops(Protocol):
     def empty(self, m: Message) -> list[torch.Tensor]: ...            # receive buffers for ``m``
     def compute(self, c: Compute) -> None: ...
     def receive(self, m: Message, tensors: list[torch.Tensor]) -> None: ...
-    def release(self, step: int, last_reads: dict) -> None: ...       # free what no later step reads
+    def release(self, step: int, reads: dict) -> None: ...            # free what no later step reads
 
 
 @lru_cache(maxsize=512)
 def _rank_plan(sched: Schedule, rank: int):
-    """This rank's per-step (computes, sends, receives) and the last step reading each stored entry."""
-    return sched.for_rank(rank), sched.last_reads(rank)
+    """This rank's per-step (computes, sends, receives) and every read of a stored entry."""
+    return sched.for_rank(rank), sched.reads(rank)
 
 
 def execute(sched: Schedule, comm: Comm, ops: Ops) -> None:

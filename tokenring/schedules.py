@@ -21,6 +21,7 @@ Vocabulary
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from math import gcd
@@ -31,7 +32,7 @@ from .merge import acc_dtype
 from .messages import kind as message_kind
 
 __all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
-           "part_slice", "part_union", "part_within", "part_rows", "chunk", "rows", "direct", "drop_empty_tail", "payload", "message_bytes", "relay",
+           "part_slice", "part_union", "part_within", "part_rows", "chunk", "rows", "direct", "pairings", "drop_empty_tail", "payload", "message_bytes", "relay",
            "ulysses_kv_heads"]
 
 PARTS = ("all", "lo", "hi")
@@ -159,17 +160,17 @@ class Schedule:
                  [m for m in st.messages if m.src == r],
                  [m for m in st.messages if m.dst == r]) for st in self.steps]
 
-    def last_reads(self, r: int) -> dict[tuple[str, int], int]:
-        """``(kind, owner)`` -> the last step at which rank ``r`` reads that entry (as a compute's queries or
-        K/V, or as the payload of a message it sends): after it the entry can be released."""
-        last = {}
+    def reads(self, r: int) -> dict[tuple[str, int], list[tuple[int, str]]]:
+        """``(kind, owner)`` -> ``(step, rows)`` of every read on rank ``r``: a compute's queries or K/V, or the
+        payload of a message it sends. What no later read needs can be released (see ``Store.release``)."""
+        out: dict = {}
         for t, (computes, sends, _) in enumerate(self.for_rank(r)):
             for c in computes:
-                last[(self.q_kind, c.q_owner)] = t
-                last[("kv", c.kv_owner)] = t
+                out.setdefault((self.q_kind, c.q_owner), []).append((t, c.q_part))
+                out.setdefault(("kv", c.kv_owner), []).append((t, c.kv_part))
             for m in sends:
-                last[(m.kind, m.owner)] = t
-        return last
+                out.setdefault((m.kind, m.owner), []).append((t, m.part))
+        return out
 
     def describe(self, sh: "Shapes | None" = None, ranks=None) -> str:
         """A per-step, per-rank table of what each rank computes, sends and receives (with bytes when ``sh``
@@ -261,24 +262,55 @@ def rows(a: int, b: int, n: int) -> str:
     return _make(a, b, n)
 
 
+def pairings(P: int) -> list[list[int]]:
+    """Rounds in which every rank meets every other exactly once, as ``partner[r]`` per round (``r`` itself: a
+    bye). Even ``P``: ``P - 1`` perfect matchings (the circle method); odd ``P``: ``P`` rounds, rank ``k``
+    sitting out round ``k``. Both ends of a link work on each other's blocks in the same round, so a link's two
+    directions are used together (gloo in particular moves data much faster when a pair's receive is posted
+    with its send, measured on the testbed)."""
+    if P % 2:
+        return [[(2 * k - r) % P for r in range(P)] for k in range(P)]
+    M = P - 1
+    rounds = []
+    for k in range(M):
+        partner = [(2 * k - r) % M for r in range(M)] + [k]
+        partner[k] = M
+        rounds.append(partner)
+    return rounds
+
+
+def _own_rows(r: int, a: int, b: int, n: int, causal: bool) -> list[Compute]:
+    """Rank ``r``'s own queries in rows ``[a/n, b/n)`` against its own keys: everything before them in full
+    and the square diagonal block masked when causal; all keys otherwise."""
+    part = rows(a, b, n)
+    if not causal:
+        return [Compute(r, r, part, r, "all")]
+    return ([Compute(r, r, part, r, rows(0, a, n))] if a else []) + [Compute(r, r, part, r, part, True)]
+
+
 def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: str, chunks: int,
            lookahead: int) -> Schedule:
     """Direct (mesh-native), fine-grained schedule: every block one rank lacks comes *straight from its owner*,
     cut into ``chunks`` row chunks that are computed one per step, and sent up to ``lookahead`` blocks ahead.
 
-    ``mover="q"`` (TokenRing): rank ``r`` attends the queries of ``j = r + v`` (``v = 1 .. P-1``) to its own
-    K/V; each chunk's partial (``out`` / ``dq``) goes straight home one step after it is computed, so a
-    call ends about one chunk after its last compute, not one block. ``mover="kv"`` (pass-KV as an
-    all-gather overlapped with compute): rank ``r`` attends its queries to the K/V of ``j = r - v``; the
-    partial merges locally, and in backward each chunk's dK/dV goes home.
+    Ranks meet in the rounds of :func:`pairings` (both ends of a link exchange in the same step), chunk-major:
+    chunk 0 of every partner's block, then chunk 1, ..., so consecutive steps talk to different ranks over
+    different links and every link carries traffic all along.
 
-    Per rank: step 0 computes the first ``c/(c+1)`` of the own block's rows, steps ``1 ..`` the visiting
-    chunks, and the last step the remaining own rows, which hides the last partial's trip home. A chunk
-    needed at step ``x`` is posted by its owner at step ``max(0, x - lookahead*chunks)`` and due by step
-    ``x - 1``; a partial is posted at ``x + 1`` and due by step ``x + k*c`` (the receiver merges it then), so
-    up to ``k`` blocks of partials travel at once, to different owners over different links.
-    Memory: a rank holds at most ``k + 1`` visiting blocks (those in flight and the one computed) and ``k``
-    blocks of partials (its own in flight home, and others' arriving), whatever ``P``.
+    ``mover="q"`` (TokenRing): rank ``r`` attends its partner's queries to its own K/V; each chunk's partial
+    (``out`` / ``dq``) goes straight home one step after it is computed, so a call ends about one chunk after
+    its last compute, not one block. ``mover="kv"`` (pass-KV as an all-gather overlapped with compute): rank
+    ``r`` attends its queries to its partner's K/V; the partial merges locally, and in backward each chunk's
+    dK/dV goes home.
+
+    Per rank: step 0 computes the first rows of its own block, the last step its last rows (hiding the first
+    arrivals and the last partial's trip home), and a bye round (odd ``P``) more of its own rows. A chunk needed
+    at step ``x`` is posted by its owner at step ``max(0, x - lookahead*chunks)`` and due by step ``x - 1``; a
+    partial is posted at ``x + 1`` and due by step ``x + k*c`` (the receiver merges it then), so up to ``k``
+    blocks of partials travel at once, to different owners over different links.
+    Memory, whatever ``P``: at most ``k`` blocks of visiting rows in flight plus the chunk being computed (each
+    chunk is freed once computed), and at most ``2k`` blocks of partials (its own travelling home, others'
+    arriving).
     """
     c, k = chunks, lookahead
     if c < 1 or not 1 <= k <= max(1, P - 1):
@@ -287,42 +319,34 @@ def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: 
         raise ValueError(f"mover must be 'q' or 'kv', got {mover!r}")
     carry = "kv" if mover == "kv" else ("qgrad" if backward else "q")
     ret = ("dq" if backward else "out") if mover == "q" else ("dkv" if backward else None)
-    front, back = rows(0, c, c + 1), rows(c, c + 1, c + 1)
-    plans = []  # per rank: [(step, computes, carry messages (posted, message), returns (step, message))]
+    rounds = pairings(P)
+    byes = P % 2  # odd P: one bye round per chunk sweep, spent on the own block's middle rows
+    n_own = c + 1 + byes * c  # own rows in n_own pieces: c first, one per bye round, the last one at the end
+    last = 1 + c * len(rounds)
+    steps = [Step() for _ in range(last + 1)]
     for r in range(P):
-        items, x = [], 1
-        for v in range(1, P):
-            j = (r + v) % P if mover == "q" else (r - v) % P
+        steps[0].computes += _own_rows(r, 0, c, n_own, causal)
+        steps[last].computes += _own_rows(r, n_own - 1, n_own, n_own, causal)
+    x = 1
+    for i, partner in itertools.product(range(c), rounds):  # chunk-major
+        for r, j in enumerate(partner):
+            if j == r:
+                steps[x].computes += _own_rows(r, c + i, c + i + 1, n_own, causal)
+                continue
             pair = block_pair(j, r, P, layout, causal) if mover == "q" else block_pair(r, j, P, layout, causal)
             if pair is None:
                 continue
             q_part, kv_part, _ = pair
-            for i in range(c):
-                if mover == "q":
-                    part = chunk(q_part, i, c)
-                    comp = Compute(r, j, part, r, kv_part)
-                else:
-                    part = chunk(kv_part, i, c)
-                    comp = Compute(r, r, q_part, j, part)
-                items.append((x, j, part, comp))
-                x += 1
-        plans.append((items, x))  # x: the step of the own block's back rows
-    last = max(x for _, x in plans)
-    steps = [Step() for _ in range(last + 1)]
-    for r, (items, final) in enumerate(plans):
-        if causal:
-            steps[0].computes.append(Compute(r, r, front, r, front, True))
-            steps[final].computes += [Compute(r, r, back, r, front), Compute(r, r, back, r, back, True)]
-        else:
-            steps[0].computes.append(Compute(r, r, front, r, "all"))
-            steps[final].computes.append(Compute(r, r, back, r, "all"))
-        for x, j, part, comp in items:
-            steps[x].computes.append(comp)
+            if mover == "q":
+                part = chunk(q_part, i, c)
+                steps[x].computes.append(Compute(r, j, part, r, kv_part))
+            else:
+                part = chunk(kv_part, i, c)
+                steps[x].computes.append(Compute(r, r, q_part, j, part))
             steps[max(0, x - k * c)].messages.append(Message(j, r, carry, j, part, due=x - 1))
             if ret is not None:
                 steps[x + 1].messages.append(Message(r, j, ret, j, part, due=min(x + k * c, last)))
-    for st in steps:  # by rank, then in posting order: readable plans and traces (semantics unaffected)
-        st.computes.sort(key=lambda cmp: cmp.rank)
+        x += 1
     q_kind = "qgrad" if backward else "q"
     return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps))
 

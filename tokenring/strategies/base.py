@@ -199,11 +199,17 @@ class Store:
             out.append(t)
         return out
 
-    def release(self, step: int, last_reads: dict[tuple[str, int], int]) -> None:
-        """Drop what no step after ``step`` reads (``last_reads`` from :meth:`Schedule.last_reads`); this
-        rank's own inputs live for the whole call."""
-        for key in [k for k in self.entries if k[1] != self.me and last_reads.get(k[:2], -1) <= step]:
-            del self.entries[key]
+    def release(self, step: int, reads: dict[tuple[str, int], list[tuple[int, str]]]) -> None:
+        """Drop every piece that no read after ``step`` needs (``reads`` from :meth:`Schedule.reads`: a piece
+        stays while a later read asks for rows it covers); this rank's own inputs live for the whole call.
+        Visiting row chunks are so freed one by one, as soon as they have been computed or sent on."""
+        for key in [k for k in self.entries if k[1] != self.me]:
+            later = [part for t, part in reads.get(key[:2], ()) if t > step]
+            pieces = [p for p in self.entries[key] if any(covers(p[0], part) for part in later)]
+            if pieces:
+                self.entries[key] = pieces
+            else:
+                del self.entries[key]
 
 
 def covers(holder: str, part: str) -> bool:
@@ -231,8 +237,8 @@ class _OpsBase:
         return [torch.empty(shape, dtype=dt, device=self.device)
                 for shape, dt, _ in payload(m.kind, m.part, self.sh, m.heads)]
 
-    def release(self, step: int, last_reads: dict) -> None:
-        self.store.release(step, last_reads)
+    def release(self, step: int, reads: dict) -> None:
+        self.store.release(step, reads)
 
     def rows(self, part: str) -> slice:
         return part_slice(part, self.sh.s)

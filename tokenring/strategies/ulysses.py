@@ -62,7 +62,7 @@ class _UlyssesOps:
     def receive(self, m: Message, tensors) -> None:
         self.got[m.src] = tensors
 
-    def release(self, step: int, last_reads: dict) -> None:
+    def release(self, step: int, reads: dict) -> None:
         pass  # nothing visits: what arrives is consumed whole by the one compute or reassembly
 
     def gathered(self, kind: str) -> list[torch.Tensor]:

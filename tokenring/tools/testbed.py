@@ -51,6 +51,9 @@ def available() -> str | None:
     return None
 
 
+MTU = 65535  # veth's largest
+
+
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, capture_output=True, text=True)
     if check and p.returncode != 0:
@@ -96,7 +99,10 @@ class Testbed:
         _sh("ip", "netns", "add", name)
         self.namespaces.append(name)
         self._in(name, "ip", "link", "set", "dev", "lo", "up")
-        for key in ("net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0", "net.ipv4.ip_forward=1"):
+        # No TCP slow start after an idle gap: an interconnect link does not ramp up again between messages, and
+        # schedules that pause a link between messages would otherwise pay a fresh ramp each time.
+        for key in ("net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0", "net.ipv4.ip_forward=1",
+                    "net.ipv4.tcp_slow_start_after_idle=0"):
             self._in(name, "sysctl", "-q", "-w", key, check=False)
 
     def _in(self, ns: str, *cmd: str, check: bool = True):
@@ -105,11 +111,13 @@ class Testbed:
     def _veth(self, ns_a: str, dev_a: str, ns_b: str, dev_b: str) -> None:
         _sh("ip", "-n", ns_a, "link", "add", "name", dev_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
         for ns, dev in ((ns_a, dev_a), (ns_b, dev_b)):
-            _sh("ip", "-n", ns, "link", "set", "dev", dev, "up")
+            # 64 KB frames: the host's cores move the bytes of every emulated link, per packet; big frames keep
+            # that cost small next to the attention compute sharing those cores (an interconnect's DMA costs none)
+            _sh("ip", "-n", ns, "link", "set", "dev", dev, "mtu", str(MTU), "up")
 
     def _shape(self, ns: str, dev: str) -> None:
         rate_bytes = self.rate * 1e6 / 8
-        burst = max(16 * 1024, int(rate_bytes * 0.002))  # 2 ms of traffic, at least a few full frames
+        burst = max(4 * MTU, int(rate_bytes * 0.002))  # 2 ms of traffic, at least a few full frames
         tbf = ["tbf", "rate", f"{self.rate}mbit", "burst", str(burst), "latency", f"{self.queue_ms}ms"]
         if self.delay_ms > 0:
             self._in(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
