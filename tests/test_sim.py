@@ -22,7 +22,7 @@ INF = float("inf")
 def flat_kernel(t_block=0.0, merge=0.0) -> KernelModel:
     """Every block takes t_block seconds (peak infinite), merges/adds take ``merge``."""
     return KernelModel("flat", (t_block, INF), (t_block, INF), (t_block, INF), (t_block, INF), mem_bw=INF,
-                       merge=(merge, 0.0), add=(merge, 0.0))
+                       merge=(merge, 0.0), add=(merge, 0.0), step=0.0)
 
 
 # ---------------------------------------------------------------- topology

@@ -44,6 +44,9 @@ class KernelModel:
     merge: tuple[float, float] = (60e-6, 14e-12)   # (m0 s, s per output element): float32 (o, lse) merge
     add: tuple[float, float] = (10e-6, 3e-12)      # elementwise accumulate, s per element
     source: str = ""
+    # Host time per step on each rank that takes part in it: the executor's Python loop, posting the step's
+    # messages, launching its kernels. Small on a GPU host; on CPU ranks sharing cores it is milliseconds.
+    step: float = 30e-6
     # Measured points to interpolate between (log FLOPs -> log seconds), per (backward, causal); outside
     # their range the fitted line holds. Empty for analytic models.
     curves: tuple = ()
@@ -78,7 +81,7 @@ class KernelModel:
         m = lambda p: (p[0], p[1] / mem_speed)
         return replace(self, name=name, fwd=s(self.fwd), fwd_causal=s(self.fwd_causal), bwd=s(self.bwd),
                        bwd_causal=s(self.bwd_causal), mem_bw=self.mem_bw * mem_speed, merge=m(self.merge),
-                       add=m(self.add), source=source, speed=self.speed * speed)
+                       add=m(self.add), source=source, speed=self.speed * speed, step=self.step)
 
 
 def _fit_line(F: np.ndarray, t: np.ndarray) -> tuple[float, float]:
@@ -156,13 +159,17 @@ DEVICES = {
 # GFLOP/s (causal diagonal blocks ~65), the chunked math backward ~50 (causal ~22) per 2.5x-counted FLOP, merges
 # ~0.75 ns per output element: calibrate_cpu's fit on the development machine (1 thread, float32), frozen so
 # that every rank computes the same choice. ``threads`` multiplies the rates; ``share`` (< 1) models ranks
-# that share cores (P ranks x threads > cores).
+# that share cores (P ranks x threads > cores). Host time per step 2 ms at a full core (the executor's loop and
+# posting a step's sends, which on a CPU host writes the bytes through the kernel's network stack): fitted on
+# the testbed runs of bench/token_ring_wins.py, where variants with more, smaller steps measured slower than
+# the step-free model predicted.
 def _cpu_analytic(threads: int = 1, share: float = 1.0) -> KernelModel:
     g = 1e9 * threads * share
     return KernelModel(f"cpu-analytic-{threads}t" + (f"-share{share:.2g}" if share < 1 else ""),
                        (170e-6, 80 * g), (400e-6, 65 * g), (170e-6, 50 * g), (600e-6, 22 * g),
                        mem_bw=10e9 * share, merge=(50e-6, 0.75e-9 / share), add=(12e-6, 0.19e-9 / share),
-                       source="analytic CPU model (a measured x86 core, frozen), not calibrated here")
+                       source="analytic CPU model (a measured x86 core, frozen), not calibrated here",
+                       step=2e-3 / share)
 
 
 CPU_ANALYTIC = _cpu_analytic(1)

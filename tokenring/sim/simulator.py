@@ -187,6 +187,9 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
         cr, ck, ms, md, mk = st[:5]
         du = st[5] if len(st) > 5 else np.full(ms.size, t)
         comp = np.bincount(cr, weights=comp_cost[ck], minlength=P) if cr.size else np.zeros(P)
+        if km.step:  # host time of the step on every rank that computes or posts something in it
+            active = np.bincount(cr, minlength=P) + np.bincount(ms, minlength=P) + np.bincount(md, minlength=P)
+            comp = comp + km.step * (active > 0)
         end = T + comp
         comm_t = 0.0
         post = np.zeros(P)
@@ -229,10 +232,9 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
                       float(sent.max()) if P else 0.0, steps)
 
 
-# What ``auto`` chooses among: the strategies validated against the testbed (bench/validate_model.py).
-# ring_bidir is simulated and benchmarked but not validated: measured with the grid, the model under-predicts it
-# by up to 37% (GQA at 100 Mbit/s, bench/results/model_validation_with_ring_bidir.md), so auto leaves it out.
-AUTO_STRATEGIES = ("token_ring", "ring:auto", "ulysses")
+# What ``auto`` chooses among: every family (and so every variant of token_ring and pass-KV); validated against
+# the testbed by bench/token_ring_wins.py (bench/results/token_ring_wins.md).
+AUTO_STRATEGIES = ("token_ring", "ring:auto", "ulysses", "ring_bidir")
 
 
 def runnable(name: str, H: int, Hkv: int, P: int) -> bool:

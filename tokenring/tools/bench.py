@@ -323,8 +323,8 @@ class _Runner:
             res["times"] = _slowest(times, self.device)
             res["full_outputs"] = outs
             return res
-        reason = None if name in PEERS else why_not(name, spec["H"], spec["Hkv"], self.P, spec["S"] // self.P,
-                                                   spec["causal"] and self.layout == "zigzag")
+        reason = None if name in PEERS or name == "auto" else why_not(
+            name, spec["H"], spec["Hkv"], self.P, spec["S"] // self.P, spec["causal"] and self.layout == "zigzag")
         if reason:
             return dict(strategy=name, skipped=reason)
         if name not in PEERS:
@@ -574,7 +574,7 @@ def launch(spec: dict, *, prefix=None, env=None, workdir: str | None = None, tim
 
 
 def _strategy_arg(name: str) -> str:
-    if name not in PEERS:
+    if name not in PEERS and name != "auto":
         try:
             get_strategy(name)
         except ValueError as e:
@@ -692,7 +692,8 @@ def write_traces(result: dict, trace_dir: str, tag: str = "") -> list[str]:
         path = os.path.join(trace_dir, f"{tag}{r['strategy']}.trace.json")
         write_chrome_trace(path, ev, title=f"{r['strategy']}: {describe(result['spec'])}")
         files.append(path)
-        panels[f"{r['strategy']}: {r['time'] * 1e3:.1f} ms/call"] = ev
+        ran = f" = {r['variant']}" if r.get("variant", r["strategy"]) != r["strategy"] else ""
+        panels[f"{r['strategy']}{ran}: {r['time'] * 1e3:.1f} ms/call"] = ev
     if panels:
         path = os.path.join(trace_dir, f"{tag}timeline.png")
         plot_timeline(path, panels, title=describe(result["spec"]))
