@@ -208,3 +208,14 @@ def chosen_strategy(rank: int, P: int, topology: str, strategy: str) -> str:
 
 def chosen_strategy_mixed(rank: int, P: int, strategy: str) -> str:
     return chosen_strategy(rank, P, "mesh:100mbit" if rank == 0 else "switch:10gbit", strategy)
+
+
+def held_case(rank: int, P: int, strategy: str, s: int, causal: bool) -> list:
+    """Bytes of visiting data held after each step (forward and backward) of one call on this rank."""
+    H, d = 4, 16
+    layout = "zigzag" if causal else "contiguous"
+    q, k, v = (torch.randn(1, s, H, d, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    held: list = []
+    out = tokenring.attention(q, k, v, causal=causal, strategy=strategy, layout=layout, _config=dict(held_log=held))
+    out.sum().backward()
+    return [(what, max(xs)) for what, xs in held]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tokenring
+from tokenring.layouts import default_layout
 from tokenring.schedules import Compute, Shapes, message_bytes
 from tokenring.sim import auto as auto_mod
 from tokenring.sim.kernel_model import KernelModel, h200_table, kernel_model
@@ -193,7 +194,7 @@ def test_receive_handling_after_wait():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backward", [False, True])
 def test_compiled_schedule_is_the_executors(name, causal, backward):
-    P, layout = 4, ("zigzag" if causal else "contiguous")
+    P, layout = 4, default_layout(causal)
     st = get_strategy(name)
     sched = (st.backward_schedule if backward else st.forward_schedule)(P, layout, causal)
     cs = compile_schedule(name, P, layout, causal, backward)

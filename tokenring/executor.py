@@ -33,7 +33,10 @@ def _rank_plan(sched: Schedule, rank: int):
     return sched.for_rank(rank), sched.reads(rank)
 
 
-def execute(sched: Schedule, comm: Comm, ops: Ops) -> None:
+def execute(sched: Schedule, comm: Comm, ops: Ops, held: list | None = None) -> None:
+    """Run this rank's part of ``sched``. ``held``, if given, receives per step the bytes of visiting data this
+    rank holds after the step (stored pieces of other ranks plus receive buffers in flight): the memory a
+    schedule costs beyond a rank's own tensors."""
     plan, last = _rank_plan(sched, comm.rank)
     trace = comm.trace
     inflight: dict[int, list] = {}  # due step -> posted operations to complete at its end
@@ -51,6 +54,12 @@ def execute(sched: Schedule, comm: Comm, ops: Ops) -> None:
             for m, bufs in pending.recvs:
                 ops.receive(m, bufs)
         ops.release(t, last)
+        if held is not None:  # receive buffers in flight, and copies made for sends in flight (not views)
+            flying = sum(b.numel() * b.element_size() for ps in inflight.values() for p in ps
+                         for _, bufs in p.recvs for b in bufs)
+            flying += sum(w[3].numel() * w[3].element_size() for ps in inflight.values() for p in ps
+                          for w in p.works if w[0] == "send" and w[3]._base is None)
+            held.append(getattr(ops, "held_bytes", lambda: 0)() + flying)
     if inflight:
         raise RuntimeError(f"schedule {sched.strategy}: messages due after its last step {len(plan) - 1}: "
                            f"{sorted(inflight)}")

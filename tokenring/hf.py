@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .api import STRATEGY_NAMES, attention
+from .api import attention
+from .strategies import get as get_strategy
 from .layouts import check_layout, gather, group_info, local_positions, shard
 
 try:
@@ -74,12 +75,13 @@ _settings = _Settings()
 
 def configure(strategy: str | None = None, layout: str | None = None, group=None,
               check_positions: bool | None = None) -> None:
-    """Set the strategy (``"auto"``, ``"token_ring"``, ``"ring"``, ``"ulysses"``), the layout the inputs were
+    """Set the strategy (``"auto"``, ``"token_ring"``, ``"ring"``, ``"ulysses"``, ``"ring_bidir"`` or a variant
+    such as ``"token_ring:direct,c=2,k=3"``), the layout the inputs were
     sharded with (``"zigzag"`` default, or ``"contiguous"``) and the process group used by every attention
     layer of models with ``attn_implementation="tokenring"``. Arguments left ``None`` keep their value."""
     if strategy is not None:
-        if strategy not in STRATEGY_NAMES:
-            raise ValueError(f"strategy={strategy!r} is unknown; choose one of {STRATEGY_NAMES}")
+        if strategy != "auto":
+            get_strategy(strategy)  # unknown names and malformed variants fail here, with what is accepted
         _settings.strategy = strategy
     if layout is not None:
         check_layout(layout)

@@ -110,10 +110,11 @@ def _shape(x) -> tuple:
 
 
 def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: int | None = None, group=None,
-            topology=None, backward: bool = True, dtype=None, file="stdout") -> str:
-    """Print (to ``file``; ``None``: don't) and return why ``auto`` picks what it picks for this rank's shard
-    ``q`` (B, s, H, d) and ``k`` (B, s, Hkv, d) -- tensors or shape tuples -- on ``P`` ranks (default: the
-    size of ``group`` / the default group): the predicted time of every candidate on the topology."""
+            topology=None, backward: bool = True, dtype=None, strategy: str = "auto", file="stdout") -> str:
+    """Print (to ``file``; ``None``: don't) and return why ``strategy`` (``"auto"``, or a family choice such as
+    ``"token_ring"``) runs the variant it runs for this rank's shard ``q`` (B, s, H, d) and ``k``
+    (B, s, Hkv, d) -- tensors or shape tuples -- on ``P`` ranks (default: the size of ``group`` / the default
+    group): the predicted time of every candidate variant on the topology, fastest first."""
     from ..layouts import default_layout, group_info
 
     qs = _shape(q)
@@ -132,19 +133,25 @@ def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: in
     if P < 2:
         print(f"tokenring.auto: one rank: plain single-device attention, no strategy needed.", file=out)
     else:
-        name, results, topo, origin = choose(sh, causal, layout, backward, device_type, topology)
+        name, results, topo, origin = choose(sh, causal, layout, backward, device_type, topology, strategy)
         best = min(r.time for r in results)
         print(f"tokenring.auto: B={B} S={s * P} (s={s}/rank) H={H} Hkv={ks[2]} d={d} {str(dtype).replace('torch.', '')} "
-              f"P={P} causal={causal} layout={layout} {'forward+backward' if backward else 'forward'}", file=out)
+              f"P={P} causal={causal} layout={layout} {'forward+backward' if backward else 'forward'}; "
+              f"strategy={strategy!r}", file=out)
         print(f"topology: {topo.describe()} [{origin}]; kernel model: {_kernel(topo, P).name}", file=out)
-        print(f"{'strategy':<12}{'predicted':>12}{'vs best':>9}{'compute':>12}{'exposed comm':>14}{'MB sent/rank':>14}"
-              f"  regime", file=out)
+        w = max(12, *(len(r.strategy) + 1 for r in results))
+        print(f"{'strategy':<{w}}{'predicted':>12}{'vs best':>9}{'compute':>12}{'exposed comm':>14}"
+              f"{'MB sent/rank':>14}  regime", file=out)
         for r in sorted(results, key=lambda r: r.time):
             mb = sum(p.bytes_per_rank for p in r.passes) / 1e6
-            print(f"{r.strategy:<12}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
+            print(f"{r.strategy:<{w}}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
                   f"{fmt_time(r.exposed_comm):>14}{mb:>14.2f}  {r.regime}", file=out)
-        if H % P:
-            print(f"(ulysses not a candidate: H={H} is not divisible by P={P})", file=out)
+        from ..strategies import why_not
+        from .simulator import AUTO_STRATEGIES
+        for fam in AUTO_STRATEGIES:
+            why = why_not(fam, H, ks[2], P)
+            if why:
+                print(f"({fam} not a candidate: {why})", file=out)
         print(f"-> {name}", file=out)
     text = out.getvalue()
     if file is not None:

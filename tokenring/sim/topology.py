@@ -454,8 +454,8 @@ def _testbed(kind: str, rate=200e6 / 8, P=4, efficiency=TESTBED_EFFICIENCY):
            f"per byte moved.")
     common = dict(device="cpu", latency=TESTBED_LATENCY, backplane_bw=LOOPBACK_BW, source=src,
                   cpu_per_byte=host_cpu_per_byte(P))
-    if kind == "switch":
-        return SwitchTopology(f"switch:{rate}", P, port_bw=bw, **common)
+    if kind == "switch":  # every byte crosses two veth pairs and the bridge: twice the host's work per byte
+        return SwitchTopology(f"switch:{rate}", P, port_bw=bw, **dict(common, cpu_per_byte=2 * host_cpu_per_byte(P)))
     if kind == "mesh":
         return MeshTopology(f"mesh:{rate}", P, link_bw=bw, **common)
     if kind == "ring":

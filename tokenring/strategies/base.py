@@ -19,11 +19,11 @@ from ..executor import execute
 from ..kernels import block_backward, block_forward
 from ..merge import acc_dtype, merge_, new_accumulator
 from ..messages import kind as message_kind
-from ..schedules import (Compute, Message, Schedule, Shapes, head_slice, part_rows, part_slice, part_union,
-                         part_within, payload)
+from ..schedules import (Compute, Message, Schedule, Shapes, direct, head_slice, part_rows, part_slice,
+                         part_union, part_within, payload)
 
 __all__ = ["Strategy", "BlockDims", "Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy",
-           "ScheduledAttention", "shapes_of"]
+           "RelayOrDirect", "ScheduledAttention", "shapes_of"]
 
 
 @dataclass(frozen=True)
@@ -119,21 +119,6 @@ def spec_name(family: str, mode: str, chunks: int, lookahead: int, default: str 
     return family if mode == default else f"{family}:{mode}"
 
 
-def check_chunks(st: Strategy, P: int, s: int | None, zigzag: bool) -> str | None:
-    """Why a direct variant cannot cut this rank's rows as asked (every chunk needs at least one row)."""
-    if st.mode != "direct":
-        return None
-    if not 1 <= st.lookahead <= max(1, P - 1):
-        return f"{st.name}: lookahead k must be between 1 and P-1 = {P - 1} blocks"
-    if s is not None:
-        rows = s // 2 if zigzag else s  # zigzag causal blocks use half of a rank's rows
-        if rows < st.chunks or s < st.chunks + 1:
-            return (f"{st.name}: {st.chunks} chunks need at least {st.chunks} rows per visiting block and "
-                    f"{st.chunks + 1} local rows, but this rank has {s}{' (halves of it)' if zigzag else ''}; "
-                    f"use fewer chunks (c=) or a longer sequence")
-    return None
-
-
 @lru_cache(maxsize=256)
 def _cached_schedule(strategy: Strategy, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
     return strategy.build_schedule(P, layout, causal, backward)
@@ -151,6 +136,13 @@ class Config:
     timeout: float | None = None
     trace: Trace | None = None     # filled with timeline events when set
     comm_log: list | None = None   # receives the per-message byte records of forward and backward
+    held_log: list | None = None   # receives (pass, bytes of visiting data held after each step)
+
+    def held(self, what: str) -> list | None:
+        if self.held_log is None:
+            return None
+        self.held_log.append((what, []))
+        return self.held_log[-1][1]
 
     def comm(self, what: str) -> Comm:
         c = Comm(self.group, self.timeout, self.trace, what)
@@ -239,6 +231,11 @@ class _OpsBase:
 
     def release(self, step: int, reads: dict) -> None:
         self.store.release(step, reads)
+
+    def held_bytes(self) -> int:
+        """Bytes of other ranks' data held here (visiting blocks, partials waiting to go home)."""
+        return sum(t.numel() * t.element_size() for key, pieces in self.store.entries.items() if key[1] != self.me
+                   for _, _, ts in pieces for t in ts)
 
     def rows(self, part: str) -> slice:
         return part_slice(part, self.sh.s)
@@ -355,15 +352,68 @@ class ScheduledStrategy(Strategy):
     def forward(self, q, k, v, cfg: Config):
         """Returns ``out`` (B, s, H, d) and the tensors backward needs."""
         ops = ForwardOps(q, k, v, shapes_of(q, k, cfg.P), cfg)
-        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False), cfg.comm(f"{self.name} forward"), ops)
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False), cfg.comm(f"{self.name} forward"), ops,
+                cfg.held("forward"))
         out = ops.o.to(q.dtype)
         return out, (q, k, v, out, ops.lse)
 
     def backward(self, dout, saved, cfg: Config):
         q, k, v, out, lse = saved
         ops = BackwardOps(q, k, v, dout, lse, row_delta(dout, out), shapes_of(q, k, cfg.P), cfg)
-        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True), cfg.comm(f"{self.name} backward"), ops)
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True), cfg.comm(f"{self.name} backward"), ops,
+                cfg.held("backward"))
         return ops.dq.to(q.dtype), ops.dk.to(k.dtype), ops.dv.to(v.dtype)
+
+
+class RelayOrDirect(ScheduledStrategy):
+    """A family with a relay schedule and direct variants (:func:`~tokenring.schedules.direct`): ``mode`` is
+    ``"relay"``, ``"direct"`` (``chunks`` row chunks per visiting block, ``lookahead`` blocks sent ahead) or
+    ``"auto"`` (the cost model picks among :meth:`variants`). Subclasses set ``family``, ``default_mode``,
+    ``mover`` (``"q"`` or ``"kv"``) and ``relay_schedule``."""
+    default_mode = "relay"
+    mover = ""
+
+    def __init__(self, mode: str | None = None, chunks: int = 1, lookahead: int = 1):
+        mode = mode or self.default_mode
+        if mode not in ("relay", "direct", "auto"):
+            raise ValueError(f"{self.family} mode must be 'relay', 'direct' or 'auto', got {mode!r}")
+        if mode != "direct" and (chunks, lookahead) != (1, 1):
+            raise ValueError(f"{self.family}:{mode} moves whole blocks; chunks (c=) and lookahead (k=) apply to "
+                             f"{self.family}:direct")
+        self.mode, self.chunks, self.lookahead = mode, int(chunks), int(lookahead)
+        self.name = spec_name(self.family, mode, self.chunks, self.lookahead, self.default_mode)
+
+    def variants(self, P: int) -> list[Strategy]:
+        if self.mode != "auto":
+            return [self]
+        cls = type(self)
+        return [cls("relay")] + [cls("direct", c, k) for c in chunk_choices(P) for k in lookaheads(P)]
+
+    def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
+        """Why a direct variant cannot cut this rank's rows as asked (every chunk needs at least one row)."""
+        if self.mode != "direct":
+            return None
+        if not 1 <= self.lookahead <= max(1, P - 1):
+            return f"{self.name}: lookahead k must be between 1 and P-1 = {P - 1} blocks"
+        if s is not None:
+            rows = s // 2 if zigzag else s  # zigzag causal blocks use half of a rank's rows
+            if rows < self.chunks or s < self.chunks + 1:
+                return (f"{self.name}: {self.chunks} chunks need at least {self.chunks} rows per visiting block "
+                        f"and {self.chunks + 1} local rows, but this rank has {s}{' (halves of it)' if zigzag else ''}"
+                        f"; use fewer chunks (c=) or a longer sequence")
+        return None
+
+    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+        raise NotImplementedError
+
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+        if self.mode == "auto":
+            raise ValueError(f"{self.name!r} is a choice among variants and has no schedule of its own: resolve "
+                             f"it first (tokenring.api.resolve) or name a variant, e.g. "
+                             f"'{self.family}:direct,c=2,k=1'")
+        if self.mode == "relay":
+            return self.relay_schedule(P, layout, causal, backward)
+        return direct(self.name, P, layout, causal, backward, self.mover, self.chunks, self.lookahead)
 
 
 class ScheduledAttention(torch.autograd.Function):

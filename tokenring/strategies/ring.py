@@ -13,8 +13,8 @@ is the classic ring above; ``ring:auto`` lets the cost model pick among the vari
 """
 from __future__ import annotations
 
-from ..schedules import Compute, Message, Schedule, Step, block_pair, direct, drop_empty_tail, part_union, relay
-from .base import ScheduledStrategy, check_chunks, chunk_choices, lookaheads, spec_name
+from ..schedules import Compute, Message, Schedule, Step, block_pair, drop_empty_tail, part_union, relay
+from .base import RelayOrDirect
 
 __all__ = ["pass_kv", "Ring", "STRATEGY"]
 
@@ -51,37 +51,13 @@ def pass_kv(P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, na
     return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", drop_empty_tail(steps))
 
 
-MODES = ("relay", "direct")
+class Ring(RelayOrDirect):
+    """``ring`` alone: the classic ring; ``ring:direct,c=C,k=K``: the direct one; ``ring:auto``: the cost
+    model picks."""
+    family, default_mode, mover = "ring", "relay", "kv"
 
-
-class Ring(ScheduledStrategy):
-    """``mode``: ``"relay"`` (the classic ring, the default) or ``"direct"`` (``chunks``, ``lookahead`` as in
-    :func:`~tokenring.schedules.direct`); ``"auto"``: the cost model picks among :meth:`variants`."""
-    family = "ring"
-
-    def __init__(self, mode: str = "relay", chunks: int = 1, lookahead: int = 1):
-        if mode not in MODES + ("auto",):
-            raise ValueError(f"ring mode must be one of {MODES + ('auto',)}, got {mode!r}")
-        if mode == "relay" and (chunks, lookahead) != (1, 1):
-            raise ValueError("ring (relay) passes whole K/V blocks one hop per step; chunks and lookahead apply "
-                             "to ring:direct")
-        self.mode, self.chunks, self.lookahead = mode, int(chunks), int(lookahead)
-        self.name = spec_name(self.family, mode, self.chunks, self.lookahead, default="relay")
-
-    def variants(self, P: int) -> list["Ring"]:
-        if self.mode != "auto":
-            return [self]
-        return [Ring()] + [Ring("direct", c, k) for c in chunk_choices(P) for k in lookaheads(P)]
-
-    def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
-        return check_chunks(self, P, s, zigzag)
-
-    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
-        if self.mode == "auto":
-            raise ValueError("ring:auto has no schedule of its own: resolve it with the cost model first")
-        if self.mode == "relay":
-            return pass_kv(P, layout, causal, backward)
-        return direct(self.name, P, layout, causal, backward, "kv", self.chunks, self.lookahead)
+    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+        return pass_kv(P, layout, causal, backward)
 
 
 STRATEGY = Ring()

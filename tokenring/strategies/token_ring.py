@@ -28,10 +28,10 @@ locally and returns the partial dQ straight to the owner.
 """
 from __future__ import annotations
 
-from ..schedules import Compute, Message, Schedule, Step, block_pair, direct, drop_empty_tail, relay
-from .base import ScheduledStrategy, check_chunks, chunk_choices, lookaheads, spec_name
+from ..schedules import Compute, Message, Schedule, Step, block_pair, drop_empty_tail, relay
+from .base import RelayOrDirect
 
-__all__ = ["TokenRing", "STRATEGY", "PAPER"]
+__all__ = ["TokenRing", "STRATEGY"]
 
 
 def _pass_q(P: int, layout: str, causal: bool, backward: bool) -> Schedule:
@@ -55,39 +55,13 @@ def _pass_q(P: int, layout: str, causal: bool, backward: bool) -> Schedule:
     return Schedule("token_ring:relay", P, layout, causal, backward, carry, drop_empty_tail(steps))
 
 
-MODES = ("relay", "direct")
+class TokenRing(RelayOrDirect):
+    """``token_ring`` alone: the variant the cost model picks; ``token_ring:relay``: the paper's schedule;
+    ``token_ring:direct,c=C,k=K``: the direct one."""
+    family, default_mode, mover = "token_ring", "auto", "q"
 
-
-class TokenRing(ScheduledStrategy):
-    """``mode``: ``"relay"`` (the paper's) or ``"direct"`` with ``chunks`` row chunks per visiting block and
-    ``lookahead`` blocks sent ahead; ``"auto"``: the cost model picks among :meth:`variants`."""
-    family = "token_ring"
-
-    def __init__(self, mode: str = "auto", chunks: int = 1, lookahead: int = 1):
-        if mode not in MODES + ("auto",):
-            raise ValueError(f"token_ring mode must be one of {MODES + ('auto',)}, got {mode!r}")
-        if mode == "relay" and (chunks, lookahead) != (1, 1):
-            raise ValueError("token_ring:relay is the paper's schedule (whole blocks, one hop per step); "
-                             "chunks and lookahead apply to token_ring:direct")
-        self.mode, self.chunks, self.lookahead = mode, int(chunks), int(lookahead)
-        self.name = spec_name(self.family, mode, self.chunks, self.lookahead)
-
-    def variants(self, P: int) -> list["TokenRing"]:
-        if self.mode != "auto":
-            return [self]
-        return [TokenRing("relay")] + [TokenRing("direct", c, k) for c in chunk_choices(P) for k in lookaheads(P)]
-
-    def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
-        return check_chunks(self, P, s, zigzag)
-
-    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
-        if self.mode == "auto":
-            raise ValueError("token_ring (auto variant) has no schedule of its own: resolve it with the cost "
-                             "model first (tokenring.api.resolve) or name a variant, e.g. 'token_ring:direct,c=2,k=1'")
-        if self.mode == "relay":
-            return _pass_q(P, layout, causal, backward)
-        return direct(self.name, P, layout, causal, backward, "q", self.chunks, self.lookahead)
+    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+        return _pass_q(P, layout, causal, backward)
 
 
 STRATEGY = TokenRing()
-PAPER = TokenRing("relay")

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="forward only, backward only (--plan) or forward+backward")
     ap.add_argument("--topology", default=None, help="interconnect for auto (preset, mesh:RATE, JSON/YAML file)")
     ap.add_argument("--plan", action="store_true", help="print the per-rank, per-step schedule")
-    ap.add_argument("--strategy", default="auto", choices=list(STRATEGIES) + ["auto"])
+    ap.add_argument("--strategy", default="auto", help="auto, a family (token_ring, ring, ring:auto, ulysses, "
+                    "ring_bidir) or a variant such as token_ring:direct,c=2,k=3")
     ap.add_argument("--rank", type=int, action="append", help="only these ranks in --plan (repeatable)")
     a = ap.parse_args(argv)
     P, Hkv = a.ranks, a.kv_heads or a.heads
@@ -40,16 +41,21 @@ def main(argv: list[str] | None = None) -> int:
     sh = Shapes(a.batch, a.seq // P, a.heads, Hkv, a.head_dim, DTYPES[a.dtype], P)
     q, k = (a.batch, sh.s, a.heads, a.head_dim), (a.batch, sh.s, Hkv, a.head_dim)
     name = a.strategy
-    if name == "auto" or not a.plan:
+    if name != "auto":
+        try:
+            get(name)
+        except ValueError as e:
+            ap.error(str(e))
+    if name == "auto" or get(name).mode == "auto" or not a.plan:
         from ..sim.auto import choose, explain
         text = explain(q, k, causal=a.causal, layout=layout, P=P, topology=a.topology,
-                       backward=a.mode != "fwd", dtype=sh.dtype, file=None)
+                       backward=a.mode != "fwd", dtype=sh.dtype, strategy=name, file=None)
         if not a.plan:
             print(text, end="")
             return 0
-        name = choose(sh, a.causal, layout, a.mode != "fwd", "cpu", a.topology)[0]
-        print(f"auto -> {name}")
-    why = get(name).check(a.heads, Hkv, P)
+        requested, name = name, choose(sh, a.causal, layout, a.mode != "fwd", "cpu", a.topology, name)[0]
+        print(f"{requested} -> {name}")
+    why = get(name).check(a.heads, Hkv, P, sh.s, a.causal and layout == "zigzag")
     if why:
         ap.error(why)
     for backward in {"fwd": [False], "bwd": [True], "both": [False, True]}[a.mode]:
