@@ -117,7 +117,10 @@ class Testbed:
 
     def _shape(self, ns: str, dev: str) -> None:
         rate_bytes = self.rate * 1e6 / 8
-        burst = max(4 * MTU, int(rate_bytes * 0.002))  # 2 ms of traffic, at least a few full frames
+        # 2 ms of traffic, and at least one full frame (tbf never sends a frame larger than its bucket). The bucket
+        # is what an idle link may send at line rate: keep it to about one frame so that small messages do not
+        # travel faster than the rate after a pause (a 256 KB bucket made 256 KB chunks nearly free at 70 Mbit/s).
+        burst = max(MTU + 4096, int(rate_bytes * 0.002))
         tbf = ["tbf", "rate", f"{self.rate}mbit", "burst", str(burst), "latency", f"{self.queue_ms}ms"]
         if self.delay_ms > 0:
             self._in(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
