@@ -76,13 +76,14 @@ def test_process_subgroup(pools, strategy):
 
 def variant_grid(P: int, dtypes=("float64",)) -> list[dict]:
     """Every direct variant (token_ring and pass-KV, c in {1, 2, 3}, k in 1..P-1) over masks/layouts, MHA, GQA
-    and MQA, an odd head dim, uneven chunk sizes (local lengths 6 and 10 cut in 2 or 3 chunks)."""
+    and MQA, odd head dims (12 and 13), uneven chunk sizes (local lengths 6 and 10 cut in 2 or 3 chunks)."""
     out, i = [], 0
     names = [f"{fam}:direct,c={c},k={k}" for fam in ("token_ring", "ring") for c in (1, 2, 3) for k in range(1, P)]
     for name in names:
         for (causal, layout), (H, Hkv) in itertools.product(LAYOUTS, HEADS):
             i += 1
-            out.append(dict(B=1 + i % 2, s=6 if i % 2 else 10, H=H, Hkv=Hkv, d=12, dtype=dtypes[i % len(dtypes)],
+            out.append(dict(B=1 + i % 2, s=6 if i % 2 else 10, H=H, Hkv=Hkv, d=12 + i % 3 // 2,
+                            dtype=dtypes[i % len(dtypes)],
                             causal=causal, layout=layout, strategy=name, seed=i))
     return out
 
