@@ -229,12 +229,21 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--gqa-only", action="store_true", help="rerun only the GQA comm-bound part into the result")
     ap.add_argument("--floors-only", action="store_true", help="remeasure only the compute floors into the result")
+    ap.add_argument("--timelines-only", action="store_true",
+                    help="rerun only the traced cases to redraw their timelines (tables and JSON untouched)")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("needs root (network namespaces, tc): sudo .venv/bin/python bench/token_ring_wins.py", file=sys.stderr)
         return 2
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
+    if a.timelines_only:
+        with open(os.path.join(a.out, "token_ring_wins.json")) as f:
+            rate = json.load(f)["calibration"]["rate_mbit"]
+        for tag, causal, mode in (("mha_full_fwd", False, "fwd"), ("mha_causal_both", True, "both")):
+            run_case(tag, "mesh", rate, H, causal, mode, list(TRACED), a.repeats, a.out, True)
+        print(f"redrew the timelines in {a.out} ({time.time() - t0:.0f}s)")
+        return 0
     if a.gqa_only or a.floors_only:
         with open(os.path.join(a.out, "token_ring_wins.json")) as f:
             all_res = json.load(f)

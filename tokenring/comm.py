@@ -140,7 +140,7 @@ class Comm:
                     ops.append(dist.P2POp(fn, t, gpeer, self.group, tag))
                     meta.append((direction, m, t))
                     nbytes += t.numel() * t.element_size()
-                records.append(dict(step=step, direction=direction, peer=peer, kind=m.kind, owner=m.owner,
+                records.append(dict(step=step, due=due, direction=direction, peer=peer, kind=m.kind, owner=m.owner,
                                     part=m.part, heads=m.heads, bytes=nbytes))
                 if direction == "recv":
                     got.append((m, tensors))

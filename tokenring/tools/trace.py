@@ -45,10 +45,11 @@ def step_metrics(events: list[dict]) -> list[dict]:
     """Per (phase, step) of one rank: ``start``, ``end``, ``time`` (this step's share of the call: from the end
     of the previous step to the end of this one), ``compute`` (sum of its block computes), ``comm`` (longest
     message, post to completion) and ``exposed`` (how long the rank waited for messages after its computes
-    were done). Events of one rank only."""
+    were done). Events of one rank only. A message counts at the step it is due (when the rank waits for it),
+    which is later than the step that posted it for prefetches and returning partials of direct schedules."""
     by = defaultdict(list)
     for e in events:
-        by[(_phase(e), e["step"])].append(e)
+        by[(_phase(e), e["step"] if e["lane"] == "compute" else e.get("due", e["step"]))].append(e)
     out, prev_end = [], {}
     order = {"fwd": 0, "bwd": 1}
     for (phase, step) in sorted(by, key=lambda k: (order.get(k[0], 2), k[1])):
