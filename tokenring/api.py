@@ -8,8 +8,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import os
-
 from .comm import get_timeout
 from .layouts import LAYOUTS, check_layout, default_layout, group_info
 from .schedules import Shapes
@@ -19,8 +17,8 @@ from .strategies.base import Config, ScheduledAttention
 __all__ = ["attention", "choose_strategy", "resolve", "STRATEGY_NAMES", "forget_choices"]
 
 STRATEGY_NAMES = FAMILIES + tuple(ALIASES) + ("auto",)
-# (group, signature, $TOKENRING_TOPOLOGY) -> the strategy that runs: signatures already verified identical on
-# every rank, with the choice rank 0 made for "auto".
+# (group, signature) -> the strategy that runs: signatures already verified identical on every rank, with the
+# choice rank 0 made for "auto" / a family choice (set_topology clears it on every rank: calls re-decide).
 _checked: dict = {}
 
 
@@ -118,7 +116,7 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
     ``decide()`` resolves the strategy; only rank 0 calls it (``auto`` runs the cost model there) and its
     answer travels with the signature exchange, so no per-host input (cores, threads, a topology set on one
     rank only) can make the ranks disagree. Done once per (group, signature); later calls reuse the result."""
-    key = (id(group), tuple(sig), os.environ.get("TOKENRING_TOPOLOGY"))
+    key = (id(group), tuple(sig))  # nothing per-host in it: a rank that re-checked alone would wait for the others
     if key in _checked:
         return _checked[key]
     choice = strategy_code(decide()) if rank == 0 else [-1.0] * 4

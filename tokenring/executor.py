@@ -37,7 +37,7 @@ def execute(sched: Schedule, comm: Comm, ops: Ops, held: list | None = None) -> 
     """Run this rank's part of ``sched``. ``held``, if given, receives per step the bytes of visiting data this
     rank holds after the step (stored pieces of other ranks plus receive buffers in flight): the memory a
     schedule costs beyond a rank's own tensors."""
-    plan, last = _rank_plan(sched, comm.rank)
+    plan, reads = _rank_plan(sched, comm.rank)
     trace = comm.trace
     inflight: dict[int, list] = {}  # due step -> posted operations to complete at its end
     for t, (computes, sends, recvs) in enumerate(plan):
@@ -53,7 +53,7 @@ def execute(sched: Schedule, comm: Comm, ops: Ops, held: list | None = None) -> 
             pending.wait()
             for m, bufs in pending.recvs:
                 ops.receive(m, bufs)
-        ops.release(t, last)
+        ops.release(t, reads)
         if held is not None:  # receive buffers in flight, and copies made for sends in flight (not views)
             flying = sum(b.numel() * b.element_size() for ps in inflight.values() for p in ps
                          for _, bufs in p.recvs for b in bufs)
