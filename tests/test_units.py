@@ -167,3 +167,21 @@ def test_pairings_meet_everyone_once(P):
     for partner in rounds:
         assert sorted(partner) == list(range(P)) and all(partner[partner[r]] == r for r in range(P))
     assert sorted(met) == [(r, j) for r in range(P) for j in range(P) if r != j]
+
+
+def test_explain_plan_prints_every_rank_and_step(capsys):
+    """`tokenring explain --plan`: per step, what each rank computes, sends (bytes, due step) and receives; a family
+    name is resolved first and says what it resolved to."""
+    from tokenring.schedules import Shapes
+    from tokenring.tools import explain
+    assert explain.main(["--plan", "--strategy", "token_ring:direct,c=2,k=1", "--ranks", "3", "--seq", "24",
+                         "--heads", "4", "--head-dim", "8", "--causal", "--pass", "fwd"]) == 0
+    out = capsys.readouterr().out
+    sched = get("token_ring:direct,c=2,k=1").forward_schedule(3, "zigzag", True)
+    assert out.count("\nstep ") == len(sched.steps)
+    assert all(f"rank {r}: compute" in out for r in range(3)) and "q(" in out and "out(" in out and "MB" in out
+    assert "by step" in out  # partials due after the step that posts them
+    assert sched.describe(Shapes(1, 8, 4, 4, 8, torch.bfloat16, 3)) in out
+    explain.main(["--plan", "--strategy", "token_ring", "--topology", "mesh:100mbit", "--ranks", "4", "--seq", "64",
+                  "--pass", "fwd"])
+    assert "token_ring -> token_ring:" in capsys.readouterr().out
