@@ -116,7 +116,7 @@ def test_schedules_cover_each_pair_once(P, causal, layout):
     (a message counts from the step after it is due), no message goes to its sender or is due before it is
     posted or after the last step."""
     from tokenring.schedules import part_slice
-    from tokenring.strategies.base import covers
+    from tokenring.schedules import covers
     S, pos, need = _attended(P, layout, causal)
     need = {(a, b, h) for a, b in need for h in ("h0", "h1")}
     s = S // P

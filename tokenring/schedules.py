@@ -32,8 +32,8 @@ from .merge import acc_dtype
 from .messages import kind as message_kind
 
 __all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
-           "part_slice", "part_union", "part_within", "part_rows", "chunk", "rows", "direct", "pairings", "drop_empty_tail", "payload", "message_bytes", "relay",
-           "ulysses_kv_heads"]
+           "part_slice", "part_union", "covers", "part_rows", "chunk", "rows", "direct", "pairings",
+           "drop_empty_tail", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
 
 PARTS = ("all", "lo", "hi")
 # Head halves, for strategies that split K/V heads between two directions: "h0" is the first half of the K/V
@@ -42,7 +42,8 @@ HEADS = ("all", "h0", "h1")
 _NAMED = {(0, 1, 1): "all", (0, 1, 2): "lo", (1, 2, 2): "hi"}
 
 
-def _make(a: int, b: int, n: int) -> str:
+def rows(a: int, b: int, n: int) -> str:
+    """The part naming rows ``[a*s//n, b*s//n)`` (reduced: ``rows(2, 4, 4) == "hi"``)."""
     g = gcd(gcd(a, b), n)
     a, b, n = a // g, b // g, n // g
     return _NAMED.get((a, b, n), f"{a}:{b}/{n}")
@@ -68,7 +69,7 @@ def _frac(part: str) -> tuple[int, int, int]:
 def chunk(part: str, i: int, c: int) -> str:
     """Row chunk ``i`` of ``c`` equal chunks of ``part`` (``chunk("hi", 0, 2) == "2:3/4"``)."""
     a, b, n = _frac(part)
-    return _make(a * c + i * (b - a), a * c + (i + 1) * (b - a), n * c)
+    return rows(a * c + i * (b - a), a * c + (i + 1) * (b - a), n * c)
 
 
 def part_slice(part: str, n: int) -> slice:
@@ -95,21 +96,13 @@ def part_union(a: str | None, b: str | None) -> str | None:
         return a
     (a0, a1, an), (b0, b1, bn) = _frac(a), _frac(b)
     n = an * bn // gcd(an, bn)
-    return _make(min(a0 * (n // an), b0 * (n // bn)), max(a1 * (n // an), b1 * (n // bn)), n)
+    return rows(min(a0 * (n // an), b0 * (n // bn)), max(a1 * (n // an), b1 * (n // bn)), n)
 
 
-def part_within(part: str, holder: str) -> str:
-    """``part`` expressed relative to rows stored as ``holder``; ``ValueError`` unless ``holder`` covers it."""
-    if holder == part:
-        return "all"
-    if holder == "all":
-        return part
+def covers(holder: str, part: str) -> bool:
+    """Whether rows ``holder`` include rows ``part``."""
     (p0, p1, pn), (h0, h1, hn) = _frac(part), _frac(holder)
-    n = pn * hn // gcd(pn, hn)
-    p0, p1, h0, h1 = p0 * (n // pn), p1 * (n // pn), h0 * (n // hn), h1 * (n // hn)
-    if not h0 <= p0 < p1 <= h1:
-        raise ValueError(f"rows {part!r} requested from a buffer that only holds {holder!r}")
-    return _make(p0 - h0, p1 - h0, h1 - h0)
+    return h0 * pn <= p0 * hn and p1 * hn <= h1 * pn  # compared over the common denominator pn * hn
 
 
 @dataclass(frozen=True)
@@ -255,11 +248,6 @@ def drop_empty_tail(steps: list[Step]) -> list[Step]:
     while steps and not steps[-1].computes and not steps[-1].messages:
         steps.pop()
     return steps
-
-
-def rows(a: int, b: int, n: int) -> str:
-    """The part naming rows ``[a*s//n, b*s//n)``."""
-    return _make(a, b, n)
 
 
 def pairings(P: int) -> list[list[int]]:

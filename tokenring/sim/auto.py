@@ -18,7 +18,7 @@ import torch
 
 from ..schedules import Shapes
 from .kernel_model import cpu_share, kernel_model
-from .simulator import SimResult, candidates, simulate
+from .simulator import SimResult, fastest, simulate, variant_candidates
 from .topology import Topology, get_topology
 
 __all__ = ["set_topology", "get_current_topology", "choose", "explain", "DEFAULT_TOPOLOGY"]
@@ -59,16 +59,6 @@ def _kernel(topo: Topology, P: int):
     return kernel_model(topo.device)
 
 
-def variant_candidates(requested: str, sh: Shapes, causal: bool, layout: str) -> list[str]:
-    """The concrete strategies ``requested`` may run: for ``"auto"`` every variant of every family ``auto``
-    considers, for a family choice (``"token_ring"``, ``"ring:auto"``) its variants, else itself; only those
-    whose ``check`` passes for these shapes."""
-    from ..strategies import get
-    fams = candidates(sh.H, sh.P, sh.Hkv) if requested == "auto" else [requested]
-    zigzag = causal and layout == "zigzag"
-    return [v.name for f in fams for v in get(f).variants(sh.P) if v.check(sh.H, sh.Hkv, sh.P, sh.s, zigzag) is None]
-
-
 def _evaluate(sh: Shapes, causal: bool, layout: str, backward: bool, topo: Topology, requested: str) -> list[SimResult]:
     km = _kernel(topo, sh.P)
     return [simulate(n, sh, topo, km, causal=causal, layout=layout, backward=backward)
@@ -92,9 +82,7 @@ def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_
         if not results:
             raise ValueError(f"no variant of {requested!r} can run B={sh.B} s={sh.s} H={sh.H} Hkv={sh.Hkv} on "
                              f"P={sh.P} ranks")
-        best = min(r.time for r in results)
-        name = next(r.strategy for r in results if r.time <= best * 1.005)
-        _cache[key] = (name, results, topo, origin)
+        _cache[key] = (fastest(results).strategy, results, topo, origin)
     return _cache[key]
 
 

@@ -19,6 +19,7 @@ once per ``(strategy, P, layout, causal, pass)`` into arrays, so P = 1024 costs 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -27,13 +28,13 @@ import torch
 
 from ..layouts import default_layout
 from ..messages import kind as message_kind
-from ..schedules import Message, Shapes, message_bytes, part_rows
+from ..schedules import Message, Shapes, message_bytes, payload
 from ..strategies import get as get_strategy, runnable as runnable_strategies
 from .kernel_model import KernelModel, kernel_model
 from .topology import Topology
 
 __all__ = ["CompiledSchedule", "compile_schedule", "simulate", "simulate_pass", "SimResult", "PassResult",
-           "StepStat", "candidates", "runnable", "AUTO_STRATEGIES"]
+           "StepStat", "candidates", "variant_candidates", "fastest", "AUTO_STRATEGIES"]
 
 
 @dataclass
@@ -161,10 +162,9 @@ def _message_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> tuple[n
     for kind, part, heads in cs.msg_classes:
         b = message_bytes(Message(0, 1, kind, 0, part, heads), sh)
         nbytes.append(b)
-        h = 1 if heads == "all" else 2
         how = message_kind(kind).handling
-        rows = sh.B * part_rows(part, sh.s)
-        elems = rows * sh.d * (2 * sh.Hkv // h if kind == "dkv" else sh.H // h)
+        # elements of its row tensors (partial outputs, gradients; not the lse row statistics)
+        elems = sum(math.prod(shape) for shape, _, seq_dim in payload(kind, part, sh, heads) if seq_dim == 1)
         cost = {"merge": km.merge_time, "add": km.add_time, "copy": lambda _: km.copy_time(b)}
         handle.append(cost[how](elems) if how else 0.0)
     return np.array(nbytes, dtype=np.float64), np.array(handle)
@@ -251,15 +251,26 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
 AUTO_STRATEGIES = ("token_ring", "ring:auto", "ulysses", "ring_bidir")
 
 
-def runnable(name: str, H: int, Hkv: int, P: int) -> bool:
-    """Whether strategy ``name`` can run these heads on ``P`` ranks (its ``check``)."""
-    return bool(runnable_strategies(H, Hkv, P, [name]))
-
-
 def candidates(H: int, P: int, Hkv: int | None = None) -> list[str]:
     """Strategies ``auto`` may pick for ``H`` query / ``Hkv`` K/V heads on ``P`` ranks: those of
     :data:`AUTO_STRATEGIES` whose ``check`` passes."""
     return runnable_strategies(H, H if Hkv is None else Hkv, P, AUTO_STRATEGIES)
+
+
+def variant_candidates(requested: str, sh: Shapes, causal: bool, layout: str) -> list[str]:
+    """The concrete strategies ``requested`` may run: for ``"auto"`` every variant of every family ``auto``
+    considers, for a family choice (``"token_ring"``, ``"ring:auto"``) its variants, else itself; only those
+    whose ``check`` passes for these shapes."""
+    fams = candidates(sh.H, sh.P, sh.Hkv) if requested == "auto" else [requested]
+    zigzag = causal and layout == "zigzag"
+    return [v.name for f in fams for v in get_strategy(f).variants(sh.P)
+            if v.check(sh.H, sh.Hkv, sh.P, sh.s, zigzag) is None]
+
+
+def fastest(results: list[SimResult]) -> SimResult:
+    """The fastest prediction; ties (within 0.5%) go to the earlier candidate."""
+    best = min(r.time for r in results)
+    return next(r for r in results if r.time <= best * 1.005)
 
 
 def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelModel | None = None, *,
@@ -273,10 +284,8 @@ def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelMo
     if why:
         raise ValueError(why)
     if st.mode == "auto":  # a family choice: its fastest variant (what tokenring.attention would run)
-        results = [simulate(v.name, shapes, topology, kernel, causal=causal, layout=layout, backward=backward)
-                   for v in st.variants(shapes.P) if v.check(shapes.H, shapes.Hkv, shapes.P, shapes.s, zigzag) is None]
-        best = min(r.time for r in results)
-        return next(r for r in results if r.time <= best * 1.005)
+        return fastest([simulate(n, shapes, topology, kernel, causal=causal, layout=layout, backward=backward)
+                        for n in variant_candidates(strategy, shapes, causal, layout)])
     if topology.P != shapes.P:
         topology = topology.with_P(shapes.P)
     km = kernel or kernel_model(topology.device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from . import ring, ring_bidir, token_ring, ulysses
-from .base import Strategy
+from .base import RelayOrDirect, Strategy
 
 __all__ = ["STRATEGIES", "FAMILIES", "Strategy", "get", "why_not", "runnable", "code", "from_code"]
 
@@ -21,7 +21,8 @@ STRATEGIES: dict[str, Strategy] = {m.STRATEGY.family or m.STRATEGY.name: m.STRAT
 FAMILIES = tuple(STRATEGIES)
 ALIASES = {"token_ring_paper": "token_ring:relay"}
 _MODES = ("", "auto", "relay", "direct")
-_CLASSES = {"token_ring": token_ring.TokenRing, "ring": ring.Ring}
+# Families that take a mode and parameters, by the class of their registered object.
+_CLASSES = {name: type(st) for name, st in STRATEGIES.items() if isinstance(st, RelayOrDirect)}
 
 
 @lru_cache(maxsize=1024)

@@ -19,8 +19,8 @@ from ..executor import execute
 from ..kernels import block_backward, block_forward
 from ..merge import acc_dtype, merge_, new_accumulator
 from ..messages import kind as message_kind
-from ..schedules import (Compute, Message, Schedule, Shapes, direct, head_slice, part_rows, part_slice,
-                         part_union, part_within, payload)
+from ..schedules import (Compute, Message, Schedule, Shapes, covers, direct, head_slice, part_rows, part_slice,
+                         part_union, payload)
 
 __all__ = ["Strategy", "BlockDims", "Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy",
            "RelayOrDirect", "ScheduledAttention", "shapes_of"]
@@ -202,15 +202,6 @@ class Store:
                 self.entries[key] = pieces
             else:
                 del self.entries[key]
-
-
-def covers(holder: str, part: str) -> bool:
-    """Whether rows ``holder`` include rows ``part``."""
-    try:
-        part_within(part, holder)
-        return True
-    except ValueError:
-        return False
 
 
 def _span(sl: slice) -> tuple[int, int]:
