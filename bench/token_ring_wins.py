@@ -61,15 +61,15 @@ def calibrate(repeats: int) -> dict:
     return dict(block_compute_s=c, kv_bytes_per_step=kv, exact_rate_mbit=rate, rate_mbit=max(10, round(rate / 10) * 10))
 
 
-def floor(Hkv: int, causal: bool, mode: str, repeats: int) -> float:
+def floor(Hkv: int, causal: bool, mode: str, repeats: int) -> dict:
     """P blocks of compute (ring's computes, slowest rank per step, summed) on unshaped local ranks: the lower
-    of two runs, since a floor is a bound and the shared cores only ever add time."""
-    out = []
+    of two runs (``floor``; both in ``runs``), since a floor is a bound and the shared cores only add time."""
+    runs = []
     for _ in range(2):
         res = bench.run(bench.make_spec(P=P, S=S, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, strategies=["ring"],
                                         repeats=repeats, comm_only=False))
-        out.append(sum(ph["compute_total"] for ph in by_name(res)["ring"]["phases"].values()))
-    return min(out)
+        runs.append(sum(ph["compute_total"] for ph in by_name(res)["ring"]["phases"].values()))
+    return dict(floor=min(runs), runs=runs)
 
 
 def predict(res: dict) -> dict:
@@ -129,8 +129,9 @@ def write(all_res: dict, outdir: str) -> None:
          f"Calibration (unshaped): one forward block = {ms(cal['block_compute_s'])} ms; ring's K/V per step = "
          f"{cal['kv_bytes_per_step'] / 1e6:.2f} MB, which takes 2x a block at {cal['exact_rate_mbit']:.0f} Mbit/s: "
          f"**comm-bound rate {cal['rate_mbit']:g} Mbit/s** per link direction.", "",
-         "Each cell: median ms per call over the repeats (slowest rank), ratio = ring / strategy (higher is "
-         "faster than ring). Floor = P blocks of compute on unshaped links (same shapes, same run). "
+         "Each cell: median ms per call over the repeats (slowest rank) and [min-max] over them (every repeat "
+         "is in the JSON), ratio = ring / strategy (higher is faster than ring). Floor = P blocks of compute on "
+         "unshaped links (same shapes, same run; the lower of two runs, both in the JSON). "
          "`token_ring` = the variant the cost model picks for the testbed (named below the table).", ""]
     names = [n for n in STRATEGIES]
     L.append("| topology | case | floor ms | " + " | ".join(names) + " | best | token_ring vs ring | "
@@ -138,11 +139,12 @@ def write(all_res: dict, outdir: str) -> None:
     L.append("|" + "---|" * (len(names) + 7))
     for res in cases:
         sp, rs = res["spec"], by_name(res)
-        fl = floors[f"{sp['Hkv']}-{sp['causal']}-{sp['pass']}"]
+        fl = floors[f"{sp['Hkv']}-{sp['causal']}-{sp['pass']}"]["floor"]
         cells = []
         for n in names:
             r = rs.get(n)
-            cells.append("skip" if r is None or "time" not in r else f"{ms(r['time'])}")
+            cells.append("skip" if r is None or "time" not in r else
+                         f"{ms(r['time'])} [{ms(r['time_min'])}-{ms(r['time_max'])}]")
         timed = {n: r["time"] for n, r in rs.items() if "time" in r}
         best = min(timed, key=timed.get)
         tr, ring, uly = timed.get("token_ring"), timed.get("ring"), timed.get("ulysses")
@@ -203,12 +205,13 @@ def write(all_res: dict, outdir: str) -> None:
               "|" + "---|" * (len(GQA_STRATEGIES) + 4)]
         for res in gqa:
             rs = by_name(res)
-            fl = floors.get(f"{GQA_KV}-{res['spec']['causal']}-fwd")
+            fl = floors.get(f"{GQA_KV}-{res['spec']['causal']}-fwd", {}).get("floor")
             timed = {n: r["time"] for n, r in rs.items() if "time" in r}
             best_direct = min(t for n, t in timed.items() if n.startswith("ring:direct")
                               or rs[n].get("variant", "").startswith("ring:direct"))
             L.append(f"| {shape_label(res['spec'])} | {ms(fl)} | " +
-                     " | ".join(ms(timed.get(n)) for n in GQA_STRATEGIES) +
+                     " | ".join(f"{ms(rs[n]['time'])} [{ms(rs[n]['time_min'])}-{ms(rs[n]['time_max'])}]"
+                                if n in timed else "skip" for n in GQA_STRATEGIES) +
                      f" | {min(timed, key=timed.get)} | {timed['ring'] / best_direct:.2f}x |")
     L += ["", "Timelines (`tr_<case>_<topology>_timeline.png` beside this file): ring, the paper's TokenRing, the "
           "chosen TokenRing variant and Ulysses on the same time axis; Chrome traces alongside."]
