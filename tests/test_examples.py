@@ -1,4 +1,10 @@
-"""The examples in examples/, at small sizes, on P=4 gloo ranks: each checks itself against one process."""
+"""The examples in examples/, at small sizes, on P=4 gloo ranks (the torchrun one: 2 processes of its own):
+each checks itself against one process."""
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
 from example_cases import run_example
@@ -16,3 +22,27 @@ def test_finetune_step(pools):
     assert r["grad_rel"] < 1e-4, r
     assert max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"])) < 1e-5, r
     assert r["param_diff"] < 1e-3, r
+
+
+def test_torchrun_example_cpu(tmp_path):
+    """examples/torchrun_attention.py as torchrun would start it, 2 processes on gloo, file:// rendezvous."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "torchrun_attention.py")
+    args = [sys.executable, script, "--init-method", f"file://{tmp_path / 'rendezvous'}", "--backend", "gloo",
+            "--seq", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--causal", "--dtype", "float32",
+            "--iters", "2"]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                   GLOO_SOCKET_IFNAME="lo")
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + 120
+    try:
+        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    check = [line for line in outs[0].splitlines() if line.startswith("check vs float64 SDPA")]
+    assert len(check) == 1 and check[0].endswith(": OK"), outs[0]
