@@ -53,7 +53,8 @@ def check_case(rank: int, P: int, case: dict) -> dict:
     if topo:
         tokenring.set_topology(topo)
     try:
-        out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout)
+        out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout,
+                                  _config=case.get("config"))
     finally:
         if topo:
             tokenring.set_topology(None)
@@ -219,3 +220,34 @@ def held_case(rank: int, P: int, strategy: str, s: int, causal: bool) -> list:
     out = tokenring.attention(q, k, v, causal=causal, strategy=strategy, layout=layout, _config=dict(held_log=held))
     out.sum().backward()
     return [(what, max(xs)) for what, xs in held]
+
+
+class _Coalesced:
+    """One work standing for a whole batch, as NCCL returns from ``batch_isend_irecv``."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, timeout=None):
+        for w in self.works:
+            w.wait() if timeout is None else w.wait(timeout)
+        return True
+
+
+def coalesced_case(rank: int, P: int, case: dict) -> dict:
+    """``check_case`` with ``batch_isend_irecv`` returning one coalesced work per step (NCCL's behaviour)."""
+    import torch.distributed as dist
+    real = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: [_Coalesced(real(ops))]
+    try:
+        return check_case(rank, P, case)
+    finally:
+        dist.batch_isend_irecv = real
+
+
+def staged_case(rank: int, P: int, case: dict) -> tuple[dict, list]:
+    """``check_case`` with every message staged through host buffers; returns the errors and the
+    ``staged`` flag of every message record."""
+    log: list = []
+    errs = check_case(rank, P, dict(case, config=dict(stage="always", comm_log=log)))
+    return errs, [r["staged"] for _, recs in log for r in recs]

@@ -213,3 +213,53 @@ def test_direct_memory_bounded_by_lookahead_not_P(pools, causal):
         for k, Ps in ((1, (3, 4, 5)), (2, (4, 5))):
             assert max(peaks[(P, k)] for P in Ps) <= 1.25 * min(peaks[(P, k)] for P in Ps) + block_q, (fam, k, peaks)
         assert peaks[(5, 4)] > peaks[(5, 1)], (fam, peaks)  # ... and more with a larger k
+
+
+@pytest.mark.parametrize("strategy", ["token_ring:direct,c=2,k=2", "ring", "ulysses"])
+def test_host_staging_path(pools, strategy):
+    """The gloo path for CUDA tensors copies every message through host buffers; forced on CPU tensors here, the
+    results stay exact and every message (sent and received) reports it went that way."""
+    case = dict(B=2, s=12, H=6, Hkv=2, d=8, dtype="float64", causal=True, layout="zigzag", strategy=strategy)
+    for errs, staged in pools(3).run(cases.staged_case, case):
+        assert staged and all(staged), staged
+        assert max(errs.values()) < 1e-9, errs
+
+
+@pytest.mark.parametrize("strategy", ["token_ring:direct,c=2,k=1", "ring_bidir", "ulysses"])
+def test_coalesced_works(pools, strategy):
+    """NCCL returns one work for a step's whole batch: every message of the step must complete with it."""
+    case = dict(B=1, s=8, H=4, Hkv=2, d=8, dtype="float64", causal=False, layout="contiguous", strategy=strategy)
+    for errs in pools(4).run(cases.coalesced_case, case):
+        assert max(errs.values()) < 1e-9, errs
+
+
+@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ulysses"])
+def test_math_backward_still_exact(pools, strategy):
+    """The math backward (reference and fallback) stays selectable and exact next to the fused one."""
+    case = dict(B=1, s=10, H=4, Hkv=1, d=12, dtype="float32", causal=True, layout="zigzag", strategy=strategy,
+                config=dict(backward_kernel="math"))
+    for errs in pools(2).run(cases.check_case, case):
+        assert max(errs.values()) < 1e-5, errs
+
+
+def test_packed_message_buffers():
+    """A message of several tensors travels as one flat buffer: views keep every dtype aligned, packing
+    non-contiguous views and unpacking round-trips bit for bit, and a single tensor is sent as it is."""
+    import torch
+    from tokenring.comm import _flat, buffers, pack
+    torch.manual_seed(0)
+    ts = [torch.randn(2, 5, 3, 7).to(torch.bfloat16), torch.randn(2, 3, 5), torch.randn(3, 3, dtype=torch.float64)]
+    ts[1] = ts[1].transpose(1, 2)[:, :4]  # a strided view
+    flat = pack(ts)
+    got = buffers([(t.shape, t.dtype) for t in ts], "cpu")
+    assert flat.dtype == torch.uint8 and got.flat.numel() == flat.numel()
+    got.flat.copy_(flat)
+    for a, b in zip(got, ts):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        assert a.data_ptr() % 16 == 0
+    one = torch.randn(4, 4)
+    assert pack([one]) is one
+    # Receiving into caller tensors that are not one packed buffer: a flat buffer, copied out after the wait.
+    dst = [torch.empty(2, 3), torch.empty(5, dtype=torch.float64)]
+    buf, copies = _flat(dst)
+    assert buf.dtype == torch.uint8 and [d for d, _ in copies] == dst

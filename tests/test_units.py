@@ -52,9 +52,64 @@ def test_block_kernels(backend, causal, H, Hkv, d):
     dout = torch.randn_like(want)
     want.backward(dout)
     delta = (dout * want).sum(-1).transpose(1, 2)
-    dq, dk, dv = block_backward(dout, q.detach(), k.detach(), v.detach(), lse, delta.detach(), causal, 0.37)
-    for got, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
-        assert (got - ref).abs().max() < 1e-11
+    for out in (None, want.detach()):  # a fused kernel gets the real output, or one built from delta
+        dq, dk, dv = block_backward(dout, q.detach(), k.detach(), v.detach(), lse, delta.detach(), causal, 0.37,
+                                    backend=backend, out=out)
+        for got, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+            assert got.shape == ref.shape and (got - ref).abs().max() < 1e-11
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("backend", ["cpu_flash", "math"])
+def test_block_backward_low_precision(dtype, tol, backend):
+    """Both backward kernels in the input dtypes users train in, against float64 autograd; relative to the
+    largest gradient entry. The fused kernel gets an output built from delta, as on a visiting block."""
+    torch.manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 40, h, 24, dtype=torch.float64) for h in (6, 2, 2, 6))
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    want = reference(qq, kk, vv, True, 0.3)
+    want.backward(dout)
+    lq, lk, lv, ldo = (t.to(dtype) for t in (q, k, v, dout))
+    o, lse = block_forward(lq, lk, lv, True, 0.3)
+    delta = (ldo.float() * o.float()).sum(-1).transpose(1, 2)
+    got = block_backward(ldo, lq, lk, lv, lse, delta, True, 0.3, backend=backend)
+    for g, ref in zip(got, (qq.grad, kk.grad, vv.grad)):
+        assert ((g.double() - ref).abs().max() / ref.abs().max()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_out_for_delta(dtype):
+    """O' has row sums rowsum(dO * O') == delta, including zero rows, tiny rows (no underflow) and huge ones."""
+    from tokenring.kernels import out_for_delta
+    torch.manual_seed(4)
+    dout = torch.randn(2, 5, 3, 16, dtype=torch.float64)
+    dout[0, 1] = 0.0          # rows with dO = 0: O' = 0
+    dout[1, 2] *= 1e-30       # |dO|^2 underflows in float32
+    dout[1, 3] *= 1e30
+    delta = torch.randn(2, 3, 5, dtype=torch.float64) * dout.abs().amax(-1).transpose(1, 2)
+    delta[0, :, 1] = 0.0
+    dout = dout.to(dtype)
+    o = out_for_delta(dout, delta)
+    assert o.dtype == dtype and torch.isfinite(o).all()
+    assert (o[0, 1] == 0).all()
+    got = (dout.double() * o.double()).sum(-1).transpose(1, 2)
+    tol = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
+    assert ((got - delta).abs() <= tol * delta.abs() + 1e-300).all()
+
+
+def test_cpu_backward_choice(monkeypatch):
+    """The CPU backward is measured per dtype unless forced; a bad override is an error naming the choices."""
+    from tokenring.kernels import cpu_backward_choice
+    cpu_backward_choice.cache_clear()
+    assert cpu_backward_choice(torch.float32, 8) in ("cpu_flash", "math")
+    monkeypatch.setenv("TOKENRING_CPU_BACKWARD", "math")
+    cpu_backward_choice.cache_clear()
+    assert cpu_backward_choice(torch.float32, 8) == "math"
+    monkeypatch.setenv("TOKENRING_CPU_BACKWARD", "fast")
+    cpu_backward_choice.cache_clear()
+    with pytest.raises(ValueError, match="cpu_flash"):
+        cpu_backward_choice(torch.float32, 8)
+    cpu_backward_choice.cache_clear()
 
 
 def test_math_kernel_chunks_rows(monkeypatch):
@@ -185,3 +240,22 @@ def test_explain_plan_prints_every_rank_and_step(capsys):
     explain.main(["--plan", "--strategy", "token_ring", "--topology", "mesh:100mbit", "--ranks", "4", "--seq", "64",
                   "--pass", "fwd"])
     assert "token_ring -> token_ring:" in capsys.readouterr().out
+
+
+def test_compiled_merge_matches_eager():
+    """The fused (torch.compile) merge used on CUDA gives the eager result on strided accumulator views,
+    -inf rows included. Run on CPU here (it needs a C compiler; skipped without one)."""
+    import shutil
+    if not (shutil.which("gcc") or shutil.which("cc")):
+        pytest.skip("torch.compile needs a C compiler on CPU")
+    torch.manual_seed(5)
+    for n in (6, 9):  # two shapes: dynamic shapes, no recompile-per-shape failure
+        big_o, big_l = new_accumulator(2, 2 * n, 4, 8, torch.bfloat16, "cpu")
+        merge_(big_o, big_l, torch.randn(2, 2 * n, 4, 8).to(torch.bfloat16), torch.randn(2, 4, 2 * n))
+        o, lse = torch.randn(2, n, 2, 8).to(torch.bfloat16), torch.randn(2, 2, n)
+        lse[0, 0, 1] = float("-inf")
+        want_o, want_l = big_o.clone(), big_l.clone()
+        merge_(want_o[:, n:, 2:], want_l[:, 2:, n:], o, lse, compiled=False)
+        merge_(big_o[:, n:, 2:], big_l[:, 2:, n:], o, lse, compiled=True)
+        assert torch.allclose(big_o, want_o, rtol=1e-6, atol=1e-6) and torch.allclose(big_l, want_l, rtol=1e-6)
+        assert not torch.isnan(big_o).any()

@@ -1,13 +1,22 @@
-"""The one place that moves bytes: posts a step's messages, waits with a bounded timeout, accounts bytes and
-records a trace.
+"""The one place that moves bytes: posts a step's messages, waits for them, accounts bytes and records a trace.
 
-Rules that keep point-to-point traffic correct on every backend (measured on gloo):
+Rules that keep point-to-point traffic correct on every backend:
 - every rank posts the same global list of messages in the same order, receives first, then sends: no
   deadlock by construction, and gloo does not serialise transfers to different peers;
-- each tensor of a message gets a distinct tag (a second guard against swapped messages on gloo; NCCL
-  ignores tags, the ordering rule is what makes it correct there);
+- a message travels as **one** buffer: a message of several tensors (a ``qgrad`` block is Q, dO, lse and
+  delta) is packed into one flat byte buffer (:func:`buffers` makes receive buffers that are views of one),
+  so each message is one point-to-point operation and one tag;
+- each message gets a distinct tag (a guard against swapped messages on gloo; NCCL ignores tags, the
+  ordering rule is what makes it correct there);
 - no rank ever sends to itself (gloo cannot), the schedules never produce such a message;
-- every wait is bounded, so a dead or stuck peer becomes a ``RuntimeError`` naming it, never a hang.
+- waits: on gloo every wait is bounded, so a dead or stuck peer becomes a ``RuntimeError`` naming it, never a
+  hang. On NCCL a wait only orders the current CUDA stream after the transfer (a wait with a timeout would
+  block the host until the transfer is done, serialising the step loop); a dead peer is caught there by the
+  process group's timeout and watchdog (``init_process_group(timeout=...)``);
+- on NCCL ``batch_isend_irecv`` may return one coalesced work for the whole step; every message of the step
+  then completes with it;
+- gloo cannot send CUDA tensors: with CUDA tensors on a gloo group (several processes sharing one GPU, for
+  debugging), messages are staged through host memory (copied out before sending, copied back after the wait).
 """
 from __future__ import annotations
 
@@ -22,15 +31,17 @@ import torch.distributed as dist
 from .messages import KINDS, kind as message_kind
 from .schedules import HEADS, Message
 
-__all__ = ["Comm", "Trace", "get_timeout", "set_timeout"]
+__all__ = ["Comm", "Trace", "Packed", "buffers", "pack", "get_timeout", "set_timeout"]
 
 _PAIR_SLOTS = 256  # most messages one step may carry between the same two ranks (distinct tags)
+_ALIGN = 16        # byte alignment of each tensor in a packed buffer (any dtype's view stays aligned)
 
 _TIMEOUT_S = float(os.environ.get("TOKENRING_TIMEOUT", "300"))
 
 
 def set_timeout(seconds: float) -> None:
-    """Bound on any single wait for a peer (default 300 s, or ``$TOKENRING_TIMEOUT``)."""
+    """Bound on any single wait for a peer on gloo (default 300 s, or ``$TOKENRING_TIMEOUT``); on NCCL the
+    process group's own timeout applies."""
     global _TIMEOUT_S
     if seconds <= 0:
         raise ValueError(f"timeout must be positive, got {seconds}")
@@ -41,55 +52,173 @@ def get_timeout() -> float:
     return _TIMEOUT_S
 
 
-@dataclass
 class Trace:
-    """Timeline events (wall clock, seconds): one dict per compute block or message.
+    """Timeline events (seconds): one dict per compute block or message.
 
     ``lane`` is ``"compute"``, ``"send"`` or ``"recv"``; messages carry ``peer``, ``kind`` and ``bytes``.
-    On CPU a message's end is when its ``wait()`` returned (gloo reports completion only there).
+    Timestamps come from :meth:`now`: the wall clock on CPU; on a CUDA device, CUDA events recorded on the
+    current stream (kernels run asynchronously, so the host clock would time their launch), turned into
+    seconds on the same wall-clock axis by :meth:`resolve`. On gloo a message's end is when its ``wait()``
+    returned (gloo reports completion only there); on NCCL it is when the stream reached the transfer's end.
     """
-    rank: int
-    events: list[dict] = field(default_factory=list)
 
-    def add(self, lane: str, name: str, t0: float, t1: float, **info) -> None:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.events: list[dict] = []
+        self.cuda = False
+        self._ref = None  # (CUDA event, wall-clock seconds at that event)
+
+    def use(self, device) -> None:
+        """Take timestamps for work on ``device`` (CUDA events on a CUDA device)."""
+        self.cuda = torch.device(device).type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        if self._ref is None:
+            torch.cuda.synchronize()
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record()
+            ref.synchronize()
+            self._ref = (ref, time.perf_counter())
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def add(self, lane: str, name: str, t0, t1, **info) -> None:
         self.events.append(dict(lane=lane, name=name, start=t0, end=t1, rank=self.rank, **info))
+
+    def resolve(self) -> None:
+        """Turn CUDA-event timestamps into seconds (synchronises the device; a no-op on CPU)."""
+        if self._ref is None:
+            return
+        ref, wall = self._ref
+        torch.cuda.synchronize()
+        for e in self.events:
+            for key in ("start", "end"):
+                if isinstance(e[key], torch.cuda.Event):
+                    e[key] = wall + ref.elapsed_time(e[key]) / 1e3
+
+
+class Packed(list):
+    """Tensors that are views of one flat byte buffer ``flat`` (what one message travels as)."""
+    flat: torch.Tensor
+
+
+def _layout(specs) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        numel = 1
+        for x in shape:
+            numel *= x
+        total += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def _views(flat: torch.Tensor, specs, offsets) -> Packed:
+    out = Packed()
+    for (shape, dtype), off in zip(specs, offsets):
+        numel = 1
+        for x in shape:
+            numel *= x
+        out.append(flat[off:off + numel * dtype.itemsize].view(dtype).view(shape))
+    out.flat = flat
+    return out
+
+
+def buffers(specs, device) -> Packed:
+    """Receive buffers for a message of tensors ``specs`` (``(shape, dtype, ...)`` each): views of one flat byte
+    buffer that the message is received into."""
+    specs = [(tuple(s[0]), s[1]) for s in specs]
+    offsets, total = _layout(specs)
+    return _views(torch.empty(total, dtype=torch.uint8, device=device), specs, offsets)
+
+
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous buffer holding ``tensors`` as :func:`buffers` lays them out (a single tensor is sent as
+    it is, copied only when it is not contiguous)."""
+    if len(tensors) == 1:
+        return tensors[0].contiguous()
+    specs = [(tuple(t.shape), t.dtype) for t in tensors]
+    offsets, total = _layout(specs)
+    views = _views(torch.empty(total, dtype=torch.uint8, device=tensors[0].device), specs, offsets)
+    for dst, src in zip(views, tensors):
+        dst.copy_(src)
+    return views.flat
+
+
+def _flat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """The buffer to receive ``tensors`` into, and copies to make after the wait when it is not theirs."""
+    if isinstance(tensors, Packed):
+        return tensors.flat, []
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0], []
+    into = buffers([(t.shape, t.dtype) for t in tensors], tensors[0].device)
+    return into.flat, list(zip(tensors, into))
+
+
+class _Once:
+    """A posted operation, waited for at most once: a gloo work must not be waited for twice (a second wait
+    waits for another transfer), while one coalesced NCCL work may stand for messages due at several steps."""
+
+    def __init__(self, work):
+        self.work, self.done = work, False
+
+    def wait(self, deadline: float | None) -> None:
+        if self.done:
+            return
+        if deadline is None:  # NCCL: orders the current stream after the transfer, does not block the host
+            self.work.wait()
+        else:
+            self.work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        self.done = True
 
 
 class _Pending:
-    """Posted operations of one step that are due together: ``wait()`` blocks until they are done;
-    ``recvs`` are the ``(message, buffers)`` received."""
+    """Posted operations of one step that are due together: ``wait()`` blocks until they are done (on NCCL:
+    orders the current stream after them); ``recvs`` are the ``(message, buffers)`` received."""
 
     def __init__(self, comm: "Comm", step: int, due: int, works: list, records: list[dict], recvs: list,
-                 t0: float, posted: float):
+                 copies: list, t0: float, posted):
         self.comm, self.step, self.due, self.works, self.records = comm, step, due, works, records
-        self.recvs, self.t0, self.posted = recvs, t0, posted
+        self.recvs, self.copies, self.t0, self.posted = recvs, copies, t0, posted
 
     def wait(self) -> None:
-        deadline = self.t0 + self.comm.timeout
+        comm = self.comm
+        deadline = self.t0 + comm.timeout
         for direction, m, work, _ in self.works:
-            remaining = max(0.001, deadline - time.monotonic())
             try:
-                work.wait(datetime.timedelta(seconds=remaining))
+                work.wait(deadline if comm.bounded else None)
             except Exception as e:  # gloo raises RuntimeError on timeout or a closed connection
-                raise self.comm.failure(direction, m, self.step, e) from e
-        if self.comm.trace is not None:  # one event per message, from its log record
-            t1 = time.perf_counter()
+                raise comm.failure(direction, m, self.step, e) from e
+        for dst, src in self.copies:  # staged through host memory, or received into a packed buffer
+            dst.copy_(src)
+        if comm.trace is not None:  # one event per message, from its log record
+            t1 = comm.trace.now()
             for rec in self.records:
                 info = {k: v for k, v in rec.items() if k != "direction"}
-                self.comm.trace.add(rec["direction"], rec["kind"], self.posted, t1, **info)
+                comm.trace.add(rec["direction"], rec["kind"], self.posted, t1, **info)
 
 
 class Comm:
     """Point-to-point engine for one call on one rank of ``group``.
 
     ``log`` holds one record per message this rank sent or received: step, direction, peer, kind, owner,
-    part and bytes; tests compare it with the byte formulas, benchmarks sum it.
+    part and bytes (of the tensors, without the packing's alignment); tests compare it with the byte formulas,
+    benchmarks sum it. ``stage``: copy device tensors through host memory (``None``: on gloo, which cannot send
+    CUDA tensors; ``"always"``: CPU tensors too, which exercises the path on machines without a GPU); a
+    staged message's record says ``staged=True``.
     """
 
-    def __init__(self, group=None, timeout: float | None = None, trace: Trace | None = None, what: str = ""):
+    def __init__(self, group=None, timeout: float | None = None, trace: Trace | None = None, what: str = "",
+                 stage: bool | str | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        backend = dist.get_backend(group)
+        self.bounded = backend != "nccl"
+        self.stage = backend == "gloo" if stage is None else stage
         self.timeout = _TIMEOUT_S if timeout is None else timeout
         self.trace = trace
         self.what = what
@@ -98,52 +227,70 @@ class Comm:
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def failure(self, direction: str, m: Message, step: int, err: Exception) -> RuntimeError:
-        peer = m.dst if direction == "send" else m.src
-        verb = "sending to" if direction == "send" else "receiving from"
+    def failure(self, direction: str, m: Message | list, step: int, err: Exception) -> RuntimeError:
+        if isinstance(m, list):  # one coalesced operation for the step's messages
+            what = ", ".join(f"{d} {x.kind} {'to' if d == 'send' else 'from'} rank {x.dst if d == 'send' else x.src}"
+                             for d, x in m)
+            head = f"failed one of its step-{step} messages ({what})"
+            peer = "a peer"
+        else:
+            peer = f"rank {m.dst if direction == 'send' else m.src}"
+            verb = "sending to" if direction == "send" else "receiving from"
+            head = f"failed {verb} {peer} (step {step}, {m.kind} of rank {m.owner}, rows {m.part})"
+        bound = f"within {self.timeout:.0f} s" if self.bounded else "(the process group's timeout)"
         return RuntimeError(
-            f"tokenring{(' ' + self.what) if self.what else ''}: rank {self.rank} failed {verb} rank {peer} "
-            f"(step {step}, {m.kind} of rank {m.owner}, rows {m.part}) within {self.timeout:.0f} s: {err}. "
-            f"Rank {peer} has probably died or is not calling the same attention (same shapes, strategy, "
-            f"layout) - check its log. Raise the bound with tokenring.set_timeout() or $TOKENRING_TIMEOUT "
-            f"if it is only slow.")
+            f"tokenring{(' ' + self.what) if self.what else ''}: rank {self.rank} {head} {bound}: {err}. "
+            f"{peer[0].upper() + peer[1:]} has probably died or is not calling the same attention (same shapes, "
+            f"strategy, layout) - check its log. Raise the bound with tokenring.set_timeout() or "
+            f"$TOKENRING_TIMEOUT (gloo) / init_process_group(timeout=...) (NCCL) if it is only slow.")
+
+    def _host(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` travels through host memory."""
+        return self.stage == "always" or (bool(self.stage) and t.device.type != "cpu")
 
     def start(self, step: int, sends: list[tuple[Message, list[torch.Tensor]]],
               recvs: list[tuple[Message, list[torch.Tensor]]]) -> list[_Pending]:
         """Post ``recvs`` (into the given buffers) then ``sends``; returns one handle per due step (a message's
-        ``due``, else this step) whose ``wait()`` blocks until those operations are done.
+        ``due``, else this step) whose ``wait()`` completes those operations.
 
         All of a step's operations go into one ``batch_isend_irecv``, every receive before every send: on NCCL
         that is one group call, so ranks that all receive from one neighbour and send to another cannot
         deadlock; on gloo, sends posted before the receives of the same step serialise the transfers to
         different peers (measured: each peer's messages then wait for the previous peer's). Tags are distinct
-        per (step, kind, head half, position among the step's messages between the same two ranks, tensor),
-        so chunks of one kind never swap on gloo."""
-        now = time.perf_counter()
+        per (step, kind, head half, position among the step's messages between the same two ranks), so
+        chunks of one kind never swap on gloo."""
+        now = self.trace.now() if self.trace is not None else None
         ops, meta = [], []
-        groups: dict[int, tuple[list, list, list]] = {}  # due -> (operation indices, records, received)
+        groups: dict[int, tuple[list, list, list, list]] = {}  # due -> (op indices, records, received, copies)
         for direction, items in (("recv", recvs), ("send", sends)):
             fn = dist.irecv if direction == "recv" else dist.isend
             seen: dict[int, int] = {}
             for m, tensors in items:
                 due = step if m.due < 0 else m.due
-                idx, records, got = groups.setdefault(due, ([], [], []))
+                idx, records, got, copies = groups.setdefault(due, ([], [], [], []))
                 peer = m.src if direction == "recv" else m.dst
-                gpeer = self._global(peer)
                 kind = message_kind(m.kind).tag * len(HEADS) + HEADS.index(m.heads)
                 nth = seen[peer] = seen.get(peer, -1) + 1  # same order on both ends: the schedule's order
-                nbytes = 0
-                for i, t in enumerate(tensors):
-                    tag = ((step * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + kind) * 8 + i
-                    t = t.contiguous()  # kept referenced in `meta` until the wait completes
-                    idx.append(len(ops))
-                    ops.append(dist.P2POp(fn, t, gpeer, self.group, tag))
-                    meta.append((direction, m, t))
-                    nbytes += t.numel() * t.element_size()
-                records.append(dict(step=step, due=due, direction=direction, peer=peer, kind=m.kind, owner=m.owner,
-                                    part=m.part, heads=m.heads, bytes=nbytes))
-                if direction == "recv":
+                tag = (step * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + kind
+                staged = False
+                if direction == "send":
+                    buf = pack(tensors)
+                    if self._host(buf):
+                        buf, staged = buf.to("cpu", copy=True), True
+                else:
+                    buf, after = _flat(tensors)
+                    if self._host(buf):  # land in host memory, then copy into the device buffer
+                        host = torch.empty(buf.shape, dtype=buf.dtype, device="cpu")
+                        copies.append((buf, host))
+                        buf, staged = host, True
+                    copies.extend(after)  # then out of a packed buffer that was not the caller's
                     got.append((m, tensors))
+                idx.append(len(ops))  # the buffer stays referenced in `meta` until the wait completes
+                ops.append(dist.P2POp(fn, buf, self._global(peer), self.group, tag))
+                meta.append((direction, m, buf))
+                records.append(dict(step=step, due=due, direction=direction, peer=peer, kind=m.kind,
+                                    owner=m.owner, part=m.part, heads=m.heads, staged=staged,
+                                    bytes=sum(t.numel() * t.element_size() for t in tensors)))
         if not ops:
             return []
         t0 = time.monotonic()
@@ -152,10 +299,16 @@ class Comm:
         except Exception as e:  # a peer that is already gone can fail the posting itself
             direction, m, _ = meta[0]
             raise self.failure(direction, m, step, e) from e
+        if len(handles) != len(ops):  # NCCL: one coalesced work completes every operation of the step
+            every = [(d, m) for d, m, _ in meta]
+            handles = [_Once(handles[0])] * len(ops)
+            meta = [(d, every, b) for d, _, b in meta]
+        else:
+            handles = [_Once(h) for h in handles]
         out = []
         for due in sorted(groups):
-            idx, records, got = groups[due]
+            idx, records, got, copies = groups[due]
             self.log.extend(records)
             works = [(*meta[i][:2], handles[i], meta[i][2]) for i in idx]
-            out.append(_Pending(self, step, due, works, records, got, t0, now))
+            out.append(_Pending(self, step, due, works, records, got, copies, t0, now))
         return out

@@ -7,7 +7,6 @@ the strategy's ``Ops``, and free what no later step reads. What a compute or a r
 """
 from __future__ import annotations
 
-import time
 from functools import lru_cache
 from typing import Protocol
 
@@ -39,16 +38,18 @@ def execute(sched: Schedule, comm: Comm, ops: Ops, held: list | None = None) -> 
     schedule costs beyond a rank's own tensors."""
     plan, reads = _rank_plan(sched, comm.rank)
     trace = comm.trace
+    if trace is not None:
+        trace.use(getattr(ops, "device", "cpu"))
     inflight: dict[int, list] = {}  # due step -> posted operations to complete at its end
     for t, (computes, sends, recvs) in enumerate(plan):
         for pending in comm.start(t, [(m, ops.payload(m)) for m in sends], [(m, ops.empty(m)) for m in recvs]):
             inflight.setdefault(pending.due, []).append(pending)
         for c in computes:
-            t0 = time.perf_counter()
+            t0 = trace.now() if trace is not None else None
             ops.compute(c)
             if trace is not None:
                 trace.add("compute", f"Q{c.q_owner}.{c.q_part} x KV{c.kv_owner}.{c.kv_part}", t0,
-                          time.perf_counter(), step=t, q_owner=c.q_owner, kv_owner=c.kv_owner, diag=c.diag)
+                          trace.now(), step=t, q_owner=c.q_owner, kv_owner=c.kv_owner, diag=c.diag)
         for pending in inflight.pop(t, []):
             pending.wait()
             for m, bufs in pending.recvs:
@@ -60,6 +61,8 @@ def execute(sched: Schedule, comm: Comm, ops: Ops, held: list | None = None) -> 
             flying += sum(w[3].numel() * w[3].element_size() for ps in inflight.values() for p in ps
                           for w in p.works if w[0] == "send" and w[3]._base is None)
             held.append(getattr(ops, "held_bytes", lambda: 0)() + flying)
+    if trace is not None:
+        trace.resolve()
     if inflight:
         raise RuntimeError(f"schedule {sched.strategy}: messages due after its last step {len(plan) - 1}: "
                            f"{sorted(inflight)}")

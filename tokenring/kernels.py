@@ -5,20 +5,30 @@ Forward returns ``out`` (B, n, H, d) in ``q.dtype`` and ``lse`` (B, H, n) in the
 float64 for float64 inputs). ``causal`` masks key ``j > i`` (top-left aligned); every schedule only uses it on
 square diagonal blocks, where every row sees at least one key.
 
-Backends:
-- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (tiled, GQA-aware, returns lse) for the forward.
-- CUDA: PyTorch's flash op (fp16/bf16) or memory-efficient op (fp32/fp64), both returning lse.
+Backends, forward and backward:
+- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (tiled, GQA-aware). The
+  backward is used where it is measured faster than the math path on this machine (:func:`cpu_backward_choice`).
+- CUDA: PyTorch's flash ops (fp16/bf16, head dim a multiple of 8 up to 256) or memory-efficient ops (fp32,
+  head dim a multiple of 4); K/V heads are repeated for GQA. float64 and other head dims take the math path.
 - math: row-chunked matmul + softmax in the accumulator dtype; any device and dtype; memory stays
-  O(chunk * m), never (n * m). It is the backward everywhere because it consumes ``delta = rowsum(dO * O)``
-  directly, which is what the strategies ship between ranks instead of ``O`` (a fused kernel would need ``O``).
+  O(chunk * m), never (n * m). The reference and the fallback.
+
+The backward takes ``delta = rowsum(dO * O)``, which is what the strategies ship with a visiting query block
+(one number per row and head instead of ``O``'s ``d``); fused kernels, which form ``delta`` from ``O``
+themselves, get an equivalent ``O'`` (:func:`out_for_delta`) when the real output is not at hand.
 """
 from __future__ import annotations
+
+import os
+import time
+from functools import lru_cache
 
 import torch
 
 from .merge import acc_dtype
 
-__all__ = ["block_forward", "block_backward", "math_forward", "BACKENDS"]
+__all__ = ["block_forward", "block_backward", "math_forward", "math_backward", "out_for_delta",
+           "cpu_backward_choice", "BACKENDS"]
 
 BACKENDS = ("auto", "cpu_flash", "cuda", "math")
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -31,7 +41,7 @@ def _pick(q: torch.Tensor, backend: str) -> str:
         return backend
     if q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
         return "cpu_flash"
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and _cuda_op(q) is not None:
         return "cuda"
     return "math"
 
@@ -53,12 +63,10 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def _cuda_forward(q, k, v, causal, scale):
-    n, H, Hkv = q.shape[1], q.shape[2], k.shape[2]
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if Hkv != H:  # the fused ops below take equal head counts
-        kt = kt.repeat_interleave(H // Hkv, dim=1)
-        vt = vt.repeat_interleave(H // Hkv, dim=1)
-    if q.dtype in (torch.float16, torch.bfloat16):
+    n, H = q.shape[1], q.shape[2]
+    qt = q.transpose(1, 2)
+    kt, vt = _repeat_heads(k.transpose(1, 2), H), _repeat_heads(v.transpose(1, 2), H)
+    if _cuda_op(q) == "flash":
         res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
     else:
         res = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal,
@@ -116,14 +124,132 @@ def math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     return _ungrouped(out).to(q.dtype), lse.reshape(B, H, n)
 
 
+def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """An output ``O'`` (B, n, H, d) in ``dout.dtype`` with ``rowsum(dO * O') == delta`` (delta (B, H, n)).
+
+    A fused backward kernel wants the rows' output ``O`` only to form ``delta = rowsum(dO * O)`` itself. A
+    visiting query block travels with ``delta`` (one number per row and head) instead of ``O`` (``d`` numbers),
+    so the kernel gets the multiple of ``dO`` that has exactly that row sum: ``O' = dO * delta / |dO|^2``,
+    computed on ``dO`` scaled by its row maximum so that no square under- or overflows. Rows with ``dO = 0``
+    get ``O' = 0`` (their gradient is 0 whatever ``delta`` is)."""
+    acc = acc_dtype(dout.dtype)
+    g = dout.to(acc)
+    top = g.abs().amax(-1, keepdim=True)                      # (B, n, H, 1)
+    live = top > 0
+    u = g / torch.where(live, top, torch.ones_like(top))      # entries in [-1, 1], max |u| = 1
+    norm = (u * u).sum(-1, keepdim=True).clamp_min(1.0)       # >= 1 on live rows
+    c = delta.to(acc).transpose(1, 2).unsqueeze(-1) / (top * norm).where(live, torch.ones_like(top))
+    return (u * c.where(live, torch.zeros_like(c))).to(dout.dtype)
+
+
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-                   delta: torch.Tensor, causal: bool, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   delta: torch.Tensor, causal: bool, scale: float, backend: str = "auto",
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the rows' *global* ``lse`` and ``delta = rowsum(dO * O)`` (both (B, H, n)).
 
-    Returns ``dq`` (B, n, H, d) and ``dk``, ``dv`` (B, m, Hkv, d), all in the accumulator dtype, so that
-    contributions of many blocks sum without rounding. Chunked over query rows: memory O(chunk * m).
-    """
+    Returns ``dq`` (B, n, H, d) and ``dk``, ``dv`` (B, m, Hkv, d): in the accumulator dtype from the math
+    path, in the input dtype from a fused kernel (callers add them into accumulator-dtype sums either way).
+    ``out``: the rows' real output, when the caller has it (else a fused kernel gets :func:`out_for_delta`).
+    ``backend``: ``"auto"`` (fused where it is available and, on CPU, measured faster for this dtype: see
+    :func:`cpu_backward_choice`), ``"cpu_flash"``, ``"cuda"`` or ``"math"``."""
+    which = _pick_backward(q, backend)
+    if which == "math":
+        return math_backward(dout, q, k, v, lse, delta, causal, scale)
+    o = out if out is not None else out_for_delta(dout, delta)
+    lse = lse.to(acc_dtype(q.dtype)).contiguous()
+    if which == "cpu_flash":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o.transpose(1, 2),
+            lse, 0.0, causal, scale=scale)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    if which == "cuda":
+        return _cuda_backward(dout, q, k, v, o, lse, causal, scale)
+    raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+
+
+def _pick_backward(q: torch.Tensor, backend: str) -> str:
+    if backend != "auto":
+        return backend
+    if q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
+        return cpu_backward_choice(q.dtype, q.shape[-1])
+    if q.device.type == "cuda" and _cuda_op(q) is not None:
+        return "cuda"
+    return "math"
+
+
+@lru_cache(maxsize=64)
+def cpu_backward_choice(dtype: torch.dtype, d: int) -> str:
+    """``"cpu_flash"`` or ``"math"``: the faster CPU backward for ``dtype`` and head dim ``d`` on this machine.
+
+    Which one wins depends on the CPU, not only the dtype (fp16 has no fast path in the fused CPU kernel on
+    common x86 parts, where it is 6x slower than the math path; bf16 is 2x faster fused on CPUs with AVX512-BF16
+    and 4x slower on others), so it is measured once per process: both kernels on one 256x256 block of 4 heads,
+    best of 2. ``$TOKENRING_CPU_BACKWARD=cpu_flash|math`` skips the measurement."""
+    forced = os.environ.get("TOKENRING_CPU_BACKWARD")
+    if forced:
+        if forced not in ("cpu_flash", "math"):
+            raise ValueError(f"$TOKENRING_CPU_BACKWARD={forced!r}: use 'cpu_flash' or 'math'")
+        return forced
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 256, 4, d, generator=g).to(dtype) for _ in range(4))
+    o, lse = block_forward(q, k, v, False, d ** -0.5)
+    delta = (do.to(lse.dtype) * o.to(lse.dtype)).sum(-1).transpose(1, 2).contiguous()
+    best = {}
+    for which in ("cpu_flash", "math"):
+        times = []
+        for _ in range(3):  # the first run warms up
+            t0 = time.perf_counter()
+            block_backward(do, q, k, v, lse, delta, False, d ** -0.5, backend=which, out=o)
+            times.append(time.perf_counter() - t0)
+        best[which] = min(times[1:])
+    return min(best, key=best.get)
+
+
+def _cuda_op(q: torch.Tensor) -> str | None:
+    """The fused CUDA kernel for ``q``'s dtype and head dim, or ``None`` (math path): flash for fp16/bf16 (head
+    dims that are multiples of 8, up to 256), memory-efficient for fp32 (multiples of 4); neither has float64."""
+    d = q.shape[-1]
+    if q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
+        return "flash"
+    if q.dtype in (torch.float32, torch.float16, torch.bfloat16) and d % 4 == 0:
+        return "efficient"
+    return None
+
+
+def _repeat_heads(k: torch.Tensor, H: int) -> torch.Tensor:
+    """(B, H, m, d) from (B, Hkv, m, d): the fused CUDA ops take equal head counts."""
+    return k if k.shape[1] == H else k.repeat_interleave(H // k.shape[1], dim=1)
+
+
+def _sum_heads(dk: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """(B, Hkv, m, d) from per-query-head gradients (B, H, m, d): the query heads of a group share a K/V head."""
+    B, H, m, d = dk.shape
+    return dk if H == Hkv else dk.view(B, Hkv, H // Hkv, m, d).sum(2)
+
+
+def _cuda_backward(dout, q, k, v, o, lse, causal, scale):
+    n, m, H, Hkv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    qt, ot, dot = q.transpose(1, 2), o.transpose(1, 2), dout.transpose(1, 2)
+    kt, vt = _repeat_heads(k.transpose(1, 2), H), _repeat_heads(v.transpose(1, 2), H)
+    # Dropout is 0: the random-state arguments are never read.
+    seed = torch.empty((), dtype=torch.long, device=q.device)
+    if _cuda_op(q) == "flash":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dot, qt, kt, vt, ot, lse, None, None, n, m, 0.0, causal, seed, seed, scale=scale)[:3]
+    else:  # the efficient op reads lse in rows padded to a multiple of 32, as its forward returns it
+        pad = -n % 32
+        lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dot, qt, kt, vt, None, ot, lse_p, seed, seed, 0.0, [True, True, True, False], causal,
+            scale=scale)[:3]
+    return dq.transpose(1, 2), _sum_heads(dk, Hkv).transpose(1, 2), _sum_heads(dv, Hkv).transpose(1, 2)
+
+
+def math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                  delta: torch.Tensor, causal: bool, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference backward in the accumulator dtype (any device and dtype), chunked over query rows (memory
+    O(chunk * m)); consumes ``delta`` directly."""
     acc = acc_dtype(q.dtype)
     B, n, H, d = q.shape
     m, Hkv = k.shape[1], k.shape[2]

@@ -9,9 +9,18 @@ Shapes: ``o`` (B, n, H, d), ``lse`` (B, H, n). A row that saw no key has ``lse =
 """
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
-__all__ = ["acc_dtype", "new_accumulator", "merge_"]
+__all__ = ["acc_dtype", "new_accumulator", "merge_", "merge_eager_"]
+
+# On CUDA the merge runs as one compiled kernel (torch.compile fuses its ~12 elementwise ops, which eagerly
+# read and write the accumulator many times: about a quarter of one 8K-token block's forward on an H200).
+# $TOKENRING_COMPILE_MERGE=0 keeps the eager ops; so does any failure to compile (with one warning).
+_COMPILE = os.environ.get("TOKENRING_COMPILE_MERGE", "1") != "0"
+_compiled = None
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -27,12 +36,32 @@ def new_accumulator(B: int, n: int, H: int, d: int, dtype: torch.dtype, device) 
     return o, lse
 
 
-def merge_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+def merge_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+           compiled: bool | None = None) -> None:
     """In place: ``(acc_o, acc_lse) <- merge((acc_o, acc_lse), (o, lse))``.
 
     ``acc_o``/``acc_lse`` may be views (a row slice of a larger accumulator). Rows where both sides are
-    ``-inf`` stay ``-inf`` with output 0; no NaN is ever produced.
+    ``-inf`` stay ``-inf`` with output 0; no NaN is ever produced. ``compiled``: run the fused (torch.compile)
+    kernel; default: on CUDA tensors only (on CPU the eager ops are already memory-bound and compiling costs
+    seconds per shape).
     """
+    global _COMPILE, _compiled
+    if compiled if compiled is not None else (_COMPILE and acc_o.is_cuda):
+        try:
+            if _compiled is None:
+                _compiled = torch.compile(merge_eager_, dynamic=True, fullgraph=True)
+            _compiled(acc_o, acc_lse, o, lse)
+            return
+        except Exception as e:  # no compiler / backend on this machine: the eager ops are exact too
+            if compiled:
+                raise
+            warnings.warn(f"tokenring: the compiled merge failed ({type(e).__name__}: {e}); using eager ops")
+            _COMPILE = False
+    merge_eager_(acc_o, acc_lse, o, lse)
+
+
+def merge_eager_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """:func:`merge_` as eager elementwise ops (the reference, and what torch.compile fuses)."""
     lse = lse.to(acc_lse.dtype)
     hi = torch.maximum(acc_lse, lse)
     lo = torch.minimum(acc_lse, lse)

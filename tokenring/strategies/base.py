@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from ..comm import Comm, Trace
+from ..comm import Comm, Trace, buffers
 from ..executor import execute
 from ..kernels import block_backward, block_forward
 from ..merge import acc_dtype, merge_, new_accumulator
@@ -137,6 +137,8 @@ class Config:
     trace: Trace | None = None     # filled with timeline events when set
     comm_log: list | None = None   # receives the per-message byte records of forward and backward
     held_log: list | None = None   # receives (pass, bytes of visiting data held after each step)
+    backward_kernel: str = "auto"  # kernels.block_backward backend: "auto", "math", "cpu_flash", "cuda"
+    stage: bool | str | None = None  # Comm's host staging (None: on gloo; "always": CPU tensors too, for tests)
 
     def held(self, what: str) -> list | None:
         if self.held_log is None:
@@ -145,7 +147,7 @@ class Config:
         return self.held_log[-1][1]
 
     def comm(self, what: str) -> Comm:
-        c = Comm(self.group, self.timeout, self.trace, what)
+        c = Comm(self.group, self.timeout, self.trace, what, self.stage)
         if self.comm_log is not None:
             self.comm_log.append((what, c.log))
         return c
@@ -214,11 +216,10 @@ class _OpsBase:
         self.store = Store(sh, cfg.rank)
 
     def payload(self, m: Message) -> list[torch.Tensor]:
-        return [t.contiguous() for t in self.store.take(m.kind, m.owner, m.part, m.heads)]
+        return self.store.take(m.kind, m.owner, m.part, m.heads)  # views: Comm packs them into one buffer
 
     def empty(self, m: Message) -> list[torch.Tensor]:
-        return [torch.empty(shape, dtype=dt, device=self.device)
-                for shape, dt, _ in payload(m.kind, m.part, self.sh, m.heads)]
+        return buffers(payload(m.kind, m.part, self.sh, m.heads), self.device)
 
     def release(self, step: int, reads: dict) -> None:
         self.store.release(step, reads)
@@ -236,7 +237,7 @@ class _OpsBase:
         return block_forward(q, k, v, diag, self.cfg.scale)
 
     def block_backward(self, dout, q, k, v, lse, delta, diag: bool):
-        return block_backward(dout, q, k, v, lse, delta, diag, self.cfg.scale)
+        return block_backward(dout, q, k, v, lse, delta, diag, self.cfg.scale, self.cfg.backward_kernel)
 
 
 class ForwardOps(_OpsBase):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import buffers
 from ..executor import execute
 from ..kernels import block_backward, block_forward
 from ..layouts import global_order
@@ -57,7 +58,7 @@ class _UlyssesOps:
         return [t[:, m.dst * s:(m.dst + 1) * s].contiguous() for t in self.result]
 
     def empty(self, m: Message) -> list[torch.Tensor]:
-        return [torch.empty(shape, dtype=dt, device=self.device) for shape, dt, _ in payload(m.kind, m.part, self.sh)]
+        return buffers(payload(m.kind, m.part, self.sh), self.device)
 
     def receive(self, m: Message, tensors) -> None:
         self.got[m.src] = tensors
@@ -99,7 +100,7 @@ class _Backward(_UlyssesOps):
     def compute(self, c: Compute) -> None:
         (dout,) = self.gathered("u_dout")
         dq, dk, dv = block_backward(dout, self.q, self.k, self.v, self.lse, row_delta(dout, self.o),
-                                    c.diag, self.cfg.scale)
+                                    c.diag, self.cfg.scale, self.cfg.backward_kernel, out=self.o)
         self.scatter_back([dq.to(self.q.dtype), dk.to(self.k.dtype), dv.to(self.v.dtype)])
 
 

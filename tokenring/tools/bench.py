@@ -137,7 +137,8 @@ class _Runner:
         from ..comm import Trace
         trace = Trace(self.rank) if traced else None
         log: list = []
-        cfg = dict(trace=trace, comm_log=log, timeout=self.spec["timeout"])
+        cfg = dict(trace=trace, comm_log=log, timeout=self.spec["timeout"],
+                   backward_kernel=self.spec.get("backward_kernel", "auto"))
         q, k, v, do = self.local
         mode, dist = self.spec["pass"], self.dist
         kw = dict(causal=self.spec["causal"], strategy=name, layout=self.layout, _config=cfg)
@@ -584,13 +585,14 @@ def _strategy_arg(name: str) -> str:
 
 def make_spec(P=4, S=4096, B=1, H=8, Hkv=None, d=64, dtype="float32", causal=False, layout=None, mode="fwd",
               strategies=OURS + PEERS, warmup=1, repeats=5, seed=0, trace=True, comm_only=True, threads=1,
-              backend=None, timeout=120.0, fail_rank=None) -> dict:
+              backend=None, timeout=120.0, fail_rank=None, backward_kernel="auto") -> dict:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "gloo"
     layout = layout or default_layout(causal)
     return dict(P=P, S=S, B=B, H=H, Hkv=Hkv or H, d=d, dtype=dtype, causal=causal, layout=layout, **{"pass": mode},
                 strategies=list(strategies), warmup=warmup, repeats=repeats, seed=seed, trace=trace,
-                comm_only=comm_only, threads=threads, backend=backend, timeout=timeout, fail_rank=fail_rank)
+                comm_only=comm_only, threads=threads, backend=backend, timeout=timeout, fail_rank=fail_rank,
+                backward_kernel=backward_kernel)
 
 
 def run(spec: dict, **launch_kw) -> dict:
@@ -726,6 +728,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--backward-kernel", default="auto", choices=["auto", "math", "cpu_flash", "cuda"],
+                    help="local backward kernel of this library's strategies (auto: fused where faster)")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--no-comm-only", action="store_true", help="skip measuring communication alone")
     ap.add_argument("--json", default=None, help="write the full results here")
@@ -737,7 +741,8 @@ def specs_from_args(a) -> list[dict]:
     return [make_spec(P=a.ranks, S=S, B=a.batch, H=a.heads, Hkv=a.kv_heads, d=a.head_dim, dtype=a.dtype,
                       causal=a.causal, layout=a.layout, mode=a.mode, strategies=a.strategies, warmup=a.warmup,
                       repeats=a.repeats, trace=not a.no_trace, comm_only=not a.no_comm_only, threads=a.threads,
-                      backend=a.backend, timeout=a.timeout, fail_rank=a.fail_rank) for S in a.seq]
+                      backend=a.backend, timeout=a.timeout, fail_rank=a.fail_rank,
+                      backward_kernel=a.backward_kernel) for S in a.seq]
 
 
 def run_cases(specs: list[dict], label=lambda s: describe(s), **launch_kw) -> list[dict]:
