@@ -33,9 +33,10 @@ Environment variables users commonly need:
                                 h100-nvswitch-8 on CUDA, loopback on CPU (tokenring.set_topology overrides it)
     OMP_NUM_THREADS=4           torch threads per process on CPU runs (several ranks share the cores)
 
-Without CUDA it runs on CPU with gloo. ``--backend gloo`` forces gloo; then the tensors are on CPU too:
-tokenring hands its tensors to torch.distributed as they are, and gloo's point-to-point and all-gather take
-CPU tensors only. NCCL needs one GPU per rank, so on one GPU several ranks need ``--backend gloo`` (CPU).
+Without CUDA it runs on CPU with gloo. ``--backend gloo`` with CUDA keeps the tensors on the GPU (rank r on
+GPU ``LOCAL_RANK % device_count``): gloo cannot send CUDA tensors point to point, so tokenring stages its
+messages through host memory. NCCL needs one GPU per rank; gloo lets several ranks share one GPU, which is
+slow but handy for debugging context parallelism on a single GPU.
 The tests run this script as 2 processes with ``--init-method file:///tmp/...`` and gloo, so nothing listens
 on the network.
 """
@@ -63,7 +64,10 @@ def setup(args: argparse.Namespace) -> torch.device:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if not torch.cuda.is_available():
+        device = torch.device("cpu")
+    else:  # NCCL: one GPU per rank; gloo: ranks may share GPUs (tokenring stages messages through host memory)
+        device = torch.device("cuda", local_rank if backend == "nccl" else local_rank % torch.cuda.device_count())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=args.init_method, rank=rank, world_size=world,
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                     help="compare with float64 SDPA over the full sequence")
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None,
-                    help="default: nccl when CUDA is available, else gloo (gloo runs on CPU tensors)")
+                    help="default: nccl when CUDA is available, else gloo (gloo with CUDA: ranks may share a GPU)")
     ap.add_argument("--init-method", default="env://", help="env:// under torchrun; file:///path also works")
     args = ap.parse_args(argv)
     if args.iters < 1:
