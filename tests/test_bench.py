@@ -76,3 +76,41 @@ def test_step_metrics_and_chrome_trace_on_synthetic_events():
     assert min(e["ts"] for e in xs) == 0.0 and all(e["dur"] >= 0 for e in xs)
     names = {(e["pid"], e["args"]["name"]) for e in tr["traceEvents"] if e["name"] == "process_name"}
     assert names == {(0, "rank 0"), (1, "rank 1")}
+
+
+def test_gpu_check_runs_on_cpu(tmp_path):
+    """bench/gpu_check.py (the one-shot GPU check) on CPU with tiny shapes: every part runs, every correctness
+    case passes (exit 0, or 2 = only performance goals missed); with an injected wrong output it exits 1 and
+    names the case."""
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "bench", "gpu_check.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def run(out, *extra):
+        return subprocess.run([sys.executable, script, "--device", "cpu", "--quick", "--out-dir", str(out), *extra],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    p = run(tmp_path / "ok")
+    assert p.returncode in (0, 2), p.stdout + p.stderr
+    res = json.loads((tmp_path / "ok" / "results.json").read_text())
+    assert res["exit_code"] == p.returncode and res["failures"] == []
+    cases = res["correctness"]["cases"]
+    assert {c["strategy"] for c in cases} == {"token_ring", "ring", "ulysses", "ring_bidir", "token_ring:relay",
+                                              "token_ring:direct,c=2,k=1"}
+    assert {c["dtype"] for c in cases} == {"bfloat16", "float16", "float32"}
+    assert all(c["ok"] for c in cases) and res["correctness"]["failed"] == 0, [c for c in cases if not c["ok"]]
+    assert set(res["correctness"]["backward_kernels"]) == {"bfloat16", "float16", "float32"}
+    assert len(res["kernels"]["rows"]) == 4 and res["merge"]["goal"] in ("PASS", "FAIL")
+    assert {s["phase"] for s in res["timeline"]["overlap"]} == {"fwd", "bwd"}
+    assert (tmp_path / "ok" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| P | strategy |" in (tmp_path / "ok" / "results.md").read_text()
+    assert (p.returncode == 2) == bool(res["goals_missed"])
+
+    bad = run(tmp_path / "bad", "--inject-error", "--parts", "correctness")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    res = json.loads((tmp_path / "bad" / "results.json").read_text())
+    failed = [c["name"] for c in res["correctness"]["cases"] if not c["ok"]]
+    assert failed == [res["args"]["inject_error"]], failed
+    assert f"FAILED CHECKS (1):\n  - correctness {failed[0]}: out rel err" in bad.stdout, bad.stdout

@@ -177,19 +177,29 @@ def _pick_backward(q: torch.Tensor, backend: str) -> str:
     return "math"
 
 
+# The fused CPU backward beats the math path by 1.5-2.5x in float32 and float64 on every x86 CPU measured; in
+# bf16 and fp16 it depends on the CPU's instructions (see cpu_backward_choice), so those are measured.
+_CPU_FUSED_ALWAYS = (torch.float32, torch.float64)
+_MATH_MARGIN = 1.5  # the math path is chosen only when the fused kernel is this much slower: no flip on noise
+
+
 @lru_cache(maxsize=64)
 def cpu_backward_choice(dtype: torch.dtype, d: int) -> str:
-    """``"cpu_flash"`` or ``"math"``: the faster CPU backward for ``dtype`` and head dim ``d`` on this machine.
+    """``"cpu_flash"`` or ``"math"``: the CPU backward for ``dtype`` and head dim ``d`` on this machine.
 
-    Which one wins depends on the CPU, not only the dtype (fp16 has no fast path in the fused CPU kernel on
-    common x86 parts, where it is 6x slower than the math path; bf16 is 2x faster fused on CPUs with AVX512-BF16
-    and 4x slower on others), so it is measured once per process: both kernels on one 256x256 block of 4 heads,
-    best of 2. ``$TOKENRING_CPU_BACKWARD=cpu_flash|math`` skips the measurement."""
+    float32/float64: the fused kernel. bf16/fp16: which one wins depends on the CPU (the fused fp16 kernel is
+    6x slower than the math path on x86 parts without AVX512-FP16; bf16 is 2x faster fused with AVX512-BF16
+    and 4x slower without), so both run once per process on one 256x256 block of 4 heads (best of 2 after a
+    warm-up) and the math path is taken only when the fused one is more than 1.5x slower, so that timing
+    noise on a busy machine cannot flip a close call. ``$TOKENRING_CPU_BACKWARD=cpu_flash|math`` overrides
+    (and makes the choice the same on every rank and run)."""
     forced = os.environ.get("TOKENRING_CPU_BACKWARD")
     if forced:
         if forced not in ("cpu_flash", "math"):
             raise ValueError(f"$TOKENRING_CPU_BACKWARD={forced!r}: use 'cpu_flash' or 'math'")
         return forced
+    if dtype in _CPU_FUSED_ALWAYS:
+        return "cpu_flash"
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 256, 4, d, generator=g).to(dtype) for _ in range(4))
     o, lse = block_forward(q, k, v, False, d ** -0.5)
@@ -202,7 +212,7 @@ def cpu_backward_choice(dtype: torch.dtype, d: int) -> str:
             block_backward(do, q, k, v, lse, delta, False, d ** -0.5, backend=which, out=o)
             times.append(time.perf_counter() - t0)
         best[which] = min(times[1:])
-    return min(best, key=best.get)
+    return "math" if best["cpu_flash"] > _MATH_MARGIN * best["math"] else "cpu_flash"
 
 
 def _cuda_op(q: torch.Tensor) -> str | None:
