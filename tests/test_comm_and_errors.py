@@ -263,3 +263,30 @@ def test_packed_message_buffers():
     dst = [torch.empty(2, 3), torch.empty(5, dtype=torch.float64)]
     buf, copies = _flat(dst)
     assert buf.dtype == torch.uint8 and [d for d, _ in copies] == dst
+
+
+@pytest.mark.parametrize("strategy", ["token_ring:direct,c=2,k=1", "ring", "ring_bidir"])
+def test_expanded_kv_heads(pools, strategy):
+    """The CUDA fp32 kernel takes equal heads: K/V heads are then repeated once per stored block and dK/dV summed
+    back per group. Forced on CPU here (the CPU kernels accept either), results stay exact for GQA."""
+    case = dict(B=2, s=8, H=8, Hkv=2, d=8, dtype="float64", causal=True, layout="zigzag", strategy=strategy,
+                config=dict(expand_kv=True))
+    for errs in pools(3).run(cases.check_case, case):
+        assert max(errs.values()) < 1e-9, errs
+
+
+def test_store_expands_a_kv_piece_once():
+    """take_kv repeats a stored K/V piece's heads once for every later read of the same rows, and forgets the
+    copy when the piece is released."""
+    import torch
+    from tokenring.schedules import Shapes
+    from tokenring.strategies.base import Store
+    st = Store(Shapes(1, 4, 4, 2, 3, torch.float32, 2), me=0)
+    k, v = torch.randn(1, 4, 2, 3), torch.randn(1, 4, 2, 3)
+    st.put("kv", 1, "all", [k, v])
+    a = st.take_kv(1, "lo", "all", 2)
+    assert st.take_kv(1, "lo", "all", 2)[0] is a[0]
+    assert torch.equal(a[0], k[:, :2].repeat_interleave(2, dim=2)) and a[1].shape == (1, 2, 4, 3)
+    assert st.take_kv(1, "all", "all", 1)[0].shape == (1, 4, 2, 3)  # g = 1: the stored heads as they are
+    st.release(0, {})
+    assert not st.entries and not st.expanded

@@ -100,8 +100,15 @@ def test_out_for_delta(dtype):
 def test_cpu_backward_choice(monkeypatch):
     """The CPU backward is measured per dtype unless forced; a bad override is an error naming the choices."""
     from tokenring.kernels import cpu_backward_choice
+    import tokenring.kernels as K
     cpu_backward_choice.cache_clear()
     assert cpu_backward_choice(torch.float32, 8) == "cpu_flash"  # fused wherever measured, not timed per run
+    for flags, want in (({"avx2", "avx512f"}, "math"), ({"avx512_bf16"}, "cpu_flash"), ({"amx_bf16"}, "cpu_flash")):
+        monkeypatch.setattr(K, "_cpu_flags", lambda flags=flags: flags)
+        cpu_backward_choice.cache_clear()
+        assert cpu_backward_choice(torch.bfloat16, 8) == want, flags
+    monkeypatch.setattr(K, "_cpu_flags", lambda: set())  # flags unknown: measured
+    cpu_backward_choice.cache_clear()
     assert cpu_backward_choice(torch.float16, 8) in ("cpu_flash", "math")
     monkeypatch.setenv("TOKENRING_CPU_BACKWARD", "math")
     cpu_backward_choice.cache_clear()

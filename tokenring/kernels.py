@@ -8,8 +8,9 @@ square diagonal blocks, where every row sees at least one key.
 Backends, forward and backward:
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (tiled, GQA-aware). The
   backward is used where it is measured faster than the math path on this machine (:func:`cpu_backward_choice`).
-- CUDA: PyTorch's flash ops (fp16/bf16, head dim a multiple of 8 up to 256) or memory-efficient ops (fp32,
-  head dim a multiple of 4); K/V heads are repeated for GQA. float64 and other head dims take the math path.
+- CUDA: PyTorch's flash ops (fp16/bf16, head dim a multiple of 8 up to 256; GQA-native) or memory-efficient
+  ops (fp32, head dim a multiple of 4; equal heads: the strategies repeat each visiting K/V block's heads once,
+  see :func:`needs_equal_heads`). float64 and other head dims take the math path.
 - math: row-chunked matmul + softmax in the accumulator dtype; any device and dtype; memory stays
   O(chunk * m), never (n * m). The reference and the fallback.
 
@@ -28,7 +29,7 @@ import torch
 from .merge import acc_dtype
 
 __all__ = ["block_forward", "block_backward", "math_forward", "math_backward", "out_for_delta",
-           "cpu_backward_choice", "BACKENDS"]
+           "cpu_backward_choice", "needs_equal_heads", "BACKENDS"]
 
 BACKENDS = ("auto", "cpu_flash", "cuda", "math")
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -64,11 +65,11 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def _cuda_forward(q, k, v, causal, scale):
     n, H = q.shape[1], q.shape[2]
-    qt = q.transpose(1, 2)
-    kt, vt = _repeat_heads(k.transpose(1, 2), H), _repeat_heads(v.transpose(1, 2), H)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if _cuda_op(q) == "flash":
         res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
-    else:
+    else:  # equal heads only (callers repeat a visiting block's K/V heads once, see needs_equal_heads)
+        kt, vt = _repeat_heads(kt, H), _repeat_heads(vt, H)
         res = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal,
                                                                       scale=scale)
     o, lse = res[0], res[1][..., :n]  # the efficient op pads lse's row dim to a multiple of 32
@@ -177,22 +178,36 @@ def _pick_backward(q: torch.Tensor, backend: str) -> str:
     return "math"
 
 
-# The fused CPU backward beats the math path by 1.5-2.5x in float32 and float64 on every x86 CPU measured; in
-# bf16 and fp16 it depends on the CPU's instructions (see cpu_backward_choice), so those are measured.
+# The fused CPU backward beats the math path by 1.5-2.5x in float32 and float64 on every x86 CPU measured. In
+# bf16 / fp16 it is fast only with the CPU's native instructions for that type (measured here, AVX512-BF16
+# without AVX512-FP16: bf16 2.3x faster fused, fp16 6.5x slower; on a CPU without AVX512-BF16 bf16 was 4.4x
+# slower fused), so the choice follows the CPU's flags; timing is the fallback where flags are unknown.
 _CPU_FUSED_ALWAYS = (torch.float32, torch.float64)
-_MATH_MARGIN = 1.5  # the math path is chosen only when the fused kernel is this much slower: no flip on noise
+_FAST_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+_MATH_MARGIN = 1.5  # when timing: the math path only when the fused kernel is this much slower
+
+
+def _cpu_flags() -> set[str]:
+    """The x86 feature flags of this CPU (Linux), or an empty set where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 @lru_cache(maxsize=64)
 def cpu_backward_choice(dtype: torch.dtype, d: int) -> str:
     """``"cpu_flash"`` or ``"math"``: the CPU backward for ``dtype`` and head dim ``d`` on this machine.
 
-    float32/float64: the fused kernel. bf16/fp16: which one wins depends on the CPU (the fused fp16 kernel is
-    6x slower than the math path on x86 parts without AVX512-FP16; bf16 is 2x faster fused with AVX512-BF16
-    and 4x slower without), so both run once per process on one 256x256 block of 4 heads (best of 2 after a
-    warm-up) and the math path is taken only when the fused one is more than 1.5x slower, so that timing
-    noise on a busy machine cannot flip a close call. ``$TOKENRING_CPU_BACKWARD=cpu_flash|math`` overrides
-    (and makes the choice the same on every rank and run)."""
+    float32/float64: the fused kernel. bf16/fp16: the fused kernel where the CPU has native instructions for
+    the type (AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16), else the math path; the same answer on every
+    rank and every run. Where the flags cannot be read (non-x86, non-Linux) both kernels run once per process
+    on one 256x256 block of 4 heads and the math path is taken only when the fused one is more than 1.5x
+    slower. ``$TOKENRING_CPU_BACKWARD=cpu_flash|math`` overrides."""
     forced = os.environ.get("TOKENRING_CPU_BACKWARD")
     if forced:
         if forced not in ("cpu_flash", "math"):
@@ -200,6 +215,9 @@ def cpu_backward_choice(dtype: torch.dtype, d: int) -> str:
         return forced
     if dtype in _CPU_FUSED_ALWAYS:
         return "cpu_flash"
+    flags = _cpu_flags()
+    if flags and dtype in _FAST_FLAGS:
+        return "cpu_flash" if flags.intersection(_FAST_FLAGS[dtype]) else "math"
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 256, 4, d, generator=g).to(dtype) for _ in range(4))
     o, lse = block_forward(q, k, v, False, d ** -0.5)
@@ -226,6 +244,13 @@ def _cuda_op(q: torch.Tensor) -> str | None:
     return None
 
 
+def needs_equal_heads(q: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether the kernel that runs ``q``'s blocks takes only K/V with as many heads as ``q`` (the CUDA
+    memory-efficient op); then callers repeat a visiting K/V block's heads once, not the kernel per block.
+    The CPU ops, CUDA flash (FlashAttention-2 takes grouped K/V heads) and the math path are GQA-native."""
+    return (backend in ("auto", "cuda") and q.device.type == "cuda" and _cuda_op(q) == "efficient")
+
+
 def _repeat_heads(k: torch.Tensor, H: int) -> torch.Tensor:
     """(B, H, m, d) from (B, Hkv, m, d): the fused CUDA ops take equal head counts."""
     return k if k.shape[1] == H else k.repeat_interleave(H // k.shape[1], dim=1)
@@ -240,13 +265,15 @@ def _sum_heads(dk: torch.Tensor, Hkv: int) -> torch.Tensor:
 def _cuda_backward(dout, q, k, v, o, lse, causal, scale):
     n, m, H, Hkv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     qt, ot, dot = q.transpose(1, 2), o.transpose(1, 2), dout.transpose(1, 2)
-    kt, vt = _repeat_heads(k.transpose(1, 2), H), _repeat_heads(v.transpose(1, 2), H)
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
     # Dropout is 0: the random-state arguments are never read.
     seed = torch.empty((), dtype=torch.long, device=q.device)
-    if _cuda_op(q) == "flash":
+    if _cuda_op(q) == "flash":  # GQA-native: dK/dV come back with the K/V's heads
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dot, qt, kt, vt, ot, lse, None, None, n, m, 0.0, causal, seed, seed, scale=scale)[:3]
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     else:  # the efficient op reads lse in rows padded to a multiple of 32, as its forward returns it
+        kt, vt = _repeat_heads(kt, H), _repeat_heads(vt, H)
         pad = -n % 32
         lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
         dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(

@@ -16,7 +16,7 @@ import torch
 
 from ..comm import Comm, Trace, buffers
 from ..executor import execute
-from ..kernels import block_backward, block_forward
+from ..kernels import block_backward, block_forward, needs_equal_heads
 from ..merge import acc_dtype, merge_, new_accumulator
 from ..messages import kind as message_kind
 from ..schedules import (Compute, Message, Schedule, Shapes, covers, direct, head_slice, part_rows, part_slice,
@@ -139,6 +139,7 @@ class Config:
     held_log: list | None = None   # receives (pass, bytes of visiting data held after each step)
     backward_kernel: str = "auto"  # kernels.block_backward backend: "auto", "math", "cpu_flash", "cuda"
     stage: bool | str | None = None  # Comm's host staging (None: on gloo; "always": CPU tensors too, for tests)
+    expand_kv: bool | None = None  # repeat K/V heads once per stored block (None: where the kernel needs it)
 
     def held(self, what: str) -> list | None:
         if self.held_log is None:
@@ -161,12 +162,34 @@ class Store:
     def __init__(self, sh: Shapes, me: int):
         self.sh, self.me = sh, me
         self.entries: dict[tuple[str, int, str], list[tuple[str, str, list[torch.Tensor]]]] = {}
+        # (id of a piece's tensor list, rows, heads) -> (that list, its K/V with heads repeated): see take_kv
+        self.expanded: dict[tuple[int, str, str], tuple[list, list[torch.Tensor]]] = {}
 
     def put(self, kind: str, owner: int, part: str, tensors: list[torch.Tensor], heads: str = "all") -> None:
         """Store ``tensors`` covering rows ``part`` and ``heads`` (replacing a piece of exactly those rows)."""
         pieces = self.entries.setdefault((kind, owner, heads), [])
         pieces[:] = [p for p in pieces if p[0] != part]
         pieces.append((part, heads, tensors))
+        self._prune()
+
+    def take_kv(self, owner: int, part: str, heads: str, g: int) -> list[torch.Tensor]:
+        """K and V rows ``part`` of ``owner`` with each head repeated ``g`` times, for kernels that need as
+        many K/V heads as query heads: made once per stored piece and rows (not once per block that reads
+        them) and dropped with the piece."""
+        if g == 1:
+            return self.take("kv", owner, part, heads)
+        piece = self.find("kv", owner, part, heads)
+        key = (id(piece[2]) if piece else 0, part, heads)
+        if key not in self.expanded:
+            self.expanded[key] = (piece[2], [t.repeat_interleave(g, dim=2)
+                                             for t in self.take("kv", owner, part, heads)])
+        return self.expanded[key][1]
+
+    def _prune(self) -> None:
+        """Forget expanded K/V of pieces no longer stored (a held reference keeps an id from being reused)."""
+        if self.expanded:
+            live = {id(p[2]) for pieces in self.entries.values() for p in pieces}
+            self.expanded = {k: v for k, v in self.expanded.items() if k[0] in live}
 
     def find(self, kind: str, owner: int, part: str, heads: str = "all"):
         """The piece ``(part, heads, tensors)`` that holds rows ``part`` of ``heads``, or ``None``."""
@@ -204,6 +227,7 @@ class Store:
                 self.entries[key] = pieces
             else:
                 del self.entries[key]
+        self._prune()
 
 
 def _span(sl: slice) -> tuple[int, int]:
@@ -226,8 +250,14 @@ class _OpsBase:
 
     def held_bytes(self) -> int:
         """Bytes of other ranks' data held here (visiting blocks, partials waiting to go home)."""
-        return sum(t.numel() * t.element_size() for key, pieces in self.store.entries.items() if key[1] != self.me
+        held = sum(t.numel() * t.element_size() for key, pieces in self.store.entries.items() if key[1] != self.me
                    for _, _, ts in pieces for t in ts)
+        return held + sum(t.numel() * t.element_size() for _, ts in self.store.expanded.values() for t in ts)
+
+    def kv_repeat(self, q: torch.Tensor, backend: str = "auto") -> int:
+        """How many times each K/V head is repeated before the kernel (1: the kernel takes grouped heads)."""
+        want = self.cfg.expand_kv if self.cfg.expand_kv is not None else needs_equal_heads(q, backend)
+        return self.sh.H // self.sh.Hkv if want else 1
 
     def rows(self, part: str) -> slice:
         return part_slice(part, self.sh.s)
@@ -246,6 +276,7 @@ class ForwardOps(_OpsBase):
         self.store.put("q", self.me, "all", [q])
         self.store.put("kv", self.me, "all", [k, v])
         self.o, self.lse = new_accumulator(sh.B, sh.s, sh.H, sh.d, q.dtype, q.device)
+        self.g = self.kv_repeat(q)
 
     def _merge(self, part: str, heads: str, o, lse) -> None:
         sl, hs = self.rows(part), head_slice(heads, self.sh.H)
@@ -253,7 +284,7 @@ class ForwardOps(_OpsBase):
 
     def compute(self, c: Compute) -> None:
         (q,) = self.store.take("q", c.q_owner, c.q_part, c.heads)
-        k, v = self.store.take("kv", c.kv_owner, c.kv_part, c.heads)
+        k, v = self.store.take_kv(c.kv_owner, c.kv_part, c.heads, self.g)
         o, lse = self.block_forward(q, k, v, c.diag)
         if c.q_owner == self.me:
             self._merge(c.q_part, c.heads, o, lse)
@@ -279,6 +310,7 @@ class BackwardOps(_OpsBase):
         self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         self.dv = torch.zeros_like(self.dk)
+        self.g = self.kv_repeat(q, cfg.backward_kernel)
 
     def _add_dkv(self, owner: int, part: str, heads: str, dk, dv) -> None:
         """Add a dK/dV contribution for rows ``part`` of ``owner``'s K/V (head half ``heads``): into this rank's
@@ -306,8 +338,10 @@ class BackwardOps(_OpsBase):
 
     def compute(self, c: Compute) -> None:
         q, dout, lse, delta = self.store.take("qgrad", c.q_owner, c.q_part, c.heads)
-        k, v = self.store.take("kv", c.kv_owner, c.kv_part, c.heads)
+        k, v = self.store.take_kv(c.kv_owner, c.kv_part, c.heads, self.g)
         dq, dk, dv = self.block_backward(dout, q, k, v, lse, delta, c.diag)
+        if self.g > 1:  # gradients of repeated K/V heads: sum each group back onto its K/V head
+            dk, dv = (t.unflatten(2, (-1, self.g)).sum(3) for t in (dk, dv))
         if c.q_owner == self.me:
             self.dq[:, self.rows(c.q_part), head_slice(c.heads, self.sh.H)] += dq
         else:  # dQ partials go home in the input dtype, like forward partials
