@@ -251,3 +251,49 @@ def staged_case(rank: int, P: int, case: dict) -> tuple[dict, list]:
     log: list = []
     errs = check_case(rank, P, dict(case, config=dict(stage="always", comm_log=log)))
     return errs, [r["staged"] for _, recs in log for r in recs]
+
+
+def stop_case(rank: int, P: int, strategy: str, how: str, phase: str, timeout: float):
+    """Rank P-1 stops in the second call, in its ``phase`` ("forward" or "backward"): ``how="dead"`` exits,
+    ``"silent"`` stays alive without calling (sleeps past the others' bound). Every other rank returns (seconds
+    from the start of that pass to its RuntimeError, the message); the silent rank returns ``None``."""
+    import os
+    import time
+    tokenring.set_timeout(timeout)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 12, h, 8, generator=g).requires_grad_() for h in (6, 2, 2))
+    tokenring.attention(q, k, v, strategy=strategy).sum().backward()  # first call: signatures verified
+
+    def stop():
+        if how == "dead":
+            os._exit(0)
+        time.sleep(timeout + 6)
+
+    victim = rank == P - 1
+    try:
+        if victim and phase == "forward":
+            return stop()
+        t0 = time.monotonic()
+        out = tokenring.attention(q, k, v, strategy=strategy)
+        if victim:
+            return stop()
+        t0 = time.monotonic()
+        out.sum().backward()
+    except RuntimeError as e:
+        return time.monotonic() - t0, str(e)
+    raise AssertionError(f"rank {rank}: no RuntimeError although rank {P - 1} stopped ({how}, {phase})")
+
+
+def absent_case(rank: int, P: int, timeout: float):
+    """Rank P-1 never calls attention (its first call, so the shapes are not verified yet); the others return the
+    RuntimeError message they get within the timeout."""
+    import time
+    tokenring.set_timeout(timeout)
+    if rank == P - 1:
+        time.sleep(timeout + 4)
+        return None
+    try:
+        tokenring.attention(*(torch.randn(1, 8, 2, 8) for _ in range(3)))
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError(f"rank {rank}: no error although rank {P - 1} never called")

@@ -290,3 +290,25 @@ def test_store_expands_a_kv_piece_once():
     assert st.take_kv(1, "all", "all", 1)[0].shape == (1, 4, 2, 3)  # g = 1: the stored heads as they are
     st.release(0, {})
     assert not st.entries and not st.expanded
+
+
+@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ring_bidir", "ulysses"])
+@pytest.mark.parametrize("how", ["dead", "silent"])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_stopped_rank_is_named_within_the_timeout(strategy, how, phase):
+    """A rank that dies, or stays alive without calling, in the forward or the backward: every other rank raises a
+    RuntimeError within the timeout + 2 s that names it, whether it waited for that rank directly or for a rank
+    that waited for it (the failed ranks leave who they waited for in the rendezvous store)."""
+    timeout, P = 3.0, 3
+    results = spawn(cases.stop_case, P, strategy, how, phase, timeout, timeout=60)
+    assert results[P - 1] is None
+    for rank in range(P - 1):
+        elapsed, msg = results[rank]
+        assert elapsed < timeout + 2, (rank, elapsed, msg)
+        assert f"Rank {P - 1} is the one that stopped" in msg, (rank, msg)
+
+
+def test_rank_that_never_calls_is_named():
+    """A rank that never reaches the call's signature exchange is named by the ranks that did."""
+    for msg in spawn(cases.absent_case, 3, 2.0, timeout=60)[:2]:
+        assert "Rank(s) [2] never reached this call" in msg, msg

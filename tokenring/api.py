@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import get_timeout
+from .comm import get_timeout, group_store
 from .layouts import LAYOUTS, check_layout, default_layout, group_info
 from .schedules import Shapes
 from .strategies import ALIASES, FAMILIES, code as strategy_code, from_code, get as get_strategy
@@ -20,6 +20,7 @@ STRATEGY_NAMES = FAMILIES + tuple(ALIASES) + ("auto",)
 # (group, signature) -> the strategy that runs: signatures already verified identical on every rank, with the
 # choice rank 0 made for "auto" / a family choice (set_topology clears it on every rank: calls re-decide).
 _checked: dict = {}
+_exchanges: dict = {}  # per group: signature exchanges so far (the same count on every rank in step)
 
 
 def forget_choices() -> None:
@@ -122,14 +123,28 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
     choice = strategy_code(decide()) if rank == 0 else [-1.0] * 4
     mine = torch.tensor(sig + choice, dtype=torch.float64, device=device)
     allsig = [torch.empty_like(mine) for _ in range(P)]
+    # Each rank marks its arrival in the rendezvous store, so a rank that never comes can be named.
+    n = _exchanges[id(group)] = _exchanges.get(id(group), -1) + 1
+    store, prefix = group_store(group), f"tokenring/arrived/{n}/"
+    try:
+        store.set(prefix + str(rank), "1")
+    except Exception:
+        store = None
     work = dist.all_gather(allsig, mine, group=group, async_op=True)
     try:
         work.wait(datetime.timedelta(seconds=get_timeout()))
     except Exception as e:
+        missing = ""
+        try:
+            gone = [r for r in range(P) if not store.check([prefix + str(r)])]
+            missing = f" Rank(s) {gone} never reached this call: they died or do not call attention here." \
+                if gone else ""
+        except Exception:
+            pass
         raise RuntimeError(
             f"tokenring: rank {rank} could not compare call signatures with the other ranks within "
-            f"{get_timeout():.0f} s ({e}). A rank has died, or is not calling tokenring.attention at this point "
-            f"(every rank of the group must call it with the same shapes and options).") from e
+            f"{get_timeout():.0f} s ({e}).{missing} A rank has died, or is not calling tokenring.attention at this "
+            f"point (every rank of the group must call it with the same shapes and options).") from e
     for r, other in enumerate(allsig):
         bad = [f"{f} ({_show(f, a)} on rank {r}, {_show(f, b)} on rank {rank})"
                for f, a, b in zip(_FIELDS, other.tolist(), sig) if a != b]

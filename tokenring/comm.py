@@ -37,6 +37,8 @@ _PAIR_SLOTS = 256  # most messages one step may carry between the same two ranks
 _ALIGN = 16        # byte alignment of each tensor in a packed buffer (any dtype's view stays aligned)
 
 _TIMEOUT_S = float(os.environ.get("TOKENRING_TIMEOUT", "300"))
+_SEQ: dict = {}          # per group: engines made so far in this process (the same count on every rank)
+_REPORT_WAIT_S = 1.0     # how long a failed rank waits for the others' reports before naming a silent one
 
 
 def set_timeout(seconds: float) -> None:
@@ -50,6 +52,40 @@ def set_timeout(seconds: float) -> None:
 
 def get_timeout() -> float:
     return _TIMEOUT_S
+
+
+def group_store(group):
+    """The key-value store of ``group``'s rendezvous (``None`` if torch keeps none we can reach)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+        return c10d._get_process_group_store(group) if group is not None else c10d._get_default_store()
+    except Exception:  # private API: without it failures are still reported, only less precisely
+        return None
+
+
+def silent_ranks(store, prefix: str, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> str:
+    """After this rank failed waiting for rank ``first``: follow who waits for whom through the reports other
+    failed ranks left under ``prefix`` (``<prefix><rank>`` = the rank it waits for) to the first rank that left
+    none within ``wait_s``: the rank that died, hangs, or stopped calling attention. A sentence naming it ('' if
+    it cannot be told)."""
+    if store is None:
+        return ""
+    chain, r = [me], first
+    deadline = time.monotonic() + wait_s
+    try:
+        while r not in chain:
+            key = prefix + str(r)
+            while not store.check([key]) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if not store.check([key]):
+                via = f" (who waits for whom: {' -> '.join(map(str, chain + [r]))})" if len(chain) > 1 else ""
+                return (f" Rank {r} is the one that stopped: it reported no failure of its own within "
+                        f"{wait_s:.0f} s{via}, so it has died, hangs, or is not calling attention.")
+            chain.append(r)
+            r = int(store.get(key).decode())
+        return f" Every rank of {chain} is waiting for the next: a schedule deadlock (please report it)."
+    except Exception:
+        return ""
 
 
 class Trace:
@@ -223,9 +259,24 @@ class Comm:
         self.trace = trace
         self.what = what
         self.log: list[dict] = []
+        key = id(group) if group is not None else None
+        self.seq = _SEQ[key] = _SEQ.get(key, -1) + 1
 
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def _who_stopped(self, peer: int | None) -> str:
+        """Publish that this rank gave up waiting for ``peer`` and name the rank at the end of the chain of
+        waits (gloo only: on NCCL the process group's watchdog reports)."""
+        if not self.bounded or peer is None:
+            return ""
+        store = group_store(self.group)
+        prefix = f"tokenring/stuck/{self.seq}/"
+        try:
+            store.set(prefix + str(self.rank), str(peer))
+        except Exception:
+            return ""
+        return silent_ranks(store, prefix, self.rank, peer)
 
     def failure(self, direction: str, m: Message | list, step: int, err: Exception) -> RuntimeError:
         if isinstance(m, list):  # one coalesced operation for the step's messages
@@ -238,11 +289,13 @@ class Comm:
             verb = "sending to" if direction == "send" else "receiving from"
             head = f"failed {verb} {peer} (step {step}, {m.kind} of rank {m.owner}, rows {m.part})"
         bound = f"within {self.timeout:.0f} s" if self.bounded else "(the process group's timeout)"
+        who = self._who_stopped(None if isinstance(m, list) else (m.dst if direction == "send" else m.src))
         return RuntimeError(
-            f"tokenring{(' ' + self.what) if self.what else ''}: rank {self.rank} {head} {bound}: {err}. "
-            f"{peer[0].upper() + peer[1:]} has probably died or is not calling the same attention (same shapes, "
-            f"strategy, layout) - check its log. Raise the bound with tokenring.set_timeout() or "
-            f"$TOKENRING_TIMEOUT (gloo) / init_process_group(timeout=...) (NCCL) if it is only slow.")
+            f"tokenring{(' ' + self.what) if self.what else ''}: rank {self.rank} {head} {bound}: {err}.{who} "
+            f"{peer[0].upper() + peer[1:]} or one it waits for has probably died or is not calling the same "
+            f"attention (same shapes, strategy, layout) - check its log. Raise the bound with "
+            f"tokenring.set_timeout() or $TOKENRING_TIMEOUT (gloo) / init_process_group(timeout=...) (NCCL) if "
+            f"it is only slow.")
 
     def _host(self, t: torch.Tensor) -> bool:
         """Whether ``t`` travels through host memory."""
