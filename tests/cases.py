@@ -297,3 +297,42 @@ def absent_case(rank: int, P: int, timeout: float):
     except RuntimeError as e:
         return str(e)
     raise AssertionError(f"rank {rank}: no error although rank {P - 1} never called")
+
+
+def _call(rank: int, P: int, case: dict):
+    """One forward + backward of ``case`` (seeded full inputs, this rank's shard): out, dq, dk, dv, and the
+    float64 reference rows of out."""
+    B, s, H, Hkv, d = case["B"], case["s"], case["H"], case["Hkv"], case["d"]
+    dtype, layout, S = getattr(torch, case["dtype"]), case["layout"], case["s"] * P
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    full = [torch.randn(B, S, h, d, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv, H)]
+    idx = local_positions(S, P, rank, layout)
+    q, k, v = (t.index_select(1, idx).clone().requires_grad_() for t in full[:3])
+    out = tokenring.attention(q, k, v, causal=case["causal"], strategy=case["strategy"], layout=layout)
+    out.backward(full[3].index_select(1, idx))
+    ref = reference(*(t.double() for t in full[:3]), case["causal"], d ** -0.5).index_select(1, idx)
+    return [out.detach(), q.grad, k.grad, v.grad], ref
+
+
+def repeat_case(rank: int, P: int, case: dict) -> bool:
+    """Two calls on the same inputs give bitwise-identical outputs and gradients on this rank."""
+    a, _ = _call(rank, P, case)
+    b, _ = _call(rank, P, case)
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def bf16_rms_case(rank: int, P: int, case: dict, mutant: bool) -> tuple[float, float]:
+    """(sum of squared errors, sum of squared reference values) of this rank's bf16 output against float64.
+    ``mutant``: the running accumulator is rounded to bf16 after every merge (what the float32 merge avoids)."""
+    import tokenring.strategies.base as base
+    real = base.merge_
+    if mutant:
+        def rounded(acc_o, acc_lse, o, lse):
+            real(acc_o, acc_lse, o, lse)
+            acc_o.copy_(acc_o.to(torch.bfloat16))
+        base.merge_ = rounded
+    try:
+        (out, *_), ref = _call(rank, P, case)
+    finally:
+        base.merge_ = real
+    return float(((out.double() - ref) ** 2).sum()), float((ref ** 2).sum())
