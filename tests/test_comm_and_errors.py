@@ -386,3 +386,15 @@ def test_bf16_error_does_not_grow_with_P_and_the_test_has_teeth(pools):
             assert e <= 1.1 * at2 and e <= 1.4 * base, (P, strategy, e, at2, base)
     bad = rms(8, "ring", True)
     assert bad > 1.1 * rms(2, "ring", False) and bad > 1.4 * base, (bad, base)
+
+
+def test_rank_killed_mid_forward_is_named_by_ranks_waiting_in_the_backward():
+    """Rank 0 dies at step 2 of a causal ring forward on 4 ranks: one rank still finishes its forward and then
+    waits in the backward for a rank that failed in the forward. Following the latest report of each rank, it
+    still names rank 0 (found by the fault soak, bench/fault_soak.py)."""
+    timeout = 2.0
+    results = spawn(cases.kill_at_step_case, 4, "ring", True, "forward", 0, 2, timeout, timeout=60)
+    assert results[0] is None
+    for rank in (1, 2, 3):
+        elapsed, msg = results[rank]
+        assert elapsed < timeout + 2 and "Rank 0 is the one that stopped" in msg, (rank, elapsed, msg)

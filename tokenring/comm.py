@@ -63,18 +63,19 @@ def group_store(group):
         return None
 
 
-def silent_ranks(store, prefix: str, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> str:
-    """After this rank failed waiting for rank ``first``: follow who waits for whom through the reports other
-    failed ranks left under ``prefix`` (``<prefix><rank>`` = the rank it waits for) to the first rank that left
-    none within ``wait_s``: the rank that died, hangs, or stopped calling attention. A sentence naming it ('' if
-    it cannot be told)."""
+def silent_ranks(store, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> str:
+    """After this rank failed waiting for rank ``first``: follow who waits for whom through the reports failed
+    ranks leave (``tokenring/stuck/<rank>`` = ``"<call>:<rank it waited for>"``, its latest failure, in this or an
+    earlier call: a rank that failed in the forward never reaches the backward its peers wait in) to the first
+    rank that left none within ``wait_s``: the rank that died, hangs, or stopped calling attention. A sentence
+    naming it ('' if it cannot be told)."""
     if store is None:
         return ""
     chain, r = [me], first
     deadline = time.monotonic() + wait_s
     try:
         while r not in chain:
-            key = prefix + str(r)
+            key = f"tokenring/stuck/{r}"
             while not store.check([key]) and time.monotonic() < deadline:
                 time.sleep(0.02)
             if not store.check([key]):
@@ -82,7 +83,7 @@ def silent_ranks(store, prefix: str, me: int, first: int, wait_s: float = _REPOR
                 return (f" Rank {r} is the one that stopped: it reported no failure of its own within "
                         f"{wait_s:.0f} s{via}, so it has died, hangs, or is not calling attention.")
             chain.append(r)
-            r = int(store.get(key).decode())
+            r = int(store.get(key).decode().split(":")[1])
         return f" Every rank of {chain} is waiting for the next: a schedule deadlock (please report it)."
     except Exception:
         return ""
@@ -271,12 +272,11 @@ class Comm:
         if not self.bounded or peer is None:
             return ""
         store = group_store(self.group)
-        prefix = f"tokenring/stuck/{self.seq}/"
         try:
-            store.set(prefix + str(self.rank), str(peer))
+            store.set(f"tokenring/stuck/{self.rank}", f"{self.seq}:{peer}")
         except Exception:
             return ""
-        return silent_ranks(store, prefix, self.rank, peer)
+        return silent_ranks(store, self.rank, peer)
 
     def failure(self, direction: str, m: Message | list, step: int, err: Exception) -> RuntimeError:
         if isinstance(m, list):  # one coalesced operation for the step's messages
