@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["init_rank", "RankPool", "RankError", "spawn"]
+__all__ = ["init_rank", "RankPool", "RankError", "spawn", "exit_at_step"]
 
 
 def init_rank(rank: int, P: int, store_dir: str, *, backend: str = "gloo", threads: int | None = None,
@@ -194,3 +194,16 @@ def spawn(fn: Callable, P: int, *args, threads: int | None = None, timeout: floa
         return pool.run(fn, *args, allow_exit=True)
     finally:
         pool.close()
+
+
+def exit_at_step(phase: str, step: int, code: int = 1) -> None:
+    """Fault injection (tests, ``bench/fault_soak.py``): this process exits at once, like a crash (no cleanup),
+    at the start of step ``step`` of its ``phase`` pass (``"forward"`` or ``"backward"``) of any later call."""
+    from .. import comm
+    real = comm.Comm.start
+
+    def start(self, t, sends, recvs):
+        if self.what.endswith(phase) and t == step:
+            os._exit(code)
+        return real(self, t, sends, recvs)
+    comm.Comm.start = start
