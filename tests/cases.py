@@ -31,21 +31,26 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
+def case_inputs(rank: int, P: int, case: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The full inputs q, k, v, dO of ``case`` (seeded: identical on every rank; in the case's dtype) and this
+    rank's row positions in them."""
+    B, s, H, Hkv, d = case["B"], case["s"], case["H"], case["Hkv"], case["d"]
+    dtype, S = getattr(torch, case["dtype"]), s * P
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    full = [torch.randn(B, S, h, d, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv, H)]
+    return full, local_positions(S, P, rank, case["layout"])
+
+
 def check_case(rank: int, P: int, case: dict) -> dict:
     """Compare out, dq, dk, dv of one configuration with the reference; raise AssertionError on mismatch."""
-    B, s, H, Hkv, d = case["B"], case["s"], case["H"], case["Hkv"], case["d"]
-    dtype = getattr(torch, case["dtype"])
+    d, dtype = case["d"], getattr(torch, case["dtype"])
     causal, layout, strategy, scale = case["causal"], case["layout"], case["strategy"], case.get("scale")
-    S = s * P
-    gen = torch.Generator().manual_seed(case.get("seed", 0))
-    full = [torch.randn(B, S, h, d, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv)]
-    dout_full = torch.randn(B, S, H, d, generator=gen, dtype=torch.float64).to(dtype)
+    (*full, dout_full), idx = case_inputs(rank, P, case)
     # Reference in float64 from exactly the inputs the ranks see.
     ref_in = [t.double().clone().requires_grad_() for t in full]
     eff_scale = scale if scale is not None else d ** -0.5
     ref_out = reference(*ref_in, causal, eff_scale)
     ref_out.backward(dout_full.double())
-    idx = local_positions(S, P, rank, layout)
     local = [t.index_select(1, idx).clone().requires_grad_() for t in full]
     topo = case.get("topology")
     if isinstance(topo, list):  # a different setting per rank: rank 0's choice must still rule
@@ -302,15 +307,11 @@ def absent_case(rank: int, P: int, timeout: float):
 def _call(rank: int, P: int, case: dict):
     """One forward + backward of ``case`` (seeded full inputs, this rank's shard): out, dq, dk, dv, and the
     float64 reference rows of out."""
-    B, s, H, Hkv, d = case["B"], case["s"], case["H"], case["Hkv"], case["d"]
-    dtype, layout, S = getattr(torch, case["dtype"]), case["layout"], case["s"] * P
-    gen = torch.Generator().manual_seed(case.get("seed", 0))
-    full = [torch.randn(B, S, h, d, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv, H)]
-    idx = local_positions(S, P, rank, layout)
+    full, idx = case_inputs(rank, P, case)
     q, k, v = (t.index_select(1, idx).clone().requires_grad_() for t in full[:3])
-    out = tokenring.attention(q, k, v, causal=case["causal"], strategy=case["strategy"], layout=layout)
+    out = tokenring.attention(q, k, v, causal=case["causal"], strategy=case["strategy"], layout=case["layout"])
     out.backward(full[3].index_select(1, idx))
-    ref = reference(*(t.double() for t in full[:3]), case["causal"], d ** -0.5).index_select(1, idx)
+    ref = reference(*(t.double() for t in full[:3]), case["causal"], case["d"] ** -0.5).index_select(1, idx)
     return [out.detach(), q.grad, k.grad, v.grad], ref
 
 

@@ -21,6 +21,7 @@ Rules that keep point-to-point traffic correct on every backend:
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,6 @@ _PAIR_SLOTS = 256  # most messages one step may carry between the same two ranks
 _ALIGN = 16        # byte alignment of each tensor in a packed buffer (any dtype's view stays aligned)
 
 _TIMEOUT_S = float(os.environ.get("TOKENRING_TIMEOUT", "300"))
-_SEQ: dict = {}          # per group: engines made so far in this process (the same count on every rank)
 _REPORT_WAIT_S = 1.0     # how long a failed rank waits for the others' reports before naming a silent one
 
 
@@ -65,7 +65,7 @@ def group_store(group):
 
 def silent_ranks(store, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> str:
     """After this rank failed waiting for rank ``first``: follow who waits for whom through the reports failed
-    ranks leave (``tokenring/stuck/<rank>`` = ``"<call>:<rank it waited for>"``, its latest failure, in this or an
+    ranks leave (``tokenring/stuck/<rank>`` = the rank it waited for, at its latest failure, in this or an
     earlier call: a rank that failed in the forward never reaches the backward its peers wait in) to the first
     rank that left none within ``wait_s``: the rank that died, hangs, or stopped calling attention. A sentence
     naming it ('' if it cannot be told)."""
@@ -83,7 +83,7 @@ def silent_ranks(store, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> 
                 return (f" Rank {r} is the one that stopped: it reported no failure of its own within "
                         f"{wait_s:.0f} s{via}, so it has died, hangs, or is not calling attention.")
             chain.append(r)
-            r = int(store.get(key).decode().split(":")[1])
+            r = int(store.get(key).decode())
         return f" Every rank of {chain} is waiting for the next: a schedule deadlock (please report it)."
     except Exception:
         return ""
@@ -137,39 +137,28 @@ class Trace:
                     e[key] = wall + ref.elapsed_time(e[key]) / 1e3
 
 
+def _peer(direction: str, m: Message) -> int:
+    """The other end of ``m`` for the rank that sends (``"send"``) or receives (``"recv"``) it."""
+    return m.dst if direction == "send" else m.src
+
+
 class Packed(list):
     """Tensors that are views of one flat byte buffer ``flat`` (what one message travels as)."""
     flat: torch.Tensor
 
 
-def _layout(specs) -> tuple[list[int], int]:
-    offsets, total = [], 0
-    for shape, dtype in specs:
-        offsets.append(total)
-        numel = 1
-        for x in shape:
-            numel *= x
-        total += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
-    return offsets, total
-
-
-def _views(flat: torch.Tensor, specs, offsets) -> Packed:
-    out = Packed()
-    for (shape, dtype), off in zip(specs, offsets):
-        numel = 1
-        for x in shape:
-            numel *= x
-        out.append(flat[off:off + numel * dtype.itemsize].view(dtype).view(shape))
-    out.flat = flat
-    return out
-
-
 def buffers(specs, device) -> Packed:
     """Receive buffers for a message of tensors ``specs`` (``(shape, dtype, ...)`` each): views of one flat byte
-    buffer that the message is received into."""
-    specs = [(tuple(s[0]), s[1]) for s in specs]
-    offsets, total = _layout(specs)
-    return _views(torch.empty(total, dtype=torch.uint8, device=device), specs, offsets)
+    buffer that the message is received into, each tensor starting on a ``_ALIGN``-byte boundary."""
+    spans, total = [], 0
+    for shape, dtype, *_ in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        spans.append((total, nbytes, dtype, shape))
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    out = Packed()
+    out.flat = torch.empty(total, dtype=torch.uint8, device=device)
+    out.extend(out.flat[off:off + n].view(dtype).view(shape) for off, n, dtype, shape in spans)
+    return out
 
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -177,9 +166,7 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     it is, copied only when it is not contiguous)."""
     if len(tensors) == 1:
         return tensors[0].contiguous()
-    specs = [(tuple(t.shape), t.dtype) for t in tensors]
-    offsets, total = _layout(specs)
-    views = _views(torch.empty(total, dtype=torch.uint8, device=tensors[0].device), specs, offsets)
+    views = buffers([(t.shape, t.dtype) for t in tensors], tensors[0].device)
     for dst, src in zip(views, tensors):
         dst.copy_(src)
     return views.flat
@@ -260,36 +247,33 @@ class Comm:
         self.trace = trace
         self.what = what
         self.log: list[dict] = []
-        key = id(group) if group is not None else None
-        self.seq = _SEQ[key] = _SEQ.get(key, -1) + 1
 
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def _who_stopped(self, peer: int | None) -> str:
+    def _who_stopped(self, peer: int) -> str:
         """Publish that this rank gave up waiting for ``peer`` and name the rank at the end of the chain of
         waits (gloo only: on NCCL the process group's watchdog reports)."""
-        if not self.bounded or peer is None:
+        if not self.bounded:
             return ""
         store = group_store(self.group)
         try:
-            store.set(f"tokenring/stuck/{self.rank}", f"{self.seq}:{peer}")
+            store.set(f"tokenring/stuck/{self.rank}", str(peer))
         except Exception:
             return ""
         return silent_ranks(store, self.rank, peer)
 
     def failure(self, direction: str, m: Message | list, step: int, err: Exception) -> RuntimeError:
         if isinstance(m, list):  # one coalesced operation for the step's messages
-            what = ", ".join(f"{d} {x.kind} {'to' if d == 'send' else 'from'} rank {x.dst if d == 'send' else x.src}"
-                             for d, x in m)
+            what = ", ".join(f"{d} {x.kind} {'to' if d == 'send' else 'from'} rank {_peer(d, x)}" for d, x in m)
             head = f"failed one of its step-{step} messages ({what})"
-            peer = "a peer"
+            peer, who = "a peer", ""
         else:
-            peer = f"rank {m.dst if direction == 'send' else m.src}"
+            peer = f"rank {_peer(direction, m)}"
             verb = "sending to" if direction == "send" else "receiving from"
             head = f"failed {verb} {peer} (step {step}, {m.kind} of rank {m.owner}, rows {m.part})"
+            who = self._who_stopped(_peer(direction, m))
         bound = f"within {self.timeout:.0f} s" if self.bounded else "(the process group's timeout)"
-        who = self._who_stopped(None if isinstance(m, list) else (m.dst if direction == "send" else m.src))
         return RuntimeError(
             f"tokenring{(' ' + self.what) if self.what else ''}: rank {self.rank} {head} {bound}: {err}.{who} "
             f"{peer[0].upper() + peer[1:]} or one it waits for has probably died or is not calling the same "
@@ -321,7 +305,7 @@ class Comm:
             for m, tensors in items:
                 due = step if m.due < 0 else m.due
                 idx, records, got, copies = groups.setdefault(due, ([], [], [], []))
-                peer = m.src if direction == "recv" else m.dst
+                peer = _peer(direction, m)
                 kind = message_kind(m.kind).tag * len(HEADS) + HEADS.index(m.heads)
                 nth = seen[peer] = seen.get(peer, -1) + 1  # same order on both ends: the schedule's order
                 tag = (step * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + kind

@@ -7,7 +7,7 @@ square diagonal blocks, where every row sees at least one key.
 
 Backends, forward and backward:
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (tiled, GQA-aware). The
-  backward is used where it is measured faster than the math path on this machine (:func:`cpu_backward_choice`).
+  backward is used for the dtypes this CPU runs it fast in (:func:`cpu_backward_choice`).
 - CUDA: PyTorch's flash ops (fp16/bf16, head dim a multiple of 8 up to 256; GQA-native) or memory-efficient
   ops (fp32, head dim a multiple of 4; equal heads: the strategies repeat each visiting K/V block's heads once,
   see :func:`needs_equal_heads`). float64 and other head dims take the math path.
@@ -151,7 +151,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     Returns ``dq`` (B, n, H, d) and ``dk``, ``dv`` (B, m, Hkv, d): in the accumulator dtype from the math
     path, in the input dtype from a fused kernel (callers add them into accumulator-dtype sums either way).
     ``out``: the rows' real output, when the caller has it (else a fused kernel gets :func:`out_for_delta`).
-    ``backend``: ``"auto"`` (fused where it is available and, on CPU, measured faster for this dtype: see
+    ``backend``: ``"auto"`` (fused where it is available and, on CPU, fast for this dtype: see
     :func:`cpu_backward_choice`), ``"cpu_flash"``, ``"cuda"`` or ``"math"``."""
     which = _pick_backward(q, backend)
     if which == "math":
@@ -169,13 +169,11 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def _pick_backward(q: torch.Tensor, backend: str) -> str:
-    if backend != "auto":
-        return backend
-    if q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
+    """The forward's choice, except that on CPU the fused backward runs only where it is fast for the dtype."""
+    which = _pick(q, backend)
+    if backend == "auto" and which == "cpu_flash":
         return cpu_backward_choice(q.dtype, q.shape[-1])
-    if q.device.type == "cuda" and _cuda_op(q) is not None:
-        return "cuda"
-    return "math"
+    return which
 
 
 # The fused CPU backward beats the math path by 1.5-2.5x in float32 and float64 on every x86 CPU measured. In
@@ -248,7 +246,7 @@ def needs_equal_heads(q: torch.Tensor, backend: str = "auto") -> bool:
     """Whether the kernel that runs ``q``'s blocks takes only K/V with as many heads as ``q`` (the CUDA
     memory-efficient op); then callers repeat a visiting K/V block's heads once, not the kernel per block.
     The CPU ops, CUDA flash (FlashAttention-2 takes grouped K/V heads) and the math path are GQA-native."""
-    return (backend in ("auto", "cuda") and q.device.type == "cuda" and _cuda_op(q) == "efficient")
+    return backend in ("auto", "cuda") and q.device.type == "cuda" and _cuda_op(q) == "efficient"
 
 
 def _repeat_heads(k: torch.Tensor, H: int) -> torch.Tensor:
@@ -272,13 +270,12 @@ def _cuda_backward(dout, q, k, v, o, lse, causal, scale):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dot, qt, kt, vt, ot, lse, None, None, n, m, 0.0, causal, seed, seed, scale=scale)[:3]
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    else:  # the efficient op reads lse in rows padded to a multiple of 32, as its forward returns it
-        kt, vt = _repeat_heads(kt, H), _repeat_heads(vt, H)
-        pad = -n % 32
-        lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dot, qt, kt, vt, None, ot, lse_p, seed, seed, 0.0, [True, True, True, False], causal,
-            scale=scale)[:3]
+    # The efficient op takes equal heads and reads lse in rows padded to a multiple of 32, as its forward gives it.
+    kt, vt = _repeat_heads(kt, H), _repeat_heads(vt, H)
+    pad = -n % 32
+    lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dot, qt, kt, vt, None, ot, lse_p, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)[:3]
     return dq.transpose(1, 2), _sum_heads(dk, Hkv).transpose(1, 2), _sum_heads(dv, Hkv).transpose(1, 2)
 
 

@@ -179,7 +179,9 @@ class Store:
         if g == 1:
             return self.take("kv", owner, part, heads)
         piece = self.find("kv", owner, part, heads)
-        key = (id(piece[2]) if piece else 0, part, heads)
+        if piece is None:
+            return self.take("kv", owner, part, heads)  # raises, saying what is held instead
+        key = (id(piece[2]), part, heads)
         if key not in self.expanded:
             self.expanded[key] = (piece[2], [t.repeat_interleave(g, dim=2)
                                              for t in self.take("kv", owner, part, heads)])
@@ -249,7 +251,8 @@ class _OpsBase:
         self.store.release(step, reads)
 
     def held_bytes(self) -> int:
-        """Bytes of other ranks' data held here (visiting blocks, partials waiting to go home)."""
+        """Bytes held here beyond this rank's own tensors: other ranks' data (visiting blocks, partials waiting to
+        go home) and K/V copies with repeated heads."""
         held = sum(t.numel() * t.element_size() for key, pieces in self.store.entries.items() if key[1] != self.me
                    for _, _, ts in pieces for t in ts)
         return held + sum(t.numel() * t.element_size() for _, ts in self.store.expanded.values() for t in ts)
