@@ -16,14 +16,34 @@ from tokenring.layouts import local_positions
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def reference(q, k, v, causal: bool, scale: float):
+def allowed(S: int, causal: bool, cu_seqlens=None, window=None) -> torch.Tensor:
+    """(S, S) bool, written independently of tokenring.masks: query i sees key j when both are in one document
+    of ``cu_seqlens``, ``i - left <= j <= i + right`` (-1 unbounded) and, if causal, ``j <= i``."""
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    ok = torch.ones(S, S, dtype=torch.bool)
+    if causal:
+        ok &= j <= i
+    if cu_seqlens is not None:
+        doc = torch.zeros(S, dtype=torch.long)
+        for end in cu_seqlens[1:-1]:
+            doc[end:] += 1
+        ok &= doc[:, None] == doc[None, :]
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            ok &= j >= i - left
+        if right >= 0:
+            ok &= j <= i + right
+    return ok
+
+
+def reference(q, k, v, causal: bool, scale: float, cu_seqlens=None, window=None):
     """Plain float64 softmax attention over the whole sequence, (B, S, H, d) layout, GQA by repetition."""
     g = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        S = q.shape[1]
-        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if causal or cu_seqlens is not None or window is not None:
+        s = s.masked_fill(~allowed(q.shape[1], causal, cu_seqlens, window).to(q.device), float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vv)
 
 
@@ -49,7 +69,7 @@ def check_case(rank: int, P: int, case: dict) -> dict:
     # Reference in float64 from exactly the inputs the ranks see.
     ref_in = [t.double().clone().requires_grad_() for t in full]
     eff_scale = scale if scale is not None else d ** -0.5
-    ref_out = reference(*ref_in, causal, eff_scale)
+    ref_out = reference(*ref_in, causal, eff_scale, case.get("cu_seqlens"), case.get("window"))
     ref_out.backward(dout_full.double())
     local = [t.index_select(1, idx).clone().requires_grad_() for t in full]
     topo = case.get("topology")
@@ -59,6 +79,7 @@ def check_case(rank: int, P: int, case: dict) -> dict:
         tokenring.set_topology(topo)
     try:
         out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout,
+                                  cu_seqlens=case.get("cu_seqlens"), window=case.get("window"),
                                   _config=case.get("config"))
     finally:
         if topo:

@@ -9,7 +9,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import get_timeout, group_store
+from .kernels import tiled_backward, tiled_forward
 from .layouts import LAYOUTS, check_layout, default_layout, group_info
+from .masks import make_mask, shard_rows, shard_tiles
 from .schedules import Shapes
 from .strategies import ALIASES, FAMILIES, code as strategy_code, from_code, get as get_strategy
 from .strategies.base import Config, ScheduledAttention
@@ -61,7 +63,8 @@ def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -
 
 def choose_strategy(H: int, Hkv: int, P: int, *, B: int = 1, s: int | None = None, d: int = 128,
                     dtype: torch.dtype = torch.bfloat16, causal: bool = False, layout: str | None = None,
-                    backward: bool = True, device_type: str = "cpu", topology=None, requested: str = "auto") -> str:
+                    backward: bool = True, device_type: str = "cpu", topology=None, requested: str = "auto",
+                    mask=None) -> str:
     """What ``strategy=requested`` (``"auto"``, or a family choice such as ``"token_ring"``) runs for this
     rank's shard shapes on ``P`` ranks: a concrete variant's spec.
 
@@ -69,18 +72,20 @@ def choose_strategy(H: int, Hkv: int, P: int, *, B: int = 1, s: int | None = Non
     on the group's topology (``tokenring.set_topology``, ``$TOKENRING_TOPOLOGY``, else ``loopback`` on CPU /
     ``h100-nvswitch-8`` on CUDA) and picks the fastest; ``tokenring.explain`` shows the numbers. Ulysses is
     a candidate only when ``H % P == 0``. Without ``s``, the shape-free rule: TokenRing for MHA, pass-KV
-    ring for GQA/MQA (K+V is smaller than Q there)."""
+    ring for GQA/MQA (K+V is smaller than Q there). ``mask``: a :class:`tokenring.masks.Mask` (packed
+    documents, window) the candidates' schedules are cut for."""
     if s is None or P < 2:
         if requested != "auto":
             return get_strategy(requested).variants(P)[0].name
         return "token_ring:relay" if H == Hkv else "ring"
     from .sim.auto import choose
     layout = layout or default_layout(causal)
-    return choose(Shapes(B, s, H, Hkv, d, dtype, P), causal, layout, backward, device_type, topology, requested)[0]
+    return choose(Shapes(B, s, H, Hkv, d, dtype, P), causal, layout, backward, device_type, topology, requested,
+                  mask)[0]
 
 
 def resolve(strategy: str, q_shape, k_shape, P: int, *, dtype=torch.bfloat16, causal: bool = False,
-            layout: str | None = None, backward: bool = True, device_type: str = "cpu"):
+            layout: str | None = None, backward: bool = True, device_type: str = "cpu", mask=None):
     """The concrete strategy ``tokenring.attention(strategy=...)`` runs for these shard shapes on ``P`` ranks
     (from this process's topology setting; inside ``attention`` rank 0 decides for everyone)."""
     if strategy != "auto" and get_strategy(strategy).mode != "auto":
@@ -88,21 +93,22 @@ def resolve(strategy: str, q_shape, k_shape, P: int, *, dtype=torch.bfloat16, ca
     B, s, H, d = q_shape
     return get_strategy(choose_strategy(H, k_shape[2], P, B=B, s=s, d=d, dtype=dtype, causal=causal,
                                         layout=layout, backward=backward, device_type=device_type,
-                                        requested=strategy))
+                                        requested=strategy, mask=mask))
 
 
 def _code(text: str) -> int:
     return zlib.crc32(text.encode())  # stable across processes, unlike hash()
 
 
-def _signature(q, k, causal, layout, strategy, scale, backward) -> list[float]:
+def _signature(q, k, causal, layout, strategy, scale, backward, mask_code: int) -> list[float]:
     B, s, H, d = q.shape
     return [B, s, H, k.shape[2], d, _code(str(q.dtype)), _code(q.device.type),
-            float(causal), LAYOUTS.index(layout), _code(strategy), scale, float(backward)]
+            float(causal), LAYOUTS.index(layout), _code(strategy), scale, float(backward), float(mask_code)]
 
 
 _FIELDS = ["batch", "local length", "query heads", "key/value heads", "head dim", "dtype", "device type",
-           "causal", "layout", "strategy", "softmax_scale", "backward (inputs requiring grad)"]
+           "causal", "layout", "strategy", "softmax_scale", "backward (inputs requiring grad)",
+           "cu_seqlens / window (checksum; -1: refused on that rank)"]
 
 
 def _show(field: str, value: float) -> str:
@@ -157,6 +163,28 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
     return _checked[key]
 
 
+class _MaskedSingle(torch.autograd.Function):
+    """One rank, documents / window: the tiles of the whole sequence (no (S, S) mask is ever built)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        pos = shard_rows(mask, 1, "contiguous", 0, slice(None)).to(q.device)
+        ts = shard_tiles(mask, 1, "contiguous", 0, (0, mask.S), 0, (0, mask.S))
+        o, lse = tiled_forward(q, k, v, ts, lambda t: t.mask(mask, pos, pos), scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mask, ctx.scale, ctx.tiles, ctx.pos = mask, scale, ts, pos
+        return o
+
+    @staticmethod
+    def backward(ctx, dout):
+        from .strategies.base import row_delta
+        q, k, v, o, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = tiled_backward(dout, q, k, v, lse, row_delta(dout, o), ctx.tiles,
+                                    lambda t: t.mask(ctx.mask, ctx.pos, ctx.pos), ctx.scale, out=o)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
 def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
@@ -165,6 +193,7 @@ def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: float | None = None, strategy: str = "auto", layout: str | None = None,
+              cu_seqlens=None, window: tuple[int, int] | None = None,
               group=None, _config: dict | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across the ranks of ``group``.
 
@@ -176,6 +205,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``"token_ring:direct,c=2,k=3"`` or ``"ring:direct,c=1,k=3"``, ``"ring"``, ``"ring:auto"``,
     ``"ring_bidir"``, ``"ulysses"`` or ``"auto"`` (every strategy and variant). Choices are made on rank 0 and
     shared. With no process group initialised (or one rank) plain attention runs.
+
+    Packed sequences and sliding windows (flash-attn's conventions, over the *global* sequence of
+    ``S = s * P`` tokens, whatever the layout): ``cu_seqlens`` ``[0, end_1, ..., S]`` (1-D ints, the same on
+    every rank) puts documents one after another, a query seeing keys of its own document only (for every
+    row of the batch); ``window=(left, right)`` lets query ``i`` see keys ``i-left .. i+right`` (``-1``:
+    unbounded; ``causal`` caps ``right`` at 0). Every strategy takes both; blocks no query sees are neither
+    computed nor sent (Ulysses skips the computation only: its all-to-alls move every row).
     """
     rank, P = group_info(group)
     _check_local(q, k, v, rank)
@@ -186,7 +222,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     B, s, H, d = q.shape
     Hkv = k.shape[2]
     scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    problem, mask = None, None
+    try:
+        mask = make_mask(s * P, cu_seqlens, window, causal)
+    except ValueError as e:  # still exchange signatures below, so every rank raises instead of waiting
+        problem = ValueError(f"rank {rank}: {e}")
     if P == 1:
+        if problem is not None:
+            raise problem
+        if mask is not None:
+            return _MaskedSingle.apply(q, k, v, mask, scale)
         return _single_device(q, k, v, causal, scale)
     if layout == "zigzag" and s % 2:
         raise ValueError(f"rank {rank}: layout='zigzag' needs an even local length (two chunks per rank), got "
@@ -199,12 +244,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
         return resolve(strategy, q.shape, k.shape, P, dtype=q.dtype, causal=causal, layout=layout,
-                       backward=backward, device_type=q.device.type)
+                       backward=backward, device_type=q.device.type, mask=mask)
 
     describe = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}, " \
-               f"strategy={strategy!r}"
-    strat = _agree(_signature(q, k, causal, layout, strategy, scale, backward), decide, describe, group,
-                   q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P)
-    cfg = Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=scale, **(_config or {}))
+               f"strategy={strategy!r}" + (f", {mask.describe()}" if mask is not None else "")
+    mask_code = -1 if problem is not None else (mask.key if mask is not None else 0)
+    try:
+        strat = _agree(_signature(q, k, causal, layout, strategy, scale, backward, mask_code), decide, describe,
+                       group, q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P)
+    except ValueError:
+        if problem is not None:
+            raise problem from None
+        raise
+    if problem is not None:
+        raise problem
+    cfg = Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=scale, mask=mask,
+                 **(_config or {}))
     q, k, v = strat.prepare(q, k, v, P)
     return ScheduledAttention.apply(q, k, v, strat, cfg)

@@ -28,7 +28,7 @@ import torch
 
 from .merge import acc_dtype
 
-__all__ = ["block_forward", "block_backward", "math_forward", "math_backward", "out_for_delta",
+__all__ = ["block_forward", "block_backward", "tiled_forward", "tiled_backward", "math_forward", "math_backward", "out_for_delta",
            "cpu_backward_choice", "needs_equal_heads", "BACKENDS"]
 
 BACKENDS = ("auto", "cpu_flash", "cuda", "math")
@@ -37,30 +37,79 @@ _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16
 _MATH_CHUNK_ELEMS = 1 << 22
 
 
-def _pick(q: torch.Tensor, backend: str) -> str:
+def _pick(q: torch.Tensor, backend: str, mask: torch.Tensor | None = None) -> str:
+    if backend == "cuda" and mask is not None:
+        return "math"  # no boolean mask in the CUDA fused ops
     if backend != "auto":
         return backend
     if q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
         return "cpu_flash"
-    if q.device.type == "cuda" and _cuda_op(q) is not None:
+    if q.device.type == "cuda" and _cuda_op(q) is not None and mask is None:
         return "cuda"
     return "math"
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one Q block over one K/V block. Returns ``(out (B,n,H,d) q.dtype, lse (B,H,n) acc)``."""
-    which = _pick(q, backend)
+                  backend: str = "auto", mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one Q block over one K/V block. Returns ``(out (B,n,H,d) q.dtype, lse (B,H,n) acc)``.
+    ``mask``: optional (n, m) bool, True where a query sees a key (rows that see none get out 0, lse -inf);
+    it runs on the CPU kernel or the math path (the CUDA fused ops take no boolean mask)."""
+    which = _pick(q, backend, mask)
     if which == "cpu_flash":
         # The op takes (B, H, S, d); transposed views are accepted and it handles GQA itself.
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
-        return o.transpose(1, 2), lse.to(acc_dtype(q.dtype)).contiguous()
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=_additive(mask, q),
+            scale=scale)
+        o, lse = o.transpose(1, 2), lse.to(acc_dtype(q.dtype)).contiguous()
+        if mask is not None:  # the op leaves lse 0 on rows that see no key; the merge needs -inf there
+            lse.masked_fill_(~mask.any(1), float("-inf"))
+        return o, lse
     if which == "cuda":
         return _cuda_forward(q, k, v, causal, scale)
     if which == "math":
-        return math_forward(q, k, v, causal, scale)
+        return math_forward(q, k, v, causal, scale, mask)
     raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+
+
+def _additive(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """A boolean mask as the additive float mask the CPU op takes (0 where visible, -inf elsewhere)."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+
+
+def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles, mask_of, scale: float,
+                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of a block cut into :class:`tokenring.masks.Tile` s (disjoint query rows): each tile's rows come
+    from one kernel call; rows in no tile see no key (out 0, lse -inf). ``mask_of(tile)``: its bool mask."""
+    B, n, H, d = q.shape
+    o = torch.zeros(B, n, H, d, dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, n), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    for t in tiles:
+        ot, lt = block_forward(q[:, t.q0:t.q1], k[:, t.k0:t.k1], v[:, t.k0:t.k1], t.kind == "causal", scale,
+                               backend, mask_of(t))
+        o[:, t.q0:t.q1] = ot
+        lse[:, :, t.q0:t.q1] = lt
+    return o, lse
+
+
+def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                   delta: torch.Tensor, tiles, mask_of, scale: float, backend: str = "auto",
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_backward` of a block cut into tiles (see :func:`tiled_forward`), in the accumulator dtype:
+    dQ rows come from one tile each, dK/dV rows sum over the tiles that read them."""
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros_like(dk)
+    for t in tiles:
+        rows, keys = slice(t.q0, t.q1), slice(t.k0, t.k1)
+        g = block_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], lse[:, :, rows], delta[:, :, rows],
+                           t.kind == "causal", scale, backend, None if out is None else out[:, rows], mask_of(t))
+        dq[:, rows] += g[0]
+        dk[:, keys] += g[1]
+        dv[:, keys] += g[2]
+    return dq, dk, dv
 
 
 def _cuda_forward(q, k, v, causal, scale):
@@ -93,9 +142,12 @@ def _chunk_rows(q: torch.Tensor, m: int) -> int:
     return max(1, _MATH_CHUNK_ELEMS // max(1, B * H * m))
 
 
-def _scores(qc, kt, scale, causal, row0):
-    """Scaled scores (B, Hkv, g, c, m) of grouped query rows ``row0 + [0, c)`` against ``kt`` (B, Hkv, 1, d, m)."""
+def _scores(qc, kt, scale, causal, row0, mask=None):
+    """Scaled scores (B, Hkv, g, c, m) of grouped query rows ``row0 + [0, c)`` against ``kt`` (B, Hkv, 1, d, m);
+    ``mask`` (n, m) bool hides the pairs where it is False."""
     s = torch.matmul(qc, kt) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask[row0:row0 + s.shape[-2]], float("-inf"))
     if causal:
         c, m = s.shape[-2], s.shape[-1]
         rows = torch.arange(row0, row0 + c, device=s.device).unsqueeze(1)
@@ -104,7 +156,7 @@ def _scores(qc, kt, scale, causal, row0):
 
 
 def math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference-quality forward in the accumulator dtype, chunked over query rows (memory O(chunk * m))."""
     acc = acc_dtype(q.dtype)
     B, n, H, d = q.shape
@@ -116,7 +168,7 @@ def math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     lse = torch.empty(qg.shape[:-1], dtype=acc, device=q.device)   # (B, Hkv, g, n)
     step = _chunk_rows(q, m)
     for r0 in range(0, n, step):
-        s = _scores(qg[..., r0:r0 + step, :], kt, scale, causal, r0)
+        s = _scores(qg[..., r0:r0 + step, :], kt, scale, causal, r0, mask)
         l = torch.logsumexp(s, dim=-1)
         # Rows with no key: lse = -inf, out = 0 (exp(s - 0) of all -inf is 0, never NaN).
         p = torch.exp(s - torch.where(torch.isneginf(l), torch.zeros_like(l), l).unsqueeze(-1))
@@ -145,32 +197,34 @@ def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                    delta: torch.Tensor, causal: bool, scale: float, backend: str = "auto",
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   out: torch.Tensor | None = None, mask: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the rows' *global* ``lse`` and ``delta = rowsum(dO * O)`` (both (B, H, n)).
 
     Returns ``dq`` (B, n, H, d) and ``dk``, ``dv`` (B, m, Hkv, d): in the accumulator dtype from the math
     path, in the input dtype from a fused kernel (callers add them into accumulator-dtype sums either way).
     ``out``: the rows' real output, when the caller has it (else a fused kernel gets :func:`out_for_delta`).
     ``backend``: ``"auto"`` (fused where it is available and, on CPU, fast for this dtype: see
-    :func:`cpu_backward_choice`), ``"cpu_flash"``, ``"cuda"`` or ``"math"``."""
-    which = _pick_backward(q, backend)
+    :func:`cpu_backward_choice`), ``"cpu_flash"``, ``"cuda"`` or ``"math"``. ``mask``: as in
+    :func:`block_forward`."""
+    which = _pick_backward(q, backend, mask)
     if which == "math":
-        return math_backward(dout, q, k, v, lse, delta, causal, scale)
+        return math_backward(dout, q, k, v, lse, delta, causal, scale, mask)
     o = out if out is not None else out_for_delta(dout, delta)
     lse = lse.to(acc_dtype(q.dtype)).contiguous()
     if which == "cpu_flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o.transpose(1, 2),
-            lse, 0.0, causal, scale=scale)
+            lse, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     if which == "cuda":
         return _cuda_backward(dout, q, k, v, o, lse, causal, scale)
     raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
 
 
-def _pick_backward(q: torch.Tensor, backend: str) -> str:
+def _pick_backward(q: torch.Tensor, backend: str, mask: torch.Tensor | None = None) -> str:
     """The forward's choice, except that on CPU the fused backward runs only where it is fast for the dtype."""
-    which = _pick(q, backend)
+    which = _pick(q, backend, mask)
     if backend == "auto" and which == "cpu_flash":
         return cpu_backward_choice(q.dtype, q.shape[-1])
     return which
@@ -280,7 +334,7 @@ def _cuda_backward(dout, q, k, v, o, lse, causal, scale):
 
 
 def math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-                  delta: torch.Tensor, causal: bool, scale: float
+                  delta: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference backward in the accumulator dtype (any device and dtype), chunked over query rows (memory
     O(chunk * m)); consumes ``delta`` directly."""
@@ -302,7 +356,7 @@ def math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     for r0 in range(0, n, step):
         qc, doc = qg[..., r0:r0 + step, :], dog[..., r0:r0 + step, :]
         c = qc.shape[-2]
-        p = torch.exp(_scores(qc, kt, scale, causal, r0) - lse_g[..., r0:r0 + step].unsqueeze(-1))
+        p = torch.exp(_scores(qc, kt, scale, causal, r0, mask) - lse_g[..., r0:r0 + step].unsqueeze(-1))
         ds = p * (torch.matmul(doc, vt) - delta_g[..., r0:r0 + step].unsqueeze(-1))
         dq[..., r0:r0 + step, :] = torch.matmul(ds, kg) * scale
         # Sum over the g query heads sharing a K/V head by folding them into the row dimension.

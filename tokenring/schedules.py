@@ -32,7 +32,7 @@ from .merge import acc_dtype
 from .messages import kind as message_kind
 
 __all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
-           "part_slice", "part_union", "covers", "part_rows", "chunk", "rows", "direct", "pairings",
+           "part_slice", "part_union", "covers", "overlaps", "part_rows", "chunk", "rows", "direct", "pairings",
            "drop_empty_tail", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
 
 PARTS = ("all", "lo", "hi")
@@ -99,6 +99,12 @@ def part_union(a: str | None, b: str | None) -> str | None:
     return rows(min(a0 * (n // an), b0 * (n // bn)), max(a1 * (n // an), b1 * (n // bn)), n)
 
 
+def overlaps(a: str, b: str) -> bool:
+    """Whether row ranges ``a`` and ``b`` share a row (for any local length: compared as fractions)."""
+    (a0, a1, an), (b0, b1, bn) = _frac(a), _frac(b)
+    return a0 * bn < b1 * an and b0 * an < a1 * bn
+
+
 def covers(holder: str, part: str) -> bool:
     """Whether rows ``holder`` include rows ``part``."""
     (p0, p1, pn), (h0, h1, hn) = _frac(part), _frac(holder)
@@ -146,6 +152,7 @@ class Schedule:
     backward: bool
     q_kind: str
     steps: list[Step]
+    mask: object = None  # a tokenring.masks.Mask (documents / window) the blocks were cut for, or None
 
     def for_rank(self, r: int) -> list[tuple[list[Compute], list[Message], list[Message]]]:
         """Per step: this rank's computes, the messages it sends and those it receives, in posting order."""
@@ -202,7 +209,8 @@ class Schedule:
         return self.describe()
 
 
-def block_pair(q_owner: int, kv_owner: int, P: int, layout: str, causal: bool) -> tuple[str, str, bool] | None:
+def block_pair(q_owner: int, kv_owner: int, P: int, layout: str, causal: bool,
+               mask=None) -> tuple[str, str, bool] | None:
     """Which rows of ``q_owner``'s queries meet which rows of ``kv_owner``'s keys, and whether the block is the
     causal diagonal: ``(q_part, kv_part, diag)``, or ``None`` when the block is empty (never computed, never
     communicated).
@@ -210,7 +218,18 @@ def block_pair(q_owner: int, kv_owner: int, P: int, layout: str, causal: bool) -
     Zigzag: rank ``r`` holds chunks ``r`` and ``2P-1-r``. If the keys' owner comes earlier (``kv < q``) every
     query row sees only the keys' first chunk; if later, only the queries' second chunk sees anything, and it
     sees all of the keys. Either way an off-diagonal pair costs half a block.
+
+    With a ``mask`` (:class:`tokenring.masks.Mask`: packed documents, a window) the parts are the exact row
+    ranges that meet (``"a:b/s"``), ``None`` when no query of one rank sees a key of the other; ``diag`` then
+    only marks a rank's own block (the kernels take the mask from the tokens' positions).
     """
+    if mask is not None:
+        from .masks import shard_pair
+        hit = shard_pair(mask, P, layout, q_owner, kv_owner)
+        if hit is None:
+            return None
+        s = mask.S // P
+        return rows(hit[0].start, hit[0].stop, s), rows(hit[1].start, hit[1].stop, s), q_owner == kv_owner
     if not causal:
         return ("all", "all", False)
     if q_owner == kv_owner:
@@ -277,7 +296,7 @@ def _own_rows(r: int, a: int, b: int, n: int, causal: bool) -> list[Compute]:
 
 
 def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: str, chunks: int,
-           lookahead: int) -> Schedule:
+           lookahead: int, mask=None) -> Schedule:
     """Direct (mesh-native), fine-grained schedule: every block one rank lacks comes *straight from its owner*,
     cut into ``chunks`` row chunks that are computed one per step, and sent up to ``lookahead`` blocks ahead.
 
@@ -321,22 +340,24 @@ def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: 
             if j == r:
                 steps[x].computes += _own_rows(r, c + i, c + i + 1, n_own, causal)
                 continue
-            pair = block_pair(j, r, P, layout, causal) if mover == "q" else block_pair(r, j, P, layout, causal)
+            pair = block_pair(j, r, P, layout, causal, mask) if mover == "q" else \
+                block_pair(r, j, P, layout, causal, mask)
             if pair is None:
                 continue
             q_part, kv_part, _ = pair
+            part = chunk(q_part if mover == "q" else kv_part, i, c)
+            if mask is not None and not part_rows(part, mask.S // P):
+                continue  # a masked block can have fewer rows than chunks
             if mover == "q":
-                part = chunk(q_part, i, c)
                 steps[x].computes.append(Compute(r, j, part, r, kv_part))
             else:
-                part = chunk(kv_part, i, c)
                 steps[x].computes.append(Compute(r, r, q_part, j, part))
             steps[max(0, x - k * c)].messages.append(Message(j, r, carry, j, part, due=x - 1))
             if ret is not None:
                 steps[x + 1].messages.append(Message(r, j, ret, j, part, due=min(x + k * c, last)))
         x += 1
     q_kind = "qgrad" if backward else "q"
-    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps))
+    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps), mask)
 
 
 def ulysses_kv_heads(H: int, Hkv: int, P: int) -> int:

@@ -59,14 +59,15 @@ def _kernel(topo: Topology, P: int):
     return kernel_model(topo.device)
 
 
-def _evaluate(sh: Shapes, causal: bool, layout: str, backward: bool, topo: Topology, requested: str) -> list[SimResult]:
+def _evaluate(sh: Shapes, causal: bool, layout: str, backward: bool, topo: Topology, requested: str,
+              mask=None) -> list[SimResult]:
     km = _kernel(topo, sh.P)
-    return [simulate(n, sh, topo, km, causal=causal, layout=layout, backward=backward)
+    return [simulate(n, sh, topo, km, causal=causal, layout=layout, backward=backward, mask=mask)
             for n in variant_candidates(requested, sh, causal, layout)]
 
 
 def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_type: str = "cpu",
-           topology=None, requested: str = "auto") -> tuple[str, list[SimResult], Topology, str]:
+           topology=None, requested: str = "auto", mask=None) -> tuple[str, list[SimResult], Topology, str]:
     """``(strategy, predictions, topology, where the topology came from)`` for ``requested`` (``"auto"`` or a
     family choice such as ``"token_ring"``): the fastest prediction wins, ties (within 0.5%) go to the earlier
     candidate (token_ring's relay, then its direct variants by chunks and lookahead, then ring, ulysses)."""
@@ -76,9 +77,9 @@ def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_
         topo, origin = get_current_topology(sh.P, device_type)
     key = (sh, causal, layout, backward, topo.name, topo.P, repr(_explicit), os.environ.get("TOKENRING_TOPOLOGY"),
            torch.get_num_threads(),
-           topology if isinstance(topology, (str, type(None))) else repr(topology), requested)
+           topology if isinstance(topology, (str, type(None))) else repr(topology), requested, mask)
     if key not in _cache:
-        results = _evaluate(sh, causal, layout, backward, topo, requested)
+        results = _evaluate(sh, causal, layout, backward, topo, requested, mask)
         if not results:
             raise ValueError(f"no variant of {requested!r} can run B={sh.B} s={sh.s} H={sh.H} Hkv={sh.Hkv} on "
                              f"P={sh.P} ranks")

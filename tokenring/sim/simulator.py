@@ -48,19 +48,23 @@ class CompiledSchedule:
     msg_classes: list       # (kind, part, heads)
     steps: list             # per step: (comp_rank, comp_cls, msg_src, msg_dst, msg_cls, msg_due) int arrays
     deferred: bool = False  # some message is due after the step that posts it
+    mask: object = None     # the schedule's tokenring.masks.Mask (documents / window), or None
 
 
 @lru_cache(maxsize=48)
-def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward: bool) -> CompiledSchedule:
+def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward: bool,
+                     mask=None) -> CompiledSchedule:
     """The strategy's schedule (exactly what the executor runs) as per-step arrays."""
-    sched = get_strategy(strategy).schedule(P, layout, causal, backward)
+    sched = get_strategy(strategy).schedule(P, layout, causal, backward, mask)
     cc: dict = {}
     mc: dict = {}
     steps = []
     for step in sched.steps:
         cr = np.fromiter((c.rank for c in step.computes), np.int64, len(step.computes))
         # A compute's cost depends on its rows, heads and mask, and on whether it merges locally (own queries).
-        ck = np.fromiter((cc.setdefault((c.q_owner == c.rank, replace(c, rank=0, q_owner=0, kv_owner=0)), len(cc))
+        # Under a mask the owners matter too (their tokens' documents decide the tiles).
+        ck = np.fromiter((cc.setdefault((c.q_owner == c.rank, c if mask is not None else
+                                         replace(c, rank=0, q_owner=0, kv_owner=0)), len(cc))
                           for c in step.computes), np.int64, len(step.computes))
         ms = np.fromiter((m.src for m in step.messages), np.int64, len(step.messages))
         md = np.fromiter((m.dst for m in step.messages), np.int64, len(step.messages))
@@ -69,7 +73,7 @@ def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward:
         du = np.fromiter((len(steps) if m.due < 0 else m.due for m in step.messages), np.int64, len(step.messages))
         steps.append((cr, ck, ms, md, mk, du))
     deferred = any(bool((st[5] > t).any()) for t, st in enumerate(steps))
-    return CompiledSchedule(strategy, P, layout, causal, backward, list(cc), list(mc), steps, deferred)
+    return CompiledSchedule(strategy, P, layout, causal, backward, list(cc), list(mc), steps, deferred, mask)
 
 
 @dataclass
@@ -143,8 +147,12 @@ def _compute_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> np.ndar
     strategy = get_strategy(cs.strategy)
     out = []
     for own, c in cs.comp_classes:
-        dims = strategy.block_dims(c, sh)
-        t = km.block_time(dims.rows_q, dims.rows_k, dims.H, dims.Hkv, sh.d, c.diag, cs.backward, e)
+        dims = strategy.block_dims(c, sh, cs.mask, cs.layout)
+        if dims.tiles is None:
+            t = km.block_time(dims.rows_q, dims.rows_k, dims.H, dims.Hkv, sh.d, c.diag, cs.backward, e)
+        else:  # one kernel call per tile; an explicitly masked tile costs its whole rectangle
+            t = sum(km.block_time(nq, nk, dims.H, dims.Hkv, sh.d, kind == "causal", cs.backward, e)
+                    for nq, nk, kind in dims.tiles)
         t += sum(km.copy_time(b) for b in dims.copies)
         if not dims.copies:  # merging / accumulating the block's results on this rank
             if not cs.backward:
@@ -274,9 +282,10 @@ def fastest(results: list[SimResult]) -> SimResult:
 
 
 def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelModel | None = None, *,
-             causal: bool = False, layout: str | None = None, backward: bool = False) -> SimResult:
+             causal: bool = False, layout: str | None = None, backward: bool = False, mask=None) -> SimResult:
     """Predict one attention call (``backward=True``: forward + backward) of ``strategy`` on ``topology``
-    (resized to ``shapes.P`` ranks if needed)."""
+    (resized to ``shapes.P`` ranks if needed). ``mask``: a :class:`tokenring.masks.Mask` (packed documents,
+    a window; see :func:`tokenring.masks.make_mask`) whose empty blocks the schedules skip."""
     layout = layout or default_layout(causal)
     st = get_strategy(strategy)
     zigzag = causal and layout == "zigzag"
@@ -284,14 +293,16 @@ def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelMo
     if why:
         raise ValueError(why)
     if st.mode == "auto":  # a family choice: its fastest variant (what tokenring.attention would run)
-        return fastest([simulate(n, shapes, topology, kernel, causal=causal, layout=layout, backward=backward)
+        return fastest([simulate(n, shapes, topology, kernel, causal=causal, layout=layout, backward=backward,
+                                 mask=mask)
                         for n in variant_candidates(strategy, shapes, causal, layout)])
     if topology.P != shapes.P:
         topology = topology.with_P(shapes.P)
     km = kernel or kernel_model(topology.device)
-    passes = [simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, False), shapes, topology, km)]
+    passes = [simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, False, mask), shapes, topology, km)]
     if backward:
-        passes.append(simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, True), shapes, topology, km))
+        passes.append(simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, True, mask), shapes,
+                                    topology, km))
     return SimResult(strategy, topology.name, shapes, causal, layout, passes)
 
 

@@ -9,18 +9,19 @@ Pass-KV (``ring``) and pass-Q (``token_ring``) differ only in their schedules.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
 
 from ..comm import Comm, Trace, buffers
 from ..executor import execute
-from ..kernels import block_backward, block_forward, needs_equal_heads
+from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
+from ..masks import shard_rows, shard_tiles
 from ..merge import acc_dtype, merge_, new_accumulator
 from ..messages import kind as message_kind
-from ..schedules import (Compute, Message, Schedule, Shapes, covers, direct, head_slice, part_rows, part_slice,
-                         part_union, payload)
+from ..schedules import (Compute, Message, Schedule, Shapes, covers, direct, head_slice, overlaps, part_rows,
+                         part_slice, part_union, payload)
 
 __all__ = ["Strategy", "BlockDims", "Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy",
            "RelayOrDirect", "ScheduledAttention", "shapes_of"]
@@ -35,6 +36,7 @@ class BlockDims:
     H: int
     Hkv: int
     copies: tuple[int, ...] = ()
+    tiles: tuple[tuple[int, int, str], ...] | None = None  # masked blocks: (rows_q, rows_k, kind) per kernel call
 
 
 class Strategy:
@@ -66,23 +68,30 @@ class Strategy:
     def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P: int):
         return q, k, v
 
-    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
         raise NotImplementedError
 
-    def schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
-        """The schedule, built once per ``(P, layout, causal, backward)`` (treat it as read-only)."""
-        return _cached_schedule(self, P, layout, causal, backward)
+    def schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
+        """The schedule, built once per ``(P, layout, causal, backward, mask)`` (treat it as read-only).
+        ``mask``: a :class:`tokenring.masks.Mask` (documents, window): blocks nobody sees are left out."""
+        return _cached_schedule(self, P, layout, causal, backward, mask)
 
-    def forward_schedule(self, P: int, layout: str, causal: bool) -> Schedule:
-        return self.schedule(P, layout, causal, False)
+    def forward_schedule(self, P: int, layout: str, causal: bool, mask=None) -> Schedule:
+        return self.schedule(P, layout, causal, False, mask)
 
-    def backward_schedule(self, P: int, layout: str, causal: bool) -> Schedule:
-        return self.schedule(P, layout, causal, True)
+    def backward_schedule(self, P: int, layout: str, causal: bool, mask=None) -> Schedule:
+        return self.schedule(P, layout, causal, True, mask)
 
-    def block_dims(self, c: Compute, sh: Shapes) -> BlockDims:
-        """Row blocks of the local shard; a head half halves both head counts."""
+    def block_dims(self, c: Compute, sh: Shapes, mask=None, layout: str = "contiguous") -> BlockDims:
+        """Row blocks of the local shard; a head half halves both head counts. With a ``mask`` (and the
+        ``layout`` the shards were cut with), also the kernel calls its tiles make (:mod:`tokenring.masks`)."""
         h = 1 if c.heads == "all" else 2
-        return BlockDims(sh.B * part_rows(c.q_part, sh.s), part_rows(c.kv_part, sh.s), sh.H // h, sh.Hkv // h)
+        dims = BlockDims(sh.B * part_rows(c.q_part, sh.s), part_rows(c.kv_part, sh.s), sh.H // h, sh.Hkv // h)
+        if mask is None:
+            return dims
+        ts = shard_tiles(mask, sh.P, layout, c.q_owner, _bounds(part_slice(c.q_part, sh.s)),
+                         c.kv_owner, _bounds(part_slice(c.kv_part, sh.s)))
+        return replace(dims, tiles=tuple((sh.B * (t.q1 - t.q0), t.k1 - t.k0, t.kind) for t in ts))
 
     def forward(self, q, k, v, cfg: "Config"):
         raise NotImplementedError
@@ -120,8 +129,13 @@ def spec_name(family: str, mode: str, chunks: int, lookahead: int, default: str 
 
 
 @lru_cache(maxsize=256)
-def _cached_schedule(strategy: Strategy, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
-    return strategy.build_schedule(P, layout, causal, backward)
+def _cached_schedule(strategy: Strategy, P: int, layout: str, causal: bool, backward: bool, mask) -> Schedule:
+    return strategy.build_schedule(P, layout, causal, backward, mask)
+
+
+def _bounds(sl: slice) -> tuple[int, int]:
+    return sl.start, sl.stop
+
 
 
 @dataclass
@@ -140,6 +154,7 @@ class Config:
     backward_kernel: str = "auto"  # kernels.block_backward backend: "auto", "math", "cpu_flash", "cuda"
     stage: bool | str | None = None  # Comm's host staging (None: on gloo; "always": CPU tensors too, for tests)
     expand_kv: bool | None = None  # repeat K/V heads once per stored block (None: where the kernel needs it)
+    mask: object = None            # tokenring.masks.Mask: packed documents / sliding window, or None
 
     def held(self, what: str) -> list | None:
         if self.held_log is None:
@@ -220,11 +235,12 @@ class Store:
 
     def release(self, step: int, reads: dict[tuple[str, int], list[tuple[int, str]]]) -> None:
         """Drop every piece that no read after ``step`` needs (``reads`` from :meth:`Schedule.reads`: a piece
-        stays while a later read asks for rows it covers); this rank's own inputs live for the whole call.
+        stays while a later read asks for rows it shares, e.g. a dK/dV piece that a wider one will absorb);
+        this rank's own inputs live for the whole call.
         Visiting row chunks are so freed one by one, as soon as they have been computed or sent on."""
         for key in [k for k in self.entries if k[1] != self.me]:
             later = [part for t, part in reads.get(key[:2], ()) if t > step]
-            pieces = [p for p in self.entries[key] if any(covers(p[0], part) for part in later)]
+            pieces = [p for p in self.entries[key] if any(overlaps(p[0], part) for part in later)]
             if pieces:
                 self.entries[key] = pieces
             else:
@@ -272,6 +288,33 @@ class _OpsBase:
     def block_backward(self, dout, q, k, v, lse, delta, diag: bool):
         return block_backward(dout, q, k, v, lse, delta, diag, self.cfg.scale, self.cfg.backward_kernel)
 
+    def tiles(self, c: Compute):
+        """A masked compute's tiles and the function that builds a tile's mask (:mod:`tokenring.masks`)."""
+        m, cfg = self.cfg.mask, self.cfg
+        qs, ks = self.rows(c.q_part), self.rows(c.kv_part)
+        ts = shard_tiles(m, cfg.P, cfg.layout, c.q_owner, (qs.start, qs.stop), c.kv_owner, (ks.start, ks.stop))
+        where = {}
+
+        def mask_of(t):
+            if t.kind != "mask":
+                return None
+            if not where:  # positions only once a tile needs an explicit mask
+                where["q"] = shard_rows(m, cfg.P, cfg.layout, c.q_owner, qs).to(self.device)
+                where["k"] = shard_rows(m, cfg.P, cfg.layout, c.kv_owner, ks).to(self.device)
+            return t.mask(m, where["q"], where["k"])
+        return ts, mask_of
+
+    def attend(self, c: Compute, q, k, v):
+        """Forward of compute ``c``: the whole block, or its tiles under a mask."""
+        if self.cfg.mask is None:
+            return self.block_forward(q, k, v, c.diag)
+        return tiled_forward(q, k, v, *self.tiles(c), self.cfg.scale)
+
+    def attend_backward(self, c: Compute, dout, q, k, v, lse, delta):
+        if self.cfg.mask is None:
+            return self.block_backward(dout, q, k, v, lse, delta, c.diag)
+        return tiled_backward(dout, q, k, v, lse, delta, *self.tiles(c), self.cfg.scale, self.cfg.backward_kernel)
+
 
 class ForwardOps(_OpsBase):
     def __init__(self, q, k, v, sh: Shapes, cfg: Config):
@@ -288,7 +331,7 @@ class ForwardOps(_OpsBase):
     def compute(self, c: Compute) -> None:
         (q,) = self.store.take("q", c.q_owner, c.q_part, c.heads)
         k, v = self.store.take_kv(c.kv_owner, c.kv_part, c.heads, self.g)
-        o, lse = self.block_forward(q, k, v, c.diag)
+        o, lse = self.attend(c, q, k, v)
         if c.q_owner == self.me:
             self._merge(c.q_part, c.heads, o, lse)
         else:
@@ -342,7 +385,7 @@ class BackwardOps(_OpsBase):
     def compute(self, c: Compute) -> None:
         q, dout, lse, delta = self.store.take("qgrad", c.q_owner, c.q_part, c.heads)
         k, v = self.store.take_kv(c.kv_owner, c.kv_part, c.heads, self.g)
-        dq, dk, dv = self.block_backward(dout, q, k, v, lse, delta, c.diag)
+        dq, dk, dv = self.attend_backward(c, dout, q, k, v, lse, delta)
         if self.g > 1:  # gradients of repeated K/V heads: sum each group back onto its K/V head
             dk, dv = (t.unflatten(2, (-1, self.g)).sum(3) for t in (dk, dv))
         if c.q_owner == self.me:
@@ -381,7 +424,7 @@ class ScheduledStrategy(Strategy):
     def forward(self, q, k, v, cfg: Config):
         """Returns ``out`` (B, s, H, d) and the tensors backward needs."""
         ops = ForwardOps(q, k, v, shapes_of(q, k, cfg.P), cfg)
-        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False), cfg.comm(f"{self.name} forward"), ops,
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask), cfg.comm(f"{self.name} forward"), ops,
                 cfg.held("forward"))
         out = ops.o.to(q.dtype)
         return out, (q, k, v, out, ops.lse)
@@ -389,7 +432,7 @@ class ScheduledStrategy(Strategy):
     def backward(self, dout, saved, cfg: Config):
         q, k, v, out, lse = saved
         ops = BackwardOps(q, k, v, dout, lse, row_delta(dout, out), shapes_of(q, k, cfg.P), cfg)
-        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True), cfg.comm(f"{self.name} backward"), ops,
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask), cfg.comm(f"{self.name} backward"), ops,
                 cfg.held("backward"))
         return ops.dq.to(q.dtype), ops.dk.to(k.dtype), ops.dv.to(v.dtype)
 
@@ -432,17 +475,17 @@ class RelayOrDirect(ScheduledStrategy):
                         f"; use fewer chunks (c=) or a longer sequence")
         return None
 
-    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
         raise NotImplementedError
 
-    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
         if self.mode == "auto":
             raise ValueError(f"{self.name!r} is a choice among variants and has no schedule of its own: resolve "
                              f"it first (tokenring.api.resolve) or name a variant, e.g. "
                              f"'{self.family}:direct,c=2,k=1'")
         if self.mode == "relay":
-            return self.relay_schedule(P, layout, causal, backward)
-        return direct(self.name, P, layout, causal, backward, self.mover, self.chunks, self.lookahead)
+            return self.relay_schedule(P, layout, causal, backward, mask)
+        return direct(self.name, P, layout, causal, backward, self.mover, self.chunks, self.lookahead, mask)
 
 
 class ScheduledAttention(torch.autograd.Function):

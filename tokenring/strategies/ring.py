@@ -21,14 +21,15 @@ __all__ = ["pass_kv", "Ring", "STRATEGY"]
 ONE_WAY = (("all", +1),)
 
 
-def pass_kv(P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, name: str = "ring") -> Schedule:
+def pass_kv(P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, name: str = "ring",
+            mask=None) -> Schedule:
     steps = [Step() for _ in range(P + 1)]  # the extra step only brings the last dK/dV home
     for i in range(P):
-        own = block_pair(i, i, P, layout, causal)
+        own = block_pair(i, i, P, layout, causal, mask)
         steps[0].computes.append(Compute(i, i, own[0], i, own[1], own[2]))
         for heads, sign in lanes:
             path = [(i + sign * t) % P for t in range(1, P)]
-            pairs = [block_pair(r, i, P, layout, causal) for r in path]
+            pairs = [block_pair(r, i, P, layout, causal, mask) for r in path]
             for t, (r, pair) in enumerate(zip(path, pairs), start=1):
                 if pair is not None:
                     steps[t].computes.append(Compute(r, r, pair[0], i, pair[1], pair[2], heads=heads))
@@ -48,7 +49,7 @@ def pass_kv(P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, na
     # Computes were appended per K/V owner; order them by rank for readable traces (semantics unaffected).
     for st in steps:
         st.computes.sort(key=lambda c: c.rank)
-    return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", drop_empty_tail(steps))
+    return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", drop_empty_tail(steps), mask)
 
 
 class Ring(RelayOrDirect):
@@ -56,8 +57,8 @@ class Ring(RelayOrDirect):
     model picks."""
     family, default_mode, mover = "ring", "relay", "kv"
 
-    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
-        return pass_kv(P, layout, causal, backward)
+    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
+        return pass_kv(P, layout, causal, backward, mask=mask)
 
 
 STRATEGY = Ring()

@@ -24,8 +24,8 @@ class RingBidir(ScheduledStrategy):
                     f"key/value heads, got {Hkv}; use strategy='ring' (or 'token_ring')")
         return None
 
-    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
-        return pass_kv(P, layout, causal, backward, TWO_WAY, self.name)
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
+        return pass_kv(P, layout, causal, backward, TWO_WAY, self.name, mask)
 
 
 STRATEGY = RingBidir()

@@ -34,13 +34,13 @@ from .base import RelayOrDirect
 __all__ = ["TokenRing", "STRATEGY"]
 
 
-def _pass_q(P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+def _pass_q(P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
     carry, ret = ("qgrad", "dq") if backward else ("q", "out")
     steps = [Step() for _ in range(P + 1)]  # the extra step only returns the last partials
     for t in range(P):
         for r in range(P):
             j = (r + t) % P
-            pair = block_pair(j, r, P, layout, causal)
+            pair = block_pair(j, r, P, layout, causal, mask)
             if pair is None:
                 continue
             q_part, kv_part, diag = pair
@@ -49,10 +49,10 @@ def _pass_q(P: int, layout: str, causal: bool, backward: bool) -> Schedule:
                 steps[t + 1].messages.append(Message(r, j, ret, j, q_part))
     for j in range(P):
         path = [(j - t) % P for t in range(1, P)]
-        needs = [(pair[0] if pair else None) for pair in (block_pair(j, r, P, layout, causal) for r in path)]
+        needs = [(pair[0] if pair else None) for pair in (block_pair(j, r, P, layout, causal, mask) for r in path)]
         for t, m in relay(j, path, needs, carry):
             steps[t].messages.append(m)
-    return Schedule("token_ring:relay", P, layout, causal, backward, carry, drop_empty_tail(steps))
+    return Schedule("token_ring:relay", P, layout, causal, backward, carry, drop_empty_tail(steps), mask)
 
 
 class TokenRing(RelayOrDirect):
@@ -60,8 +60,8 @@ class TokenRing(RelayOrDirect):
     ``token_ring:direct,c=C,k=K``: the direct one."""
     family, default_mode, mover = "token_ring", "auto", "q"
 
-    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
-        return _pass_q(P, layout, causal, backward)
+    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
+        return _pass_q(P, layout, causal, backward, mask)
 
 
 STRATEGY = TokenRing()

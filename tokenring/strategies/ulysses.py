@@ -12,7 +12,8 @@ import torch
 
 from ..comm import buffers
 from ..executor import execute
-from ..kernels import block_backward, block_forward
+from ..kernels import block_backward, block_forward, tiled_backward, tiled_forward
+from ..masks import shard_rows, shard_tiles
 from ..layouts import global_order
 from ..schedules import Compute, Message, Schedule, Shapes, Step, payload, ulysses_kv_heads
 from .base import BlockDims, Config, Strategy, row_delta
@@ -25,12 +26,12 @@ def _all_to_all(P: int, kind: str) -> list[Message]:
             for src in range(P) for dst in range(P) if src != dst]
 
 
-def _schedule(P: int, layout: str, causal: bool, backward: bool) -> Schedule:
+def _schedule(P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
     first, last = ("u_dout", "u_grad") if backward else ("u_qkv", "u_out")
     steps = [Step(messages=_all_to_all(P, first)),
              Step(computes=[Compute(r, r, "all", r, "all", causal) for r in range(P)]),
              Step(messages=_all_to_all(P, last))]
-    return Schedule("ulysses", P, layout, causal, backward, first, steps)
+    return Schedule("ulysses", P, layout, causal, backward, first, steps, mask)
 
 
 class _UlyssesOps:
@@ -84,10 +85,19 @@ class _UlyssesOps:
         return [torch.cat(ts, dim=2).to(dt) for ts, dt in zip(parts, dtype_of)]
 
 
+def _full_tiles(mask, device):
+    """Tiles of the whole sequence (natural order) against itself, and their masks' builder."""
+    pos = shard_rows(mask, 1, "contiguous", 0, slice(None)).to(device)
+    return shard_tiles(mask, 1, "contiguous", 0, (0, mask.S), 0, (0, mask.S)), lambda t: t.mask(mask, pos, pos)
+
+
 class _Forward(_UlyssesOps):
     def compute(self, c: Compute) -> None:
         q, k, v = self.gathered("u_qkv")
-        o, lse = block_forward(q, k, v, c.diag, self.cfg.scale)
+        if self.cfg.mask is None:
+            o, lse = block_forward(q, k, v, c.diag, self.cfg.scale)
+        else:  # documents / window: only the tiles they leave (no bytes saved: every head group is all rows)
+            o, lse = tiled_forward(q, k, v, *_full_tiles(self.cfg.mask, q.device), self.cfg.scale)
         self.saved = (q, k, v, o, lse)  # my head group over the full sequence, for backward
         self.scatter_back([o])
 
@@ -99,8 +109,14 @@ class _Backward(_UlyssesOps):
 
     def compute(self, c: Compute) -> None:
         (dout,) = self.gathered("u_dout")
-        dq, dk, dv = block_backward(dout, self.q, self.k, self.v, self.lse, row_delta(dout, self.o),
-                                    c.diag, self.cfg.scale, self.cfg.backward_kernel, out=self.o)
+        delta = row_delta(dout, self.o)
+        if self.cfg.mask is None:
+            dq, dk, dv = block_backward(dout, self.q, self.k, self.v, self.lse, delta, c.diag, self.cfg.scale,
+                                        self.cfg.backward_kernel, out=self.o)
+        else:
+            dq, dk, dv = tiled_backward(dout, self.q, self.k, self.v, self.lse, delta,
+                                        *_full_tiles(self.cfg.mask, dout.device), self.cfg.scale,
+                                        self.cfg.backward_kernel, out=self.o)
         self.scatter_back([dq.to(self.q.dtype), dk.to(self.k.dtype), dv.to(self.v.dtype)])
 
 
@@ -119,20 +135,23 @@ class Ulysses(Strategy):
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         return q, k, v
 
-    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool) -> Schedule:
-        return _schedule(P, layout, causal, backward)
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
+        return _schedule(P, layout, causal, backward, mask)
 
-    def block_dims(self, c: Compute, sh: Shapes) -> BlockDims:
+    def block_dims(self, c: Compute, sh: Shapes, mask=None, layout: str = "contiguous") -> BlockDims:
         """The whole sequence over ``H/P`` query and ``Hkv'/P`` K/V heads, plus gathering the received head
         groups into one sequence (cat + reorder) and cutting the result back up."""
         S, e = sh.s * sh.P, sh.dtype.itemsize
         hq, hk = sh.H // sh.P, ulysses_kv_heads(sh.H, sh.Hkv, sh.P) // sh.P
-        return BlockDims(sh.B * S, S, hq, hk, (sh.B * S * (hq + 2 * hk) * sh.d * e * 2, sh.B * S * hq * sh.d * e))
+        copies = (sh.B * S * (hq + 2 * hk) * sh.d * e * 2, sh.B * S * hq * sh.d * e)
+        tiles = None if mask is None else tuple(
+            (sh.B * (t.q1 - t.q0), t.k1 - t.k0, t.kind) for t in shard_tiles(mask, 1, "contiguous", 0, (0, S), 0, (0, S)))
+        return BlockDims(sh.B * S, S, hq, hk, copies, tiles)
 
     def forward(self, q, k, v, cfg: Config):
         sh = Shapes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, cfg.P)
         ops = _Forward(sh, cfg, q.device, {"u_qkv": [q, k, v]})
-        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False), cfg.comm("ulysses forward"), ops)
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask), cfg.comm("ulysses forward"), ops)
         (out,) = ops.heads_back([q.dtype])
         return out, ops.saved
 
@@ -141,7 +160,7 @@ class Ulysses(Strategy):
         B, S, hq, d = qh.shape
         sh = Shapes(B, S // cfg.P, hq * cfg.P, kh.shape[2] * cfg.P, d, qh.dtype, cfg.P)
         ops = _Backward(sh, cfg, dout.device, {"u_dout": [dout]}, saved)
-        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True), cfg.comm("ulysses backward"), ops)
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask), cfg.comm("ulysses backward"), ops)
         return tuple(ops.heads_back([qh.dtype, kh.dtype, vh.dtype]))
 
 

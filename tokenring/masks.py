@@ -1,0 +1,215 @@
+"""Packed sequences and sliding windows: which keys a query sees, and how a block of them is cut into tiles.
+
+A :class:`Mask` describes attention over the *global* sequence of ``S`` tokens beyond plain full / causal
+attention (flash-attn's conventions):
+
+- ``cu_seqlens`` ``[0, end_1, ..., S]``: documents packed one after another; a query sees keys of its own
+  document only;
+- ``window = (left, right)``: query ``i`` sees keys ``j`` with ``i - left <= j <= i + right`` (``-1``: unbounded
+  on that side); ``causal`` caps ``right`` at 0.
+
+A block pairs query rows and key rows whose global positions are each increasing (any layout's local rows
+are), so a document's rows are one contiguous row range on either side. :func:`tiles` cuts a block into
+tiles that own disjoint query rows: fully visible rectangles (the plain kernel), square causal diagonals
+(the kernel's causal flag) and, only where a window or a document edge cuts a rectangle, row tiles of at
+most :data:`TILE_ROWS` query rows restricted to the keys some row of the tile sees, with an explicit mask.
+Nothing outside a document or window is computed, and no tile's mask exceeds ``TILE_ROWS`` x its keys.
+
+:meth:`Mask.pair` tells the schedules which rows of two ranks' shards meet at all, so empty blocks are
+neither computed nor sent, and partly empty ones send only the rows that are needed.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+__all__ = ["Mask", "Tile", "make_mask", "tiles", "visible", "shard_pair", "shard_tiles", "shard_rows", "TILE_ROWS"]
+
+TILE_ROWS = 512  # query rows per explicitly masked tile: bounds a tile's mask at 512 x its keys
+
+
+@dataclass(frozen=True, eq=False)
+class Mask:
+    """Documents (``bounds`` = cu_seqlens as a tuple) and a window over a global sequence of ``S`` tokens.
+    ``right`` is already capped at 0 when causal; ``-1`` means unbounded. Hashable by value (schedules are
+    cached per mask)."""
+    S: int
+    bounds: tuple[int, ...]
+    left: int
+    right: int
+    causal: bool
+    key: int = field(default=0, compare=False)
+
+    def __post_init__(self):
+        text = f"{self.S}|{self.left}|{self.right}|{self.causal}|" + ",".join(map(str, self.bounds))
+        object.__setattr__(self, "key", zlib.crc32(text.encode()))
+
+    def __hash__(self) -> int:
+        return self.key
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mask) and (self.key, self.S, self.left, self.right, self.causal, self.bounds) == \
+            (other.key, other.S, other.left, other.right, other.causal, other.bounds)
+
+    @property
+    def documents(self) -> int:
+        return len(self.bounds) - 1
+
+    def describe(self) -> str:
+        w = "" if (self.left, self.right) == (-1, -1) else f", window=({self.left}, {self.right})"
+        return f"{self.documents} document(s){w}"
+
+    def reach(self, qpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For query positions ``qpos``: the first and one-past-last key position each may see."""
+        b = torch.tensor(self.bounds, dtype=torch.int64, device=qpos.device)
+        doc = torch.searchsorted(b, qpos, right=True) - 1
+        lo, hi = b[doc], b[doc + 1]
+        if self.left >= 0:
+            lo = torch.maximum(lo, qpos - self.left)
+        if self.right >= 0:
+            hi = torch.minimum(hi, qpos + self.right + 1)
+        return lo, hi
+
+    def pair(self, qpos: torch.Tensor, kpos: torch.Tensor) -> tuple[slice, slice] | None:
+        """The query rows (of sorted positions ``qpos``) that see some key of ``kpos`` (sorted), and the key rows
+        some query sees, each as the smallest covering row range; ``None`` when no query sees any key."""
+        lo, hi = self.reach(qpos)
+        a = torch.searchsorted(kpos, lo)
+        b = torch.searchsorted(kpos, hi)
+        live = (b > a).nonzero()
+        if live.numel() == 0:
+            return None
+        r0, r1 = int(live[0]), int(live[-1]) + 1
+        return slice(r0, r1), slice(int(a[r0:r1][(b > a)[r0:r1]].min()), int(b[r0:r1].max()))
+
+
+def make_mask(S: int, cu_seqlens, window, causal: bool) -> Mask | None:
+    """The :class:`Mask` for these arguments, or ``None`` when they mean plain full / causal attention (one
+    document, no window that cuts anything). Raises ``ValueError`` for malformed arguments."""
+    bounds = (0, S)
+    if cu_seqlens is not None:
+        if isinstance(cu_seqlens, torch.Tensor):
+            if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+                raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, end_1, ..., S], got shape "
+                                 f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+            cu = [int(x) for x in cu_seqlens.tolist()]
+        else:
+            cu = [int(x) for x in cu_seqlens]
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != S:
+            raise ValueError(f"cu_seqlens must start at 0 and end at the global sequence length S = {S} (local "
+                             f"length x ranks), got {cu[:4]}{'...' if len(cu) > 4 else ''} ending at "
+                             f"{cu[-1] if cu else None}; the document lengths must add up to S")
+        if any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError("cu_seqlens must be non-decreasing (cumulative document lengths)")
+        bounds = tuple(dict.fromkeys(cu))  # empty documents change nothing
+    left, right = -1, -1
+    if window is not None:
+        try:
+            left, right = (int(x) for x in window)
+        except (TypeError, ValueError):
+            raise ValueError(f"window must be a pair (left, right) of ints, -1 for unbounded; got {window!r}") \
+                from None
+        if left < -1 or right < -1:
+            raise ValueError(f"window=({left}, {right}): each side must be >= 0, or -1 for unbounded")
+    if causal:
+        right = 0
+    left = -1 if left >= S - 1 else left  # a window as long as the sequence cuts nothing
+    right = -1 if right >= S - 1 else right
+    if len(bounds) == 2 and left == -1 and (right == -1 or causal):
+        return None  # plain full or causal attention
+    return Mask(S, bounds, left, right, causal)
+
+
+@lru_cache(maxsize=4096)
+def _positions(S: int, P: int, layout: str, owner: int) -> torch.Tensor:
+    from .layouts import local_positions
+    return local_positions(S, P, owner, layout)
+
+
+def shard_rows(mask: Mask, P: int, layout: str, owner: int, rows: slice) -> torch.Tensor:
+    """Global positions of rows ``rows`` of ``owner``'s shard."""
+    return _positions(mask.S, P, layout, owner)[rows]
+
+
+@lru_cache(maxsize=4096)
+def shard_pair(mask: Mask, P: int, layout: str, q_owner: int, kv_owner: int) -> tuple[slice, slice] | None:
+    """Which rows of ``q_owner``'s shard see which rows of ``kv_owner``'s (:meth:`Mask.pair`)."""
+    return mask.pair(_positions(mask.S, P, layout, q_owner), _positions(mask.S, P, layout, kv_owner))
+
+
+@lru_cache(maxsize=8192)
+def shard_tiles(mask: Mask, P: int, layout: str, q_owner: int, q_rows: tuple[int, int], kv_owner: int,
+                kv_rows: tuple[int, int]) -> tuple["Tile", ...]:
+    """:func:`tiles` of rows ``q_rows`` of ``q_owner``'s shard against rows ``kv_rows`` of ``kv_owner``'s
+    (``P = 1``: the whole sequence in natural order, as Ulysses computes it)."""
+    qpos = _positions(mask.S, P, layout, q_owner)[slice(*q_rows)]
+    kpos = _positions(mask.S, P, layout, kv_owner)[slice(*kv_rows)]
+    return _tiles(mask, qpos, kpos)
+
+
+def visible(mask: Mask, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+    """(n, m) bool: whether query position ``qpos[i]`` sees key position ``kpos[j]``."""
+    lo, hi = mask.reach(qpos)
+    return (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None])
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Query rows ``q0:q1`` against key rows ``k0:k1`` of a block: ``kind`` ``"full"`` (every pair visible),
+    ``"causal"`` (equal positions on both sides: the lower triangle) or ``"mask"`` (an explicit mask, built
+    by :meth:`mask`)."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    kind: str
+
+    def mask(self, m: Mask, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor | None:
+        return visible(m, qpos[self.q0:self.q1], kpos[self.k0:self.k1]) if self.kind == "mask" else None
+
+
+def tiles(mask: Mask, qpos: torch.Tensor, kpos: torch.Tensor) -> list[Tile]:
+    """The tiles of the block of queries at sorted positions ``qpos`` against keys at sorted ``kpos`` (see the
+    module docstring); their query rows are disjoint, so each row's result comes from one tile, unmerged."""
+    return list(_tiles(mask, qpos.cpu(), kpos.cpu()))
+
+
+def _tiles(mask: Mask, q: torch.Tensor, k: torch.Tensor) -> tuple[Tile, ...]:
+    if not len(q) or not len(k):
+        return ()
+    b = torch.tensor(mask.bounds, dtype=torch.int64)
+    dq = torch.searchsorted(b, q, right=True) - 1
+    dk = torch.searchsorted(b, k, right=True) - 1
+    out = []
+    for doc in torch.unique(dq).tolist():
+        qa, qb = (int(x) for x in torch.searchsorted(dq, torch.tensor([doc, doc + 1])))
+        ka, kb = (int(x) for x in torch.searchsorted(dk, torch.tensor([doc, doc + 1])))
+        if ka == kb:
+            continue
+        out += _rectangle(mask, q, k, qa, qb, ka, kb)
+    return tuple(out)
+
+
+def _rectangle(mask: Mask, q, k, qa, qb, ka, kb) -> list[Tile]:
+    """Tiles of one document's rows: query rows ``qa:qb`` and key rows ``ka:kb`` (positions ``q``, ``k``)."""
+    qmin, qmax, kmin, kmax = int(q[qa]), int(q[qb - 1]), int(k[ka]), int(k[kb - 1])
+    left_ok = mask.left < 0 or kmin >= qmax - mask.left       # every query reaches back to the first key
+    right_ok = mask.right < 0 or kmax <= qmin + mask.right    # and forward to the last one
+    if left_ok and right_ok:
+        return [Tile(qa, qb, ka, kb, "full")]
+    if mask.left < 0 and mask.right == 0 and qb - qa == kb - ka and torch.equal(q[qa:qb], k[ka:kb]):
+        return [Tile(qa, qb, ka, kb, "causal")]
+    out = []
+    for r0 in range(qa, qb, TILE_ROWS):  # row tiles, each against the keys its rows can reach
+        r1 = min(qb, r0 + TILE_ROWS)
+        lo, hi = mask.reach(q[r0:r1])
+        a = max(ka, int(torch.searchsorted(k, lo.min())))
+        b = min(kb, int(torch.searchsorted(k, hi.max())))
+        if a >= b:
+            continue
+        full = (int(k[a]) >= int(lo.max())) and (int(k[b - 1]) < int(hi.min()))
+        out.append(Tile(r0, r1, a, b, "full" if full else "mask"))
+    return out
