@@ -117,6 +117,7 @@ def comm_log_case(rank: int, P: int, case: dict) -> list:
     v = torch.randn(B, s, Hkv, d, dtype=dtype, requires_grad=True)
     log: list = []
     out = tokenring.attention(q, k, v, causal=case["causal"], strategy=case["strategy"], layout=case["layout"],
+                              cu_seqlens=case.get("cu_seqlens"), window=case.get("window"),
                               _config=dict(comm_log=log))
     out.sum().backward()
     return [(what, records) for what, records in log]
@@ -156,6 +157,14 @@ def expect_error(rank: int, P: int, kind: str) -> str:
         kw = dict(strategy="bogus")
     elif kind == "bad_layout":
         kw = dict(layout="striped")
+    elif kind == "cu_sum":  # documents that do not add up to the global length 8 * P
+        kw = dict(cu_seqlens=[0, 5, 8 * P - 1])
+    elif kind == "cu_ranks_differ":
+        kw = dict(cu_seqlens=[0, 5 + rank, 8 * P])
+    elif kind == "cu_bad_on_one_rank":
+        kw = dict(cu_seqlens=[0, 5, 8 * P] if rank else [0, 9, 5, 8 * P])
+    elif kind == "window_bad":
+        kw = dict(window=(-3, 2))
     try:
         tokenring.attention(q, k, v, **kw)
     except ValueError as e:

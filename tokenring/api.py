@@ -117,14 +117,15 @@ def _show(field: str, value: float) -> str:
     return f"{value:g}" if field in ("softmax_scale",) else str(int(value))
 
 
-def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P: int):
+def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P: int, remember: bool = True):
     """Verify that every rank calls with the same shapes and options, and return the strategy to run.
 
     ``decide()`` resolves the strategy; only rank 0 calls it (``auto`` runs the cost model there) and its
     answer travels with the signature exchange, so no per-host input (cores, threads, a topology set on one
-    rank only) can make the ranks disagree. Done once per (group, signature); later calls reuse the result."""
+    rank only) can make the ranks disagree. Done once per (group, signature); later calls reuse the result.
+    ``remember=False`` (a rank that will refuse its arguments): exchange every time, never skip."""
     key = (id(group), tuple(sig))  # nothing per-host in it: a rank that re-checked alone would wait for the others
-    if key in _checked:
+    if remember and key in _checked:
         return _checked[key]
     choice = strategy_code(decide()) if rank == 0 else [-1.0] * 4
     mine = torch.tensor(sig + choice, dtype=torch.float64, device=device)
@@ -159,8 +160,10 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
                 f"tokenring: rank {r} calls attention with a different {'; '.join(bad)}; here: {describe}. "
                 f"Every rank must pass shards of the same shape, dtype and options; shard the sequence with "
                 f"tokenring.shard() so local lengths are equal.")
-    _checked[key] = from_code(allsig[0][-4:].tolist())
-    return _checked[key]
+    chosen = from_code(allsig[0][-4:].tolist())
+    if remember:
+        _checked[key] = chosen
+    return chosen
 
 
 class _MaskedSingle(torch.autograd.Function):
@@ -251,7 +254,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     mask_code = -1 if problem is not None else (mask.key if mask is not None else 0)
     try:
         strat = _agree(_signature(q, k, causal, layout, strategy, scale, backward, mask_code), decide, describe,
-                       group, q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P)
+                       group, q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P,
+                       remember=problem is None)
     except ValueError:
         if problem is not None:
             raise problem from None
