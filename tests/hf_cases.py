@@ -39,19 +39,27 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
+def packed_positions(lengths: list[int]) -> torch.Tensor:
+    """(1, S) position ids of documents of these lengths packed one after another (each restarting at 0), as
+    transformers' DataCollatorWithFlattening makes them."""
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
 def model_matches(rank: int, P: int, S: int, strategies: list[str], arch: str = "llama", over: dict | None = None,
-                  train: bool = True) -> dict:
+                  train: bool = True, docs: list[int] | None = None) -> dict:
     """Logits (forward) and one training step's loss and parameter gradients of the sharded model vs rank 0's
-    single-process sdpa run. Returns rank 0's errors and timings."""
+    single-process sdpa run. ``docs``: document lengths packed into the sequence (position ids restarting per
+    document; transformers masks them apart in the single-process run). Returns rank 0's errors and timings."""
     over = over or {}
     model = build(arch, "tokenring", **over)
     ids = tokens(S, model.config.vocab_size)
+    pos = packed_positions(docs) if docs else None
     res: dict = {}
     if rank == 0:
         ref = build(arch, "sdpa", **over)
         ref.load_state_dict(model.state_dict())
         t0 = time.perf_counter()
-        out = ref(input_ids=ids, labels=ids, use_cache=False)
+        out = ref(input_ids=ids, labels=ids, use_cache=False, position_ids=pos)
         if train:
             out.loss.backward()
         res["single_s"] = time.perf_counter() - t0
@@ -61,7 +69,7 @@ def model_matches(rank: int, P: int, S: int, strategies: list[str], arch: str = 
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         with thf.settings(strategy=strategy):
-            batch = thf.shard_batch(ids, labels=ids if train else None)
+            batch = thf.shard_batch(ids, labels=ids if train else None, position_ids=pos)
             out = model(**batch)
             if train:
                 out.loss.backward()
@@ -127,9 +135,11 @@ def refusals(rank: int, P: int, S: int) -> dict:
         expect("cache", lambda: model(input_ids=batch["input_ids"][:, :2], position_ids=batch["position_ids"][:, :2],
                                       use_cache=True,
                                       cache=model(**{**batch, "use_cache": True}).past_key_values))
-        # a sliding window shorter than the sequence
-        mis = build("mistral", "tokenring", num_hidden_layers=1, sliding_window=S // 2)
-        expect("sliding", lambda: mis(**batch))
+        # packed rows that pack differently
+        two = thf.shard_batch(tokens(S, model.config.vocab_size, B=2),
+                              position_ids=torch.cat([packed_positions([S // 2, S // 2]),
+                                                      packed_positions([S // 4, 3 * S // 4])]))
+        expect("packing", lambda: model(**two))
         # dropout
         drop = build("llama", "tokenring", num_hidden_layers=1, attention_dropout=0.1).train()
         expect("dropout", lambda: drop(**batch))

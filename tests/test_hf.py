@@ -32,6 +32,30 @@ def test_other_families(pools, arch, over):
     assert res["auto"]["logits"] < 1e-4 and res["auto"]["grad"] < 1e-4, res
 
 
+def test_mistral_sliding_window_matches_single_process(pools):
+    """Sliding-window layers (window 96 < S = 512, smaller than a rank's 128 tokens and crossing ranks): logits
+    and one training step's loss and gradients equal transformers' own sdpa run, P = 3 and 4."""
+    for P in (3, 4):
+        S = 128 * P
+        res = pools(P).run(hf_cases.model_matches, S, ["token_ring", "ring"], "mistral",
+                           {"sliding_window": 96, "num_hidden_layers": 2})[0]
+        for st in ("token_ring", "ring"):
+            e = res[st]
+            assert e["logits"] < 1e-4 and e["loss"] < 1e-5 and e["grad"] < 1e-4, (P, st, e)
+
+
+def test_packed_llama_matches_single_process(pools):
+    """A packed batch (position ids restarting per document, as DataCollatorWithFlattening makes it): documents
+    shorter than a shard and one spanning ranks; one fine-tuning step equals transformers' own packed sdpa run."""
+    S = 1024
+    docs = [37, 400, 5, 211, 300, 71]
+    assert sum(docs) == S
+    res = pools(4).run(hf_cases.model_matches, S, ["token_ring", "ring", "ulysses"], "llama", None, True, docs)[0]
+    for st in ("token_ring", "ring", "ulysses"):
+        e = res[st]
+        assert e["logits"] < 1e-4 and e["loss"] < 1e-5 and e["grad"] < 1e-4, (st, e)
+
+
 def test_plain_path(pools):
     """tokenring.shard ids and positions, call the model, tokenring.gather the logits."""
     assert pools(4).run(hf_cases.plain_path, 512, "token_ring")[0] < 1e-4
@@ -43,7 +67,7 @@ def test_refusals(pools):
     assert "padding" in msgs["padding_full"]
     assert "position_ids" in msgs["positions"] and "tokenring.shard" in msgs["positions"]
     assert "use_cache=False" in msgs["cache"]
-    assert "sliding_window" in msgs["sliding"]
+    assert "share one packing" in msgs["packing"]
     assert "dropout" in msgs["dropout"]
 
 

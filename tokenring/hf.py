@@ -19,15 +19,23 @@ Strategy, layout and process group come from :func:`configure` (process-wide) or
 manager; defaults: ``strategy="auto"``, ``layout="zigzag"``, the default process group.
 
 What works (tested: Llama with GQA and MHA; Qwen2, Qwen3 and Mistral architectures): decoder-only models
-whose attention layers call ``ALL_ATTENTION_FUNCTIONS`` with full causal (``module.is_causal``) or full
-bidirectional attention and no attention bias. What is refused, with a ``ValueError`` that says why:
+whose attention layers call ``ALL_ATTENTION_FUNCTIONS`` with causal (``module.is_causal``) or bidirectional
+attention and no attention bias, including
 
-- padding / custom masks: a 2D ``attention_mask`` with any zero, or any 4D mask (TokenRing computes exact
-  full causal or full attention; pass unpadded sequences of one length, an all-ones mask is accepted);
-- packed sequences (``position_ids`` restarting inside a row) and position ids that are not the global positions
-  of the local tokens (e.g. omitted ``position_ids``);
-- sliding-window layers whose window is shorter than the global sequence (Mistral/Qwen2/Gemma sliding layers),
-  logit soft-capping (Gemma 2), attention sinks (gpt-oss), position biases (T5-style);
+- packed batches: ``position_ids`` restarting at 0 for each document (``DataCollatorWithFlattening``; pass
+  them to :func:`shard_batch` as ``position_ids``), read the way transformers reads them (a new document
+  wherever a position is not the previous one plus 1), or explicit ``cu_seq_lens_q`` over the global sequence;
+  documents attend only within themselves (:func:`tokenring.attention`'s ``cu_seqlens``);
+- sliding-window layers (Mistral, Qwen2, Gemma's sliding layers): transformers' window (query ``i`` sees keys
+  ``i - W < j <= i``) as ``tokenring.attention(window=(W - 1, 0))``.
+
+What is refused, with a ``ValueError`` that says why:
+
+- padding / custom masks: a 2D ``attention_mask`` with any zero, or any 4D mask (pass unpadded or packed
+  sequences; an all-ones mask is accepted);
+- position ids that are not the global positions of the local tokens (e.g. omitted ``position_ids``), and
+  batch rows that pack different documents;
+- logit soft-capping (Gemma 2), attention sinks (gpt-oss), position biases (T5-style);
 - attention dropout > 0 (set ``config.attention_dropout = 0``);
 - a KV cache holding earlier tokens (decoding): prefill and training only, pass ``use_cache=False``;
 - ``output_attentions=True`` (the weights are never materialised; ``None`` is returned with a warning).
@@ -122,35 +130,75 @@ def _mask_problem(attention_mask) -> str | None:
             f"and cannot express padding masks: pass unpadded sequences of one length with attention_mask=None")
 
 
-def _position_problem(position_ids, s: int, rank: int, P: int, layout: str) -> str | None:
-    if position_ids is None or P == 1 or not _settings.check_positions or position_ids.shape[-1] != s:
-        return None  # (some models pass positions of another shape, e.g. mrope: left alone)
-    want = local_positions(s * P, P, rank, layout, device=position_ids.device)
-    pos = position_ids.reshape(-1, s)
-    diff = pos - want
-    if bool((diff == diff[:, :1]).all()):
-        return None
-    h = s // 2
-    return (f"position_ids {pos[0, :3].tolist()}...{pos[0, h - 1:h + 2].tolist()}... are not this rank's "
-            f"global positions under layout={layout!r} ({want[:3].tolist()}...{want[h - 1:h + 2].tolist()}...). "
-            f"Pass position_ids=tokenring.shard(torch.arange(S)[None], dim=1, layout={layout!r}) (or use "
-            f"tokenring.hf.shard_batch); without them rotary embeddings use local positions and the result is wrong")
+def _documents(full: torch.Tensor, local_default: bool, S: int, layout: str) -> tuple[list[int] | None, str | None]:
+    """Documents of a batch from its global position ids ``full`` (B, S), natural order, as transformers reads
+    them (a new document wherever a position is not the previous one plus 1): ``(cu_seqlens or None, problem)``.
+    ``local_default``: every rank's positions are ``0..s-1``, which is what transformers makes up when
+    ``position_ids`` are omitted."""
+    starts = (torch.diff(full, dim=-1) != 1)
+    if not bool(starts.any()):
+        return None, None  # one document: plain (causal) attention over the whole sequence
+    h = min(3, S)
+    if local_default:
+        return None, (f"every rank's position_ids are 0..s-1, which is what transformers uses when position_ids "
+                      f"are omitted. Pass this rank's global "
+                      f"positions: position_ids=tokenring.shard(torch.arange(S)[None], dim=1, layout={layout!r}) "
+                      f"(or use tokenring.hf.shard_batch); for packed documents of exactly one shard each, "
+                      f"pass cu_seq_lens_q (shard_batch does)")
+    if bool((starts != starts[:1]).any()):
+        return None, ("the rows of this batch pack different documents (position_ids restart at different places); "
+                      "packed batches must share one packing (DataCollatorWithFlattening makes batch 1)")
+    cuts = (starts[0].nonzero().flatten() + 1).tolist()
+    firsts = full[:, [0] + cuts]
+    if bool((firsts != 0).any()):
+        return None, (f"position_ids restart inside the sequence (packed documents?) but documents do not start at "
+                      f"position 0 (first positions {firsts[0, :h].tolist()}...): pass this rank's shard of the "
+                      f"global position_ids (tokenring.hf.shard_batch(input_ids, position_ids=...)) with "
+                      f"layout={layout!r}")
+    return [0] + cuts + [S], None
 
 
 def _check_inputs(module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group,
-                  device) -> None:
-    """Mask and position checks, agreed on by all ranks (one tiny all-reduce), so a problem on one rank's
-    shard raises on every rank instead of leaving the others waiting in attention."""
-    problems = [_mask_problem(attention_mask), _position_problem(position_ids, s, rank, P, layout)]
+                  device) -> list[int] | None:
+    """Mask and position checks, agreed on by all ranks (one small all-gather of the flags and position ids),
+    so a problem on one rank's shard raises on every rank instead of leaving the others waiting in attention.
+    Returns the documents (cu_seqlens over the global sequence) that the position ids pack, or ``None``."""
+    mask_problem = _mask_problem(attention_mask)
+    use_pos = position_ids is not None and _settings.check_positions and position_ids.shape[-1] == s
+    # (some models pass positions of another shape, e.g. mrope: left alone)
+    pos = position_ids.reshape(-1, s).to(torch.int64) if use_pos else None
     if P > 1 and (attention_mask is not None or position_ids is not None):
-        flags = torch.tensor([p is None for p in problems], dtype=torch.int32, device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-        if problems == [None, None] and not bool(flags.all()):
-            bad = "attention mask" if not bool(flags[0]) else "position_ids"
-            raise _refuse(module, f"rank {rank}: another rank refused its {bad} (see that rank's error)")
-    for p in problems:
-        if p is not None:
-            raise _refuse(module, f"rank {rank}: {p}")
+        B = pos.shape[0] if pos is not None else 0
+        mine = torch.zeros(2 + B * s, dtype=torch.int64, device=device)
+        mine[0], mine[1] = int(mask_problem is None), B
+        if pos is not None:
+            mine[2:] = pos.reshape(-1).to(device)
+        every = [torch.empty_like(mine) for _ in range(P)]
+        dist.all_gather(every, mine, group=group)
+        if mask_problem is None and not all(bool(e[0]) for e in every):
+            raise _refuse(module, f"rank {rank}: another rank refused its attention mask (see that rank's error)")
+        if pos is not None:
+            local = [e[2:].view(B, s).cpu() for e in every]
+            order = torch.argsort(torch.cat([local_positions(s * P, P, r, layout) for r in range(P)]))
+            full = torch.cat(local, dim=1).index_select(1, order)
+            default = all(bool((t == torch.arange(s)).all()) for t in local)
+    elif pos is not None:
+        full, default = pos.cpu(), False
+    if mask_problem is not None:
+        raise _refuse(module, f"rank {rank}: {mask_problem}")
+    if pos is None:
+        return None
+    cu, problem = _documents(full, default, s * P, layout)
+    if problem is None and cu is None and P > 1:
+        offset = full - torch.arange(s * P)
+        if bool((offset != offset[:, :1]).any()):
+            problem = (f"position_ids are not the global positions of this rank's tokens under layout={layout!r}. "
+                       f"Pass position_ids=tokenring.shard(torch.arange(S)[None], dim=1, layout={layout!r}) (or use "
+                       f"tokenring.hf.shard_batch); without them rotary embeddings use local positions and the "
+                       f"result is wrong")
+    if problem is not None:  # every rank derived the same from the same gathered positions
+        raise _refuse(module, f"rank {rank}: {problem}")
+    return cu
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -176,19 +224,23 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                               f"sequence; pass use_cache=False and decode with a regular attention")
     group = _settings.group
     rank, P = group_info(group)
-    window = kwargs.get("sliding_window")
-    if window is not None and window < s * P:
-        raise _refuse(module, f"sliding_window={window} is shorter than the global sequence ({s * P} tokens); "
-                              f"windowed attention is not supported (use sequences up to the window, or a model "
-                              f"without sliding-window layers)")
     device = query.device if P > 1 and dist.get_backend(group) == "nccl" else "cpu"
-    _check_inputs(module, attention_mask, kwargs.get("position_ids"), s, rank, P, _settings.layout, group, device)
+    cu = _check_inputs(module, attention_mask, kwargs.get("position_ids"), s, rank, P, _settings.layout, group,
+                       device)
+    if kwargs.get("cu_seq_lens_q") is not None:  # explicit documents (shard_batch, DataCollatorWithFlattening)
+        cu = kwargs["cu_seq_lens_q"]
+        if kwargs.get("cu_seq_lens_k") is not None and not torch.equal(torch.as_tensor(kwargs["cu_seq_lens_k"]).cpu(),
+                                                                       torch.as_tensor(cu).cpu()):
+            raise _refuse(module, "cu_seq_lens_q and cu_seq_lens_k differ; packed self-attention needs one packing")
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = kwargs.get("sliding_window")
+    # transformers' sliding layers: key j is visible from query i when i - W < j (and j <= i when causal)
+    window = (window - 1, 0 if causal else window - 1) if window is not None else None
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     extra = _settings.config_fn(module) if _settings.config_fn is not None else None
     out = attention(q, k, v, causal=causal, softmax_scale=scaling, strategy=_settings.strategy,
-                    layout=_settings.layout, group=group, _config=extra)
+                    layout=_settings.layout, cu_seqlens=cu, window=window, group=group, _config=extra)
     return out, None
 
 
