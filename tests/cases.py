@@ -391,3 +391,41 @@ def kill_at_step_case(rank: int, P: int, strategy: str, causal: bool, phase: str
     except RuntimeError as e:
         return time.monotonic() - t0, str(e)
     return "completed"
+
+
+def decode_case(rank: int, P: int, case: dict) -> tuple[list, float]:
+    """A cache of ``n`` rows dealt to the ranks unevenly, ``t`` new tokens placed by ``place_new``, queries
+    attending all cached rows and the new ones causally: this rank's output (as a list, for bitwise comparison
+    across ranks) and its error against a float64 single-process reference."""
+    from tokenring.decode import decode_attention, place_new
+    B, n, t, H, Hkv, d = case["B"], case["n"], case["t"], case["H"], case["Hkv"], case["d"]
+    dtype = getattr(torch, case["dtype"])
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    k_all, v_all = (torch.randn(B, n + t, Hkv, d, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    q = torch.randn(B, t, H, d, generator=g, dtype=torch.float64).to(dtype)
+    cuts = sorted(torch.randint(0, n + 1, (P - 1,), generator=g).tolist())  # uneven, possibly empty shards
+    bounds = [0] + cuts + [n]
+    counts = [bounds[r + 1] - bounds[r] for r in range(P)]
+    a, b = place_new(counts, t)[rank]
+    rows = list(range(bounds[rank], bounds[rank + 1])) + list(range(n + a, n + b))
+    k, v = k_all[:, rows], v_all[:, rows]
+    out = decode_attention(q, k, v, new=(a, b), state=(n,))
+    # reference: query i (global position n + i) sees every cached row and new rows j <= i
+    ok = torch.ones(t, n + t, dtype=torch.bool)
+    ok[:, n:] = torch.ones(t, t, dtype=torch.bool).tril()
+    kk, vv = (x.double().repeat_interleave(H // Hkv, 2) for x in (k_all, v_all))
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * d ** -0.5
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~ok, float("-inf")), -1), vv)
+    return out.double().flatten().tolist(), rel_err(out, ref)
+
+
+def decode_mismatch(rank: int, P: int) -> str:
+    """Rank 0 decodes a different number of new tokens: every rank must raise ValueError."""
+    from tokenring.decode import decode_attention
+    t = 2 if rank == 0 else 1
+    q, k = torch.randn(1, t, 4, 8), torch.randn(1, 5, 2, 8)
+    try:
+        decode_attention(q, k, k.clone(), state=(5,))
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"rank {rank}: no ValueError")

@@ -144,3 +144,55 @@ def refusals(rank: int, P: int, S: int) -> dict:
         drop = build("llama", "tokenring", num_hidden_layers=1, attention_dropout=0.1).train()
         expect("dropout", lambda: drop(**batch))
     return msgs
+
+
+def generate_matches(rank: int, P: int, S: int, new_tokens: int, arch: str = "llama", over: dict | None = None,
+                     sample: bool = False, B: int = 1) -> dict:
+    """``tokenring.hf.prefill`` + ``model.generate`` over the sharded cache vs rank 0's single-process
+    ``generate`` with transformers' own cache (same weights, same seed): generated ids, max |logits| difference
+    over every step, and the cache bytes this rank holds vs the single process's."""
+    over = over or {}
+    model = build(arch, "tokenring", **over).eval()
+    ids = tokens(S, model.config.vocab_size, B=B)
+    kw = dict(max_new_tokens=new_tokens, do_sample=sample, top_k=20 if sample else None, output_logits=True,
+              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    t0 = time.perf_counter()
+    cache = thf.prefill(model, ids)
+    t1 = time.perf_counter()
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
+    t2 = time.perf_counter()
+    res = dict(tokens=out.sequences[:, S:].tolist(), cache_bytes=cache.nbytes(), prefill_s=t1 - t0,
+               decode_s=(t2 - t1) / new_tokens, held=[layer.keys.shape[2] for layer in cache.layers])
+    if rank == 0:
+        ref = build(arch, "sdpa", **over).eval()
+        ref.load_state_dict(model.state_dict())
+        torch.manual_seed(1234)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        res["single_s"] = time.perf_counter() - t0
+        res["want"] = want.sequences[:, S:].tolist()
+        res["logits"] = max((a - b).abs().max().item() for a, b in zip(out.logits, want.logits))
+        res["single_cache_bytes"] = sum(layer.keys.numel() * layer.keys.element_size() * 2
+                                        for layer in want.past_key_values.layers)
+    return res
+
+
+def generate_refusals(rank: int, P: int) -> dict:
+    """Bad generation inputs raise ValueError on every rank: different prompts, a cache from another model."""
+    model = build("llama", "tokenring", num_hidden_layers=1).eval()
+    msgs = {}
+    ids = tokens(8 * P, model.config.vocab_size)
+    try:
+        thf.prefill(model, ids if rank else tokens(8 * P, model.config.vocab_size, seed=7))
+    except ValueError as e:
+        msgs["prompt"] = str(e)
+    cache = thf.prefill(model, ids)
+    other = build("llama", "tokenring", num_hidden_layers=1, num_key_value_heads=4).eval()
+    try:
+        other.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, pad_token_id=0)
+    except ValueError as e:
+        msgs["model"] = str(e)
+    return msgs

@@ -56,6 +56,37 @@ def test_packed_llama_matches_single_process(pools):
         assert e["logits"] < 1e-4 and e["loss"] < 1e-5 and e["grad"] < 1e-4, (st, e)
 
 
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_generate_over_sharded_cache_matches_single_process(pools, P):
+    """tokenring.hf.prefill of a 4096-token prompt (P=3: 4092 sharded + 4 as one decode step), then 64 greedy
+    tokens with model.generate over the sharded cache (4-layer GQA Llama, float32): the same ids as one process
+    with transformers' own cache, logits within 1e-4, every rank holding its share of the cache and together
+    exactly the single process's bytes."""
+    res = pools(P).run(hf_cases.generate_matches, 4096, 64)
+    r0 = res[0]
+    for r in res:
+        assert r["tokens"] == r0["want"], "generated ids differ from one process"
+    assert r0["logits"] < 1e-4, r0["logits"]
+    assert sum(r["cache_bytes"] for r in res) == r0["single_cache_bytes"]
+    rows = [n for r in res for n in r["held"]]
+    assert max(rows) - min(rows) <= 1 and max(rows) <= -(-(4096 + 63) // P)  # balanced: 1/P of the rows each
+
+
+def test_generate_qwen2_sampling_and_batches(pools):
+    """Qwen2 (qkv bias), sampling with a fixed seed, a prompt that does not split evenly (1001 tokens), and a
+    batch of 2 greedy prompts: the same ids as one process."""
+    res = pools(2).run(hf_cases.generate_matches, 1001, 16, "qwen2", {"attention_bias": True}, True)
+    assert all(r["tokens"] == res[0]["want"] for r in res) and res[0]["logits"] < 1e-4, res[0]
+    res = pools(3).run(hf_cases.generate_matches, 600, 12, "llama", None, False, 2)
+    assert all(r["tokens"] == res[0]["want"] for r in res) and res[0]["logits"] < 1e-4, res[0]
+
+
+def test_generate_refusals(pools):
+    for msgs in pools(3).run(hf_cases.generate_refusals):
+        assert "different prompt" in msgs["prompt"], msgs
+        assert "another model" in msgs["model"] or "decodes with a different" in msgs["model"], msgs
+
+
 def test_plain_path(pools):
     """tokenring.shard ids and positions, call the model, tokenring.gather the logits."""
     assert pools(4).run(hf_cases.plain_path, 512, "token_ring")[0] < 1e-4

@@ -62,8 +62,10 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("tokenring.hf needs transformers: pip install 'tokenring-attn[hf]'") from e
 
+from .hf_cache import ShardedCache, decode_step, prefill, take_step  # noqa: E402  (needs transformers)
+
 __all__ = ["NAME", "register", "configure", "settings", "attention_forward", "shard_batch", "gather_logits",
-           "reduce_loss", "all_reduce_grads", "shift_labels"]
+           "reduce_loss", "all_reduce_grads", "shift_labels", "prefill", "ShardedCache"]
 
 NAME = "tokenring"
 IGNORE_INDEX = -100
@@ -218,10 +220,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         warnings.warn("tokenring never materialises attention weights; output_attentions returns None",
                       stacklevel=2)
     s = query.shape[2]
+    step = take_step(module)  # set when the layer's cache is a tokenring ShardedCache
+    if step is not None and "new" in step[1]:  # a decode step over the sharded cache
+        problem = _mask_problem(attention_mask)
+        if problem is not None:
+            raise _refuse(module, problem)
+        window = kwargs.get("sliding_window")
+        if window is not None and step[0].total > window:
+            raise _refuse(module, f"decoding a sliding-window layer (window {window}) over a sharded cache of "
+                                  f"{step[0].total} tokens is not supported; use a model without sliding layers")
+        return decode_step(*step, query, key, value, scaling), None
     if key.shape[2] != s:
         raise _refuse(module, f"keys ({key.shape[2]} tokens) and queries ({s}) differ in length: a KV cache holds "
-                              f"earlier tokens (decoding). TokenRing runs prefill and training over a sharded "
-                              f"sequence; pass use_cache=False and decode with a regular attention")
+                              f"earlier tokens (decoding). Prefill with tokenring.hf.prefill(model, input_ids) "
+                              f"and pass its cache to model.generate (a sharded cache), or pass use_cache=False")
     group = _settings.group
     rank, P = group_info(group)
     device = query.device if P > 1 and dist.get_backend(group) == "nccl" else "cpu"

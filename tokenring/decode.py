@@ -1,0 +1,135 @@
+"""Decoding over a sequence-sharded KV cache: new tokens' queries attend every rank's cached keys, exactly.
+
+After a sharded prefill each rank keeps its own rows of every layer's K/V; nothing is gathered. A decode step
+runs the model on the same ``t`` new tokens on every rank (they are tiny), so every rank has their queries.
+Each rank attends them to the rows it holds (old rows in full; the new tokens it stores causally among
+themselves) and the partials ``(out, lse)`` are merged exactly through their log-sum-exp::
+
+    rank r:   (o_r, lse_r) = attention(Q_new, K/V rows held by r)
+    all ranks: all-gather (o_r, lse_r) over r, merge in rank order  ->  identical output bits everywhere
+
+Every rank needs the output (the rest of the model runs replicated on the new tokens), so the partials go to
+every rank: an all-gather of ``B*t*H*(d+1)`` accumulator-dtype numbers per rank and layer, i.e. each rank
+receives ``(P-1) * B*t*H*(d+1) * 4`` bytes per layer and step (float32 accumulators), whatever the cache length.
+
+Where new tokens' K/V go (:func:`place_new`): contiguous runs of the step's tokens to the ranks holding the
+fewest cached rows, so shards stay within one token of balanced; the order of cached rows never matters for
+attention to later tokens (every cached token precedes every new one), only the causal order among one
+step's new tokens, which the tiles keep.
+"""
+from __future__ import annotations
+
+import datetime
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .comm import get_timeout
+from .kernels import block_forward
+from .layouts import group_info
+from .merge import merge_, new_accumulator
+
+__all__ = ["decode_attention", "place_new", "step_bytes"]
+
+
+def place_new(counts: list[int], t: int) -> list[tuple[int, int]]:
+    """Which of ``t`` new tokens each rank stores, given the rows ``counts[r]`` each rank holds: a contiguous
+    range ``(a, b)`` of the step's token indices per rank (empty: ``a == b``), filling the emptiest ranks first
+    and keeping the tokens' order across ranks. The same answer on every rank."""
+    P = len(counts)
+    after = list(counts)
+    for _ in range(t):  # water-filling: each token to the emptiest rank (ties: the lowest rank)
+        r = min(range(P), key=lambda i: (after[i], i))
+        after[r] += 1
+    out, a = [], 0
+    for r in range(P):
+        n = after[r] - counts[r]
+        out.append((a, a + n))
+        a += n
+    return out
+
+
+def step_bytes(B: int, t: int, H: int, d: int, P: int, acc_bytes: int = 4) -> int:
+    """Bytes each rank receives per layer and decode step (the all-gather of partials, header excluded)."""
+    return (P - 1) * B * t * H * (d + 1) * acc_bytes
+
+
+def _code(x) -> float:
+    return float(zlib.crc32(str(x).encode()))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, new: tuple[int, int] | None = None,
+                     softmax_scale: float | None = None, group=None, state: tuple = (),
+                     log: list | None = None) -> torch.Tensor:
+    """Attention of ``t`` new tokens' queries to a KV cache sharded over the ranks of ``group``.
+
+    ``q``: (B, t, H, d), the same on every rank. ``k``, ``v``: (B, n, Hkv, d), the cache rows this rank holds;
+    if it stores some of this step's new tokens, they are its last rows and ``new = (a, b)`` says which (token
+    indices ``a..b-1`` of the step; they see each other causally, every earlier row in full). Returns
+    (B, t, H, d) in ``q.dtype``, identical on every rank. ``state``: numbers that must agree across ranks
+    (e.g. the cache's global length and layer), checked with the shapes before any partial travels: a
+    mismatch is a ``ValueError`` on every rank. ``log``: receives ``{"bytes": received}`` per call."""
+    rank, P = group_info(group)
+    B, t, H, d = q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or H % max(1, k.shape[2]):
+        raise ValueError(f"rank {rank}: decode_attention takes q (B, t, H, d) and k, v (B, n, Hkv, d) with "
+                         f"H % Hkv == 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    n = k.shape[1]
+    a, b = new if new is not None else (0, 0)
+    if not (0 <= a <= b <= t) or b - a > n:
+        raise ValueError(f"rank {rank}: new={new} must name token indices 0 <= a <= b <= t={t} stored as the "
+                         f"last {b - a} of this rank's {n} rows")
+    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    o, lse = new_accumulator(B, t, H, d, q.dtype, q.device)
+    old = n - (b - a)
+    if old:  # every cached row precedes every new token
+        merge_(o, lse, *block_forward(q, k[:, :old], v[:, :old], False, scale))
+    if b > a:  # new tokens a..b-1 stored here: queries a..b-1 see them causally, later queries in full
+        kn, vn = k[:, old:], v[:, old:]
+        merge_(o[:, a:b], lse[:, :, a:b], *block_forward(q[:, a:b], kn, vn, True, scale))
+        if b < t:
+            merge_(o[:, b:], lse[:, :, b:], *block_forward(q[:, b:], kn, vn, False, scale))
+    if P == 1:
+        return o.to(q.dtype)
+    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    header = torch.tensor([B, t, H, k.shape[2], d, _code(q.dtype), *map(float, state)], dtype=torch.float64,
+                          device=device)
+    _exchange_header(header, rank, P, group, state)
+    flat = torch.cat([o.reshape(-1), lse.reshape(-1)]).to(device)
+    parts = [torch.empty_like(flat) for _ in range(P)]
+    work = dist.all_gather(parts, flat, group=group, async_op=True)
+    _wait(work, rank, "the partial outputs", group)
+    if log is not None:
+        log.append({"bytes": (P - 1) * flat.numel() * flat.element_size()})
+    out, out_lse = new_accumulator(B, t, H, d, q.dtype, q.device)
+    for part in parts:  # rank order: the same bits on every rank
+        part = part.to(q.device)
+        merge_(out, out_lse, part[:o.numel()].view_as(o), part[o.numel():].view_as(lse))
+    return out.to(q.dtype)
+
+
+def _exchange_header(header: torch.Tensor, rank: int, P: int, group, state) -> None:
+    every = [torch.empty_like(header) for _ in range(P)]
+    work = dist.all_gather(every, header, group=group, async_op=True)
+    _wait(work, rank, "the decode step's shapes", group)
+    names = ["batch", "new tokens", "query heads", "key/value heads", "head dim", "dtype"] + \
+        [f"state[{i}]" for i in range(len(state))]
+    for r, other in enumerate(every):
+        bad = [f"{nm} ({x:g} on rank {r}, {y:g} here)" for nm, x, y in zip(names, other.tolist(), header.tolist())
+               if x != y]
+        if bad:
+            raise ValueError(f"tokenring decode (rank {rank}): rank {r} decodes with a different {'; '.join(bad)}. "
+                             f"Every rank must run the same step on the same new tokens with caches from the same "
+                             f"prefill (tokenring.hf.prefill on every rank with the same prompt)")
+
+
+def _wait(work, rank: int, what: str, group) -> None:
+    if dist.get_backend(group) == "nccl":  # the process group's own timeout and watchdog apply; no host block
+        work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=get_timeout()))
+    except Exception as e:
+        raise RuntimeError(f"tokenring decode (rank {rank}): exchanging {what} failed within {get_timeout():.0f} s "
+                           f"({e}); a rank died or is not decoding this step") from e

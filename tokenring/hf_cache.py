@@ -1,0 +1,173 @@
+"""Generation with Hugging Face models over a sequence-sharded KV cache (no rank ever holds the whole cache).
+
+    cache = tokenring.hf.prefill(model, input_ids)        # sharded prefill (TokenRing), every rank, same prompt
+    out = model.generate(input_ids, cache=cache, max_new_tokens=64)   # every rank, same arguments
+
+:func:`prefill` runs the prompt sharded over the ranks (each rank's layers see only its shard, attention runs
+through :func:`tokenring.attention`) into a :class:`ShardedCache`: each rank keeps its rows of every layer's
+K/V. ``model.generate`` then runs every decode step replicated on every rank (the new tokens are tiny); each
+layer's :meth:`ShardedLayer.update` stores the new tokens' K/V on the emptiest ranks
+(:func:`tokenring.decode.place_new`) and the attention is :func:`tokenring.decode.decode_attention` over the
+shards, whose merged output is bitwise the same on every rank, so every rank picks the same tokens (greedy,
+or sampling with the same seed).
+
+The cache reports one token fewer than it holds until the first decode step: ``generate`` then feeds the
+prompt's last token again (as it does after any prefill) and that step stores nothing, attending the cached
+prompt, which already contains that token.
+"""
+from __future__ import annotations
+
+import zlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .decode import decode_attention, place_new
+from .layouts import group_info
+
+__all__ = ["ShardedCache", "ShardedLayer", "prefill", "take_step", "decode_step"]
+
+# layer index -> (the layer, what its last update did), set by ShardedLayer.update and read by the attention
+# function of the same layer right after (transformers calls them back to back inside one attention module)
+_steps: dict[int, tuple["ShardedLayer", dict]] = {}
+
+
+class ShardedLayer(DynamicLayer):
+    """One layer's K/V rows held by this rank, (B, Hkv, n, d) as transformers stores them.
+
+    ``counts[r]``: rows rank ``r`` holds (the same list on every rank); ``total``: the global length;
+    ``skip``: 1 until the first decode step (see the module docstring)."""
+
+    def __init__(self, owner: "ShardedCache", layer_idx: int):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.counts = [0] * owner.P
+        self.total = 0
+        self.skip = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]  # (B, Hkv, 0, d): no rows yet
+        o = self.owner
+        t = key_states.shape[-2]
+        if self.keys.numel() and key_states.shape[1::2] != self.keys.shape[1::2]:
+            raise ValueError(f"tokenring ShardedCache (layer {self.layer_idx}): this cache holds K/V with "
+                             f"{self.keys.shape[1]} heads of dim {self.keys.shape[3]}, the model gives "
+                             f"{key_states.shape[1]} of dim {key_states.shape[3]}: a cache from another model")
+        if o.prefilling:
+            if self.total:
+                raise ValueError("tokenring ShardedCache: prefill into a cache that already holds tokens; "
+                                 "use a new cache per prompt")
+            self.keys, self.values = key_states, value_states
+            self.counts, self.total = [t] * o.P, t * o.P
+            info = {"prefill": True}
+        elif self.skip:
+            if t != 1:
+                raise ValueError(f"tokenring ShardedCache: the first step after prefill must feed the prompt's last "
+                                 f"token again (as model.generate does), got {t} tokens")
+            self.skip = 0
+            info = {"new": None}
+        else:
+            a, b = place_new(self.counts, t)[o.rank]
+            if b > a:
+                self.keys = torch.cat([self.keys, key_states[:, :, a:b]], dim=-2)
+                self.values = torch.cat([self.values, value_states[:, :, a:b]], dim=-2)
+            for r, (x, y) in enumerate(place_new(self.counts, t)):
+                self.counts[r] += y - x
+            self.total += t
+            info = {"new": (a, b) if b > a else None}
+        _steps[self.layer_idx] = (self, info)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.total - self.skip
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("tokenring ShardedCache: beam search is not supported (greedy and sampling are)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("tokenring ShardedCache: cropping (assisted decoding) is not supported")
+
+    def nbytes(self) -> int:
+        """Bytes of the K/V this rank holds for the layer."""
+        return 0 if self.keys is None else self.keys.numel() * self.keys.element_size() * 2
+
+
+class ShardedCache(Cache):
+    """A transformers ``Cache`` whose layers hold this rank's rows of the K/V (see the module docstring).
+    Fill it with :func:`prefill`; pass it to ``model.generate(cache=...)`` on every rank."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank, self.P = group_info(group)
+        self.prefilling = False
+        self.log: list | None = None  # set to a list to receive each decode attention's {"bytes": received}
+        super().__init__(layer_class_to_replicate=self._new_layer)
+
+    def _new_layer(self) -> ShardedLayer:
+        return ShardedLayer(self, len(self.layers))
+
+    def nbytes(self) -> int:
+        """Bytes of K/V this rank holds, all layers."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = None) -> ShardedCache:
+    """Run the prompt ``input_ids`` (B, S) -- the full prompt, the same on every rank -- sharded over the ranks
+    and return the :class:`ShardedCache` of this rank's K/V rows, ready for ``model.generate(input_ids,
+    cache=cache)``. Any ``S``: the largest part that splits over the layout (``2P`` chunks for
+    zigzag) is prefilled sharded with :func:`tokenring.attention`, the few tokens left as one decode step."""
+    from . import hf
+    group = group if group is not None else hf._settings.group
+    rank, P = group_info(group)
+    if input_ids.dim() != 2:
+        raise ValueError(f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
+                         f"(batch, seq) prompt, the same on every rank")
+    if P > 1:  # the same prompt everywhere, or a ValueError on every rank
+        mine = torch.tensor([float(zlib.crc32(input_ids.cpu().numpy().tobytes())), *input_ids.shape],
+                            dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(P)]
+        dist.all_gather(every, mine, group=group)
+        bad = [r for r, e in enumerate(every) if not torch.equal(e, every[0])]
+        if bad:
+            raise ValueError(f"tokenring.hf.prefill (rank {rank}): rank(s) {bad} pass a different prompt than rank "
+                             f"0 (shape or tokens); every rank must prefill the same full prompt")
+    cache = ShardedCache(group)
+    layout = layout or hf._settings.layout
+    S = input_ids.shape[1]
+    split = S - S % (2 * P if layout == "zigzag" else P)  # the rest (< 2P tokens) goes in as one decode step
+    with torch.no_grad():
+        if split:
+            batch = hf.shard_batch(input_ids[:, :split], layout=layout, group=group)
+            batch["use_cache"] = True
+            cache.prefilling = True
+            try:
+                model(**batch, cache=cache)
+            finally:
+                cache.prefilling = False
+        if split < S:
+            pos = torch.arange(split, S, device=input_ids.device).expand(input_ids.shape[0], -1)
+            model(input_ids=input_ids[:, split:], position_ids=pos, cache=cache, use_cache=True)
+    for layer in cache.layers:
+        layer.skip = 1  # model.generate feeds the prompt's last token again: that step stores nothing
+    return cache
+
+
+def take_step(module) -> tuple[ShardedLayer, dict] | None:
+    """What the :class:`ShardedLayer` of ``module``'s layer did on its last update (``None``: not a sharded
+    cache, or already taken)."""
+    return _steps.pop(getattr(module, "layer_idx", None), None)
+
+
+def decode_step(layer: ShardedLayer, info: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scaling: float | None) -> torch.Tensor:
+    """The attention of a decode step's queries (B, H, t, d) over the shards; returns (B, t, H, d)."""
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    return decode_attention(q, k, v, new=info["new"], softmax_scale=scaling, group=layer.owner.group,
+                            state=(layer.total, layer.layer_idx), log=layer.owner.log)
