@@ -7,7 +7,8 @@ A Llama-architecture model with random weights (hidden 512, 4 layers, 8 query / 
 vocab 32000, float32). Per P: P local gloo ranks (the machine's cores shared, 1 thread each) run
 ``tokenring.hf.prefill`` (sharded prompt, TokenRing attention) and ``model.generate`` greedy over the sharded
 cache; one process (as many threads as cores) runs ``model.generate`` with transformers' own cache and sdpa.
-Reported: prefill seconds, decode seconds per token (generate's time / new tokens), K/V cache bytes per rank
+Reported: prefill seconds (one process: ``generate`` of one token), decode seconds per token (ranks:
+``generate``'s time / new tokens; one process: the extra time of ``new`` over one token / ``new - 1``), K/V cache bytes per rank
 vs the single process's, bytes each rank received per decode step (from the decode log) vs the formula
 ``layers * (P-1) * B*t*H*(d+1) * 4``, and whether the generated ids equal the single process's (and the max
 logit difference). Writes ``bench/results/decode.{md,json}``.
@@ -66,15 +67,16 @@ def single(prompt: int, new: int) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
     model = build("sdpa")
     ids = torch.randint(0, CFG["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
     with torch.no_grad():
         t0 = time.perf_counter()
-        model(input_ids=ids, use_cache=False)
+        model.generate(ids, attention_mask=mask, **gen_kw(1))  # prefill + the first token
         t1 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kw(new))
+        out = model.generate(ids, attention_mask=mask, **gen_kw(new))
         t2 = time.perf_counter()
     cache = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in out.past_key_values.layers)
-    # generate = prefill + new decode steps: its decode time per token excludes one more prefill
-    return dict(prefill_s=t1 - t0, decode_s_per_token=max(0.0, (t2 - t1) - (t1 - t0)) / new, cache_bytes=cache,
+    # decode per token: the difference of the two generate calls over the extra new - 1 tokens
+    return dict(prefill_s=t1 - t0, decode_s_per_token=((t2 - t1) - (t1 - t0)) / (new - 1), cache_bytes=cache,
                 ids=out.sequences[0, prompt:].tolist(), logits=[x[0].tolist() for x in out.logits[:4]])
 
 
