@@ -124,3 +124,11 @@ def test_core_imports_without_transformers():
             "try:\n    import tokenring.hf\nexcept ImportError as e:\n    assert 'tokenring-attn[hf]' in str(e)\n"
             "else:\n    raise SystemExit('tokenring.hf imported without transformers')\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_demo_generate(capsys):
+    """`tokenring demo --generate`: prefill + generation on 2 ranks; exit code 0 means the ids equal one process's."""
+    from tokenring.tools.demo import main
+    assert main(["--generate", "4", "--seq", "64", "--ranks", "2", "--hidden", "64", "--layers", "1", "--heads", "4",
+                 "--kv-heads", "2", "--vocab", "128", "--quiet"]) == 0
+    assert "KV cache/rank" in capsys.readouterr().out

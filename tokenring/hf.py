@@ -37,7 +37,8 @@ What is refused, with a ``ValueError`` that says why:
   batch rows that pack different documents;
 - logit soft-capping (Gemma 2), attention sinks (gpt-oss), position biases (T5-style);
 - attention dropout > 0 (set ``config.attention_dropout = 0``);
-- a KV cache holding earlier tokens (decoding): prefill and training only, pass ``use_cache=False``;
+- a regular KV cache holding earlier tokens; decode with :func:`prefill`'s sharded cache instead
+  (``model.generate(input_ids, cache=tokenring.hf.prefill(model, input_ids))``, see :mod:`tokenring.hf_cache`);
 - ``output_attentions=True`` (the weights are never materialised; ``None`` is returned with a warning).
 
 Not detected: models that overlay their own mask functions on the causal mask (e.g. bidirectional image-token

@@ -147,13 +147,13 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
             batch = hf.shard_batch(input_ids[:, :split], layout=layout, group=group)
             batch["use_cache"] = True
             cache.prefilling = True
-            try:
-                model(**batch, cache=cache)
+            try:  # no logits needed: only the last local token's (not S/P x vocab of them)
+                model(**batch, cache=cache, logits_to_keep=1)
             finally:
                 cache.prefilling = False
         if split < S:
             pos = torch.arange(split, S, device=input_ids.device).expand(input_ids.shape[0], -1)
-            model(input_ids=input_ids[:, split:], position_ids=pos, cache=cache, use_cache=True)
+            model(input_ids=input_ids[:, split:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
     for layer in cache.layers:
         layer.skip = 1  # model.generate feeds the prompt's last token again: that step stores nothing
     return cache

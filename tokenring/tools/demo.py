@@ -3,6 +3,7 @@ next to the same model in one process: prefill time, tokens/s, peak memory per r
 
     tokenring demo [--seq 16384] [--ranks 4] [--model PATH] [--png tokenring-demo-timeline.png]
     tokenring demo --layer [--seq 16384] ...        # one attention layer instead of a model (needs only torch)
+    tokenring demo --generate 32 [--seq 4096] ...   # prefill + generation over the sharded KV cache
 
 Without ``--model`` the model is built from a config with random weights (hidden 512, 4 layers, 8 heads, 2 KV
 heads: GQA, vocab 32000); ``--model PATH`` loads a local checkpoint (never the network). Every process builds
@@ -127,7 +128,7 @@ def _build(spec: dict, attn: str):
     cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=(8 * h // 3 + 63) // 64 * 64,
                                    num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                                    num_key_value_heads=spec["kv_heads"], vocab_size=spec["vocab"],
-                                   max_position_embeddings=max(spec["seq"], 2048), rope_theta=500000.0,
+                                   max_position_embeddings=max(spec["seq"] + 4096, 2048), rope_theta=500000.0,
                                    attention_dropout=0.0, tie_word_embeddings=False)
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
 
@@ -295,6 +296,78 @@ def _model_main(a) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Generation (--generate N): sharded prefill, then model.generate over the sharded KV cache
+
+def _gen_kw(n: int) -> dict:
+    return dict(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def _gen_single(rank: int, P: int, spec: dict, n: int) -> dict:
+    model = _build(spec, "sdpa")
+    ids = _prompt(spec["seq"], model.config.vocab_size)
+    mask = torch.ones_like(ids)
+    base = _reset_peak()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, **_gen_kw(1))  # prefill + the first token
+        t1 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **_gen_kw(n))
+        t2 = time.perf_counter()
+    cache = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in out.past_key_values.layers)
+    return dict(prefill=t1 - t0, per_token=((t2 - t1) - (t1 - t0)) / max(1, n - 1), cache=cache,
+                peak=_peak_bytes() - base, ids=out.sequences[0, spec["seq"]:].tolist())
+
+
+def _gen_rank(rank: int, P: int, spec: dict, n: int, strategy: str) -> dict:
+    import tokenring.hf as thf
+    model = _build(spec, "tokenring")
+    ids = _prompt(spec["seq"], model.config.vocab_size)
+    base = _reset_peak()
+    with thf.settings(strategy=strategy):
+        t0 = time.perf_counter()
+        cache = thf.prefill(model, ids)
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                 return_dict_in_generate=True, **_gen_kw(n))
+        t2 = time.perf_counter()
+    return dict(prefill=t1 - t0, per_token=(t2 - t1) / n, cache=cache.nbytes(), peak=_peak_bytes() - base,
+                ids=out.sequences[0, spec["seq"]:].tolist())
+
+
+def _generate_main(a) -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("tokenring demo --generate needs transformers: pip install -e '.[demo]'")
+        return 2
+    P, S, n = a.ranks, a.seq, a.generate
+    spec = _spec(a)
+    strategy = a.strategies.split(",")[0] if a.strategies else "auto"
+    cores = os.cpu_count() or 1
+    print(f"generation: prefill a {S}-token prompt sharded over {P} local ranks (strategy {strategy!r}), then "
+          f"{n} greedy tokens with model.generate over the sharded KV cache; vs one process ({cores} threads, "
+          f"transformers' sdpa and cache). Model: {a.model or f'Llama, random weights, hidden {a.hidden}, {a.layers} layers, {a.heads}/{a.kv_heads} heads'}, float32")
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    t_start = time.perf_counter()
+    one = spawn(_gen_single, 1, spec, n, threads=cores)[0]
+    ranks = spawn(_gen_rank, P, spec, n, strategy)
+    mb = 1 / 2 ** 20
+    print(f"\n{'':<16}{'prefill':>9}{'ms/token':>10}{'KV cache/rank':>15}{'vs single':>11}{'peak mem/rank':>15}")
+    print(f"{'single-process':<16}{one['prefill']:>8.1f}s{one['per_token'] * 1e3:>10.1f}{one['cache'] * mb:>12.1f} MB"
+          f"{1:>10.2f}x{one['peak'] * mb:>12.0f} MB")
+    cache = max(r["cache"] for r in ranks)
+    print(f"{f'{P} ranks':<16}{max(r['prefill'] for r in ranks):>8.1f}s{max(r['per_token'] for r in ranks) * 1e3:>10.1f}"
+          f"{cache * mb:>12.1f} MB{cache / one['cache']:>10.2f}x{max(r['peak'] for r in ranks) * mb:>12.0f} MB")
+    same = all(r["ids"] == one["ids"] for r in ranks)
+    print(f"generated ids equal the single process's on every rank: {'yes' if same else 'NO'}")
+    if P > cores:
+        print(f"note: {P} ranks share {cores} cores here, so times measure overhead, not a speed-up")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    return 0 if same else 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The single attention layer demo (--layer): needs only torch
 
 def _inputs(S: int, H: int, Hkv: int, d: int):
@@ -360,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--head-dim", type=int, default=64, help="(--layer) head dim")
     ap.add_argument("--repeats", type=int, default=3, help="(--layer) timed calls per strategy")
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="prefill, then generate N greedy tokens over the sharded KV cache")
     a = ap.parse_args(argv)
+    if a.generate:
+        return _generate_main(a)
     if a.layer:
         if a.kv_heads == 2 and "--kv-heads" not in (argv if argv is not None else sys.argv):
             a.kv_heads = a.heads  # the layer demo's historical default: MHA
