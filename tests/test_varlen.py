@@ -37,7 +37,8 @@ def grid(P: int) -> list[dict]:
     i = 0
     for strategy in STRATEGIES:
         for causal in (False, True):
-            for mode in ("docs", "window<shard", "window=shard", "window>shard", "docs+window"):
+            for mode in ("docs", "docs spanning all", "window<shard", "window=shard", "window>shard",
+                         "docs+window"):
                 i += 1
                 H, Hkv = (4, 2) if i % 2 else (4, 4)
                 if strategy != "auto" and why_not(strategy, H, Hkv, P):
@@ -47,7 +48,9 @@ def grid(P: int) -> list[dict]:
                 case = dict(B=1 + i % 2, s=s, H=H, Hkv=Hkv, d=(8, 12, 16)[i % 3], causal=causal,
                             layout="zigzag" if causal and i % 3 else "contiguous", strategy=strategy, seed=i,
                             dtype=("float64", "float64", "float32", "bfloat16")[i % 4])
-                if "docs" in mode:
+                if mode == "docs spanning all":  # short documents at both ends, one over every rank between
+                    case["cu_seqlens"] = [0, 1, 2 + i % (s - 2), S - 1, S]
+                elif "docs" in mode:
                     case["cu_seqlens"] = documents(S, s, rng)
                 if "window" in mode:
                     w = {"window<shard": s // 2, "window=shard": s, "window>shard": s + 3, "docs+window": 3}[mode]
