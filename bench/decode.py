@@ -16,7 +16,6 @@ logit difference). Writes ``bench/results/decode.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,6 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
+
+import _results  # noqa: E402
 
 CFG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
            vocab_size=32000, max_position_embeddings=65536, rope_theta=10000.0, attention_dropout=0.0,
@@ -126,13 +127,8 @@ def main(argv=None) -> int:
         lines.append(f"| P={r['P']} | {r['prefill_s']:.2f} | {r['decode_s_per_token'] * 1e3:.1f} | {c / 1e6:.2f} | "
                      f"{c / one['cache_bytes']:.3f} | {r['step_bytes_median']} | {r['step_bytes_formula']} | "
                      f"{r['same_ids']} | {r['max_logit_diff']:.1e} |")
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(dict(machine=bench.machine(), prompt=a.prompt, new=a.new, model=CFG, single=one, runs=runs), f,
-                  indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _results.write(a.out, dict(machine=bench.machine(), prompt=a.prompt, new=a.new, model=CFG, single=one,
+                               runs=runs), lines)
     return 0
 
 

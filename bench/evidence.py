@@ -41,6 +41,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
+import _results  # noqa: E402
+
 from tokenring.sim import get_topology, simulate  # noqa: E402
 from tokenring.sim.kernel_model import cpu_share, kernel_model  # noqa: E402
 from tokenring.sim.simulator import shapes_for  # noqa: E402
@@ -218,16 +220,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     raw = os.path.join(a.out, "evidence_measurements.json")
-    if a.from_json:
-        with open(a.from_json) as f:
-            meas = json.load(f)["measurements"]
-    else:
+    meas, ok = _results.measurements(a.from_json, "evidence")
+    if not ok:
+        return 2
+    if meas is None:
         from tokenring.tools.bench import machine
-        from tokenring.tools.testbed import available
-        why = available()
-        if why:
-            print(f"evidence: cannot measure: {why}; use --from-json")
-            return 2
         cfgs = (heldout_grid() if "held-out" in a.grids else []) + (tuning_grid() if "tuning" in a.grids else [])
         meas = []
         os.makedirs(a.out, exist_ok=True)

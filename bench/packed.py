@@ -17,7 +17,6 @@ total). Writes every timed call to ``bench/results/packed.json`` and the table t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -28,6 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
+
+import _results  # noqa: E402
 
 STRATEGIES = ["token_ring", "token_ring:relay", "ring", "ulysses"]
 _REFS: dict = {}
@@ -207,13 +208,8 @@ def main(argv=None) -> int:
             per_doc = got.get("per-document zigzag (analytic)")
             out.append(f"| {m} | {got['zigzag']:.2f} | {got['contiguous']:.2f} | "
                        f"{'-' if per_doc is None else f'{per_doc:.2f}'} |")
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(dict(machine=bench.machine(), S=S, P=P, shapes=dict(B=1, H=8, Hkv=2, d=64, dtype="float32"),
-                       rows=rows, balance=bal), f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write("\n".join(out) + "\n")
-    print("\n".join(out))
+    _results.write(a.out, dict(machine=bench.machine(), S=S, P=P, shapes=dict(B=1, H=8, Hkv=2, d=64,
+                                                                        dtype="float32"), rows=rows, balance=bal), out)
     return 0
 
 

@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
+import _results  # noqa: E402
+
 import tokenring  # noqa: E402
 from tokenring.sim import get_topology, simulate  # noqa: E402
 from tokenring.sim.kernel_model import cpu_share, kernel_model  # noqa: E402
@@ -250,15 +252,10 @@ def main(argv=None) -> int:
     heads = {"mha": [(8, 8)], "gqa": [(8, 2)], "both": [(8, 8), (8, 2)]}[a.attn]
     causals = {"yes": [True], "no": [False], "both": [False, True]}[a.causal]
     raw_path = os.path.join(a.out, "model_measurements.json")
-    if a.from_json:
-        with open(a.from_json) as f:
-            meas = json.load(f)["measurements"]
-    else:
-        from tokenring.tools.testbed import available
-        why = available()
-        if why:
-            print(f"validate_model: cannot measure: {why}. Use --from-json with earlier measurements.")
-            return 2
+    meas, ok = _results.measurements(a.from_json, "validate_model")
+    if not ok:
+        return 2
+    if meas is None:
         meas = []
         os.makedirs(a.out, exist_ok=True)
         if a.resume and os.path.exists(raw_path):
