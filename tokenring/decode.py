@@ -60,7 +60,7 @@ def _code(x) -> float:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, new: tuple[int, int] | None = None,
-                     softmax_scale: float | None = None, group=None, state: tuple = (),
+                     softmax_scale: float | None = None, group=None, state: tuple = (), check: bool = True,
                      log: list | None = None) -> torch.Tensor:
     """Attention of ``t`` new tokens' queries to a KV cache sharded over the ranks of ``group``.
 
@@ -69,7 +69,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, new: 
     indices ``a..b-1`` of the step; they see each other causally, every earlier row in full). Returns
     (B, t, H, d) in ``q.dtype``, identical on every rank. ``state``: numbers that must agree across ranks
     (e.g. the cache's global length and layer), checked with the shapes before any partial travels: a
-    mismatch is a ``ValueError`` on every rank. ``log``: receives ``{"bytes": received}`` per call."""
+    mismatch is a ``ValueError`` on every rank. ``check=False`` skips that exchange (one collective instead of
+    two) when an earlier call of the same step already checked, e.g. every layer after the first.
+    ``log``: receives ``{"bytes": received}`` per call."""
     rank, P = group_info(group)
     B, t, H, d = q.shape
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or H % max(1, k.shape[2]):
@@ -93,9 +95,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, new: 
     if P == 1:
         return o.to(q.dtype)
     device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    header = torch.tensor([B, t, H, k.shape[2], d, _code(q.dtype), *map(float, state)], dtype=torch.float64,
-                          device=device)
-    _exchange_header(header, rank, P, group, state)
+    if check:
+        header = torch.tensor([B, t, H, k.shape[2], d, _code(q.dtype), *map(float, state)], dtype=torch.float64,
+                              device=device)
+        _exchange_header(header, rank, P, group, state)
     flat = torch.cat([o.reshape(-1), lse.reshape(-1)]).to(device)
     parts = [torch.empty_like(flat) for _ in range(P)]
     work = dist.all_gather(parts, flat, group=group, async_op=True)

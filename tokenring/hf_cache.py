@@ -169,5 +169,8 @@ def decode_step(layer: ShardedLayer, info: dict, query: torch.Tensor, key: torch
                 scaling: float | None) -> torch.Tensor:
     """The attention of a decode step's queries (B, H, t, d) over the shards; returns (B, t, H, d)."""
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    # The first layer of a step checks that every rank decodes the same step (shapes, cache length); the
+    # others run the same model on the same tokens, so one collective per layer suffices after it.
     return decode_attention(q, k, v, new=info["new"], softmax_scale=scaling, group=layer.owner.group,
-                            state=(layer.total, layer.layer_idx), log=layer.owner.log)
+                            state=(layer.total, len(layer.owner.layers)), check=layer.layer_idx == 0,
+                            log=layer.owner.log)
