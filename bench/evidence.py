@@ -151,7 +151,7 @@ def report(meas: list[dict], predict, out_dir: str, runs: int) -> dict:
         m["rules"] = {rule: med[rule_pick(rule, cfg)] / best for rule in RULES if rule_pick(rule, cfg) in med}
         m["oracle"] = min(med, key=med.get)
     for part in ("tuning", "held-out"):
-        rs = [r for r in rows if r["set"] == part and r["strategy"] != "auto"]
+        rs = [r for r in rows if r["set"] == part]  # auto's rows: the prediction of the variant it ran
         if not rs:
             continue
         med_err = [abs(r["error_median"]) for r in rs]
