@@ -11,8 +11,8 @@ ulysses. Per call: the slowest rank's wall time (after a barrier), and the bytes
 Every output and gradient of the first call is checked against a float32 single-process SDPA with the same
 mask written out in full. Predicted: ``tokenring.sim.simulate`` on the topology and kernel model ``auto`` uses
 here (loopback, the analytic CPU model). Load balance: per rank, the query-key pairs its tiles compute
-(forward), max / mean over ranks, zigzag vs contiguous (all strategies compute the same pairs per rank in
-total). Writes every timed call to ``bench/results/packed.json`` and the table to ``packed.md``.
+(forward), max / mean over ranks, zigzag vs contiguous vs zigzag_docs (every document zigzagged over the
+ranks; all strategies compute the same pairs per rank in total). Causal packed runs use all three layouts. Writes every timed call to ``bench/results/packed.json`` and the table to ``packed.md``.
 """
 from __future__ import annotations
 
@@ -34,10 +34,13 @@ STRATEGIES = ["token_ring", "token_ring:relay", "ring", "ulysses"]
 _REFS: dict = {}
 
 
-def masks(S: int) -> dict:
+def masks(S: int, P: int) -> dict:
+    """The masks compared; the random documents' lengths are multiples of 2P so that the per-document layout
+    (``zigzag_docs``) applies to them too."""
     rng = random.Random(0)
+    unit = 2 * P
     return {"none": {}, "16 equal docs": dict(cu_seqlens=list(range(0, S + 1, S // 16))),
-            "16 random docs": dict(cu_seqlens=[0] + sorted(rng.sample(range(1, S), 15)) + [S]),
+            "16 random docs": dict(cu_seqlens=[0] + sorted(unit * x for x in rng.sample(range(1, S // unit), 15)) + [S]),
             "window 512": dict(window=(512, 512))}
 
 
@@ -67,7 +70,7 @@ def rank_fn(rank: int, P: int, S: int, causal: bool, layout: str, name: str, kw:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, S, h, 64, generator=g) for h in (8, 2, 2, 8)]
-    idx = local_positions(S, P, rank, layout)
+    idx = local_positions(S, P, rank, layout, cu_seqlens=kw.get("cu_seqlens"))
     local = [t.index_select(1, idx) for t in full]
     times, sent, err = [], [], None
     for i in range(repeats + 1):
@@ -94,13 +97,13 @@ def rank_fn(rank: int, P: int, S: int, causal: bool, layout: str, name: str, kw:
         sent.append(sum(r["bytes"] for _, recs in log for r in recs if r["direction"] == "send"))
     from tokenring.api import resolve
     ran = resolve(name, local[0].shape, local[1].shape, P, dtype=torch.float32, causal=causal, layout=layout,
-                  backward=True, mask=_mask(S, kw, causal)).name
+                  backward=True, mask=_mask(S, kw, causal, layout)).name
     return dict(times=times, bytes_sent=sent[0], max_rel_err=err, ran=ran)
 
 
-def _mask(S, kw, causal):
+def _mask(S, kw, causal, layout="zigzag"):
     from tokenring.masks import make_mask
-    return make_mask(S, kw.get("cu_seqlens"), kw.get("window"), causal)
+    return make_mask(S, kw.get("cu_seqlens"), kw.get("window"), causal, force=layout == "zigzag_docs")
 
 
 def predicted(name: str, S: int, P: int, causal: bool, layout: str, kw: dict) -> float:
@@ -110,7 +113,7 @@ def predicted(name: str, S: int, P: int, causal: bool, layout: str, kw: dict) ->
     topo, _ = get_current_topology(P, "cpu")
     sh = Shapes(1, S // P, 8, 2, 64, torch.float32, P)
     return simulate(name, sh, topo, _kernel(topo, P), causal=causal, layout=layout, backward=True,
-                    mask=_mask(S, kw, causal)).time
+                    mask=_mask(S, kw, causal, layout)).time
 
 
 def balance(S: int, P: int, kw: dict, layout: str) -> float:
@@ -119,7 +122,7 @@ def balance(S: int, P: int, kw: dict, layout: str) -> float:
     from tokenring.masks import shard_rows, shard_tiles
     from tokenring.strategies import get
     from tokenring.schedules import part_slice
-    mask = _mask(S, kw, True)
+    mask = _mask(S, kw, True, layout)
     s = S // P
     work = [0] * P
     for st in get("ring").schedule(P, layout, True, False, mask).steps:
@@ -131,23 +134,6 @@ def balance(S: int, P: int, kw: dict, layout: str) -> float:
                 n, m = t.q1 - t.q0, t.k1 - t.k0
                 work[c.rank] += (n * m if t.kind == "full" else n * (n + 1) // 2 if t.kind == "causal"
                                  else int(t.mask(mask, qpos, kpos).sum()))
-    return max(work) / (sum(work) / P)
-
-
-def balance_per_document(S: int, P: int, kw: dict) -> float | None:
-    """The same ratio for a per-document zigzag layout (not built: each document cut into 2P chunks, rank r
-    holding chunks r and 2P-1-r of every document), counted analytically: causal pairs within documents,
-    window ignored (documents only)."""
-    if "cu_seqlens" not in kw:
-        return None
-    cu = kw["cu_seqlens"]
-    work = [0] * P
-    for a, b in zip(cu, cu[1:]):
-        L = b - a
-        for c in range(2 * P):  # chunk c: rows [c*L//2P, (c+1)*L//2P) of the document, causal pairs within it
-            lo, hi = c * L // (2 * P), (c + 1) * L // (2 * P)
-            pairs = sum(i + 1 for i in range(lo, hi))
-            work[c if c < P else 2 * P - 1 - c] += pairs
     return max(work) / (sum(work) / P)
 
 
@@ -165,8 +151,8 @@ def main(argv=None) -> int:
     pool = RankPool(P, threads=1, timeout=3600)
     try:
         for causal in (False, True):
-            for mname, kw in masks(S).items():
-                layouts = ["zigzag", "contiguous"] if causal and "docs" in mname else \
+            for mname, kw in masks(S, P).items():
+                layouts = ["zigzag", "contiguous", "zigzag_docs"] if causal and "docs" in mname else \
                     ["zigzag" if causal else "contiguous"]
                 for layout in layouts:
                     for name in STRATEGIES:
@@ -181,9 +167,8 @@ def main(argv=None) -> int:
     finally:
         pool.close()
     bal = [dict(mask=m, layout=lay, max_over_mean=balance(S, P, kw, lay))
-           for m, kw in masks(S).items() if kw for lay in ("zigzag", "contiguous")]
-    bal += [dict(mask=m, layout="per-document zigzag (analytic)", max_over_mean=balance_per_document(S, P, kw))
-            for m, kw in masks(S).items() if "cu_seqlens" in kw]
+           for m, kw in masks(S, P).items() if kw for lay in ("zigzag", "contiguous", "zigzag_docs")
+           if "cu_seqlens" in kw or lay != "zigzag_docs"]
     base = {(r["causal"], r["layout"] if r["mask"] != "none" else r["layout"], r["strategy"]): r
             for r in rows if r["mask"] == "none"}
     out = [f"# Packed sequences and sliding windows vs unpacked, P={P}, S={S}", "",
@@ -201,11 +186,11 @@ def main(argv=None) -> int:
                    f"{r['predicted'] / b['predicted']:.2f} | {r['bytes_sent'] / 1e6:.2f} | "
                    f"{r['bytes_sent'] / max(1, b['bytes_sent']):.2f} | {r['max_rel_err']:.1e} |")
     out += ["", "Causal load balance (forward query-key pairs per rank, max / mean; 1.00 = perfect):", "",
-            "| mask | zigzag | contiguous | per-document zigzag (not built; analytic) |", "|---|---|---|---|"]
-    for m in masks(S):
+            "| mask | zigzag | contiguous | zigzag_docs (each document zigzagged) |", "|---|---|---|---|"]
+    for m in masks(S, P):
         got = {b["layout"]: b["max_over_mean"] for b in bal if b["mask"] == m}
         if got:
-            per_doc = got.get("per-document zigzag (analytic)")
+            per_doc = got.get("zigzag_docs")
             out.append(f"| {m} | {got['zigzag']:.2f} | {got['contiguous']:.2f} | "
                        f"{'-' if per_doc is None else f'{per_doc:.2f}'} |")
     _results.write(a.out, dict(machine=bench.machine(), S=S, P=P, shapes=dict(B=1, H=8, Hkv=2, d=64,

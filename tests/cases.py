@@ -58,7 +58,7 @@ def case_inputs(rank: int, P: int, case: dict) -> tuple[list[torch.Tensor], torc
     dtype, S = getattr(torch, case["dtype"]), s * P
     gen = torch.Generator().manual_seed(case.get("seed", 0))
     full = [torch.randn(B, S, h, d, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv, H)]
-    return full, local_positions(S, P, rank, case["layout"])
+    return full, local_positions(S, P, rank, case["layout"], cu_seqlens=case.get("cu_seqlens"))
 
 
 def check_case(rank: int, P: int, case: dict) -> dict:

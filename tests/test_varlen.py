@@ -59,10 +59,75 @@ def grid(P: int) -> list[dict]:
     return out
 
 
+def per_document_cases(P: int) -> list[dict]:
+    """layout="zigzag_docs": random documents of multiples of 2P tokens (one of 2P, one long), every strategy."""
+    rng = random.Random(77 + P)
+    out = []
+    for i, strategy in enumerate(STRATEGIES):
+        lengths = [2 * P, 2 * P * 5] + [2 * P * rng.randint(1, 3) for _ in range(2)]
+        rng.shuffle(lengths)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        H, Hkv = (2 * P, 2) if strategy == "ulysses" else (4, 2 if i % 2 else 4)
+        for causal in (True, False):
+            case = dict(B=1 + i % 2, s=cu[-1] // P, H=H, Hkv=Hkv, d=8, dtype="float64", causal=causal,
+                        layout="zigzag_docs", strategy=strategy, seed=i, cu_seqlens=cu)
+            if i % 3 == 0:
+                case["window"] = (5, 1)
+            out.append(case)
+    return out
+
+
 @pytest.mark.parametrize("P", [2, 3, 4, 5])
 def test_packed_and_windowed_match_reference(pools, P):
-    todo = grid(P)
+    todo = grid(P) + per_document_cases(P)
     assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
+def test_per_document_zigzag_balances_causal_work():
+    """Forward query-key pairs per rank (from the tiles of ring's schedule), 16 random documents at P=4: the
+    per-document layout within 2% of perfect balance, zigzag over the packed sequence far from it."""
+    from tokenring.masks import shard_rows, shard_tiles
+    from tokenring.schedules import part_slice
+    from tokenring.strategies import get
+    P, rng = 4, random.Random(9)
+    lengths = [2 * P * rng.randint(1, 64) for _ in range(16)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    S = cu[-1]
+    work = {}
+    for layout in ("zigzag", "zigzag_docs"):
+        mask = make_mask(S, cu, None, True, force=True)
+        per_rank = [0] * P
+        for st in get("ring").schedule(P, layout, True, False, mask).steps:
+            for c in st.computes:
+                qs, ks = part_slice(c.q_part, S // P), part_slice(c.kv_part, S // P)
+                qpos, kpos = shard_rows(mask, P, layout, c.q_owner, qs), shard_rows(mask, P, layout, c.kv_owner, ks)
+                for t in shard_tiles(mask, P, layout, c.q_owner, (qs.start, qs.stop), c.kv_owner, (ks.start, ks.stop)):
+                    n = t.q1 - t.q0
+                    per_rank[c.rank] += (n * (n + 1) // 2 if t.kind == "causal" else
+                                         n * (t.k1 - t.k0) if t.kind == "full" else int(t.mask(mask, qpos, kpos).sum()))
+        work[layout] = max(per_rank) / (sum(per_rank) / P)
+    assert work["zigzag_docs"] < 1.02, work
+    assert work["zigzag"] > 1.1, work
+
+
+def test_per_document_layout_shards_and_refuses():
+    from tokenring.layouts import gather, local_positions, shard
+    cu = [0, 8, 24, 32]
+    pos = torch.cat([local_positions(32, 2, r, "zigzag_docs", cu_seqlens=cu) for r in range(2)])
+    assert sorted(pos.tolist()) == list(range(32))
+    assert local_positions(32, 2, 0, "zigzag_docs", cu_seqlens=cu).tolist() == \
+        [0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23, 24, 25, 30, 31]
+    x = torch.arange(32)[None]
+    assert torch.equal(shard(x, layout="zigzag_docs", cu_seqlens=cu), x)  # one process: the whole tensor
+    assert torch.equal(gather(x, layout="zigzag_docs", cu_seqlens=cu), x)
+    with pytest.raises(ValueError, match="multiple of 2\\*P = 4"):
+        local_positions(32, 2, 0, "zigzag_docs", cu_seqlens=[0, 6, 32])
+    with pytest.raises(ValueError, match="needs cu_seqlens"):
+        local_positions(32, 2, 0, "zigzag_docs")
 
 
 def test_one_rank_packed_and_windowed():

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .comm import get_timeout, group_store
 from .kernels import tiled_backward, tiled_forward
-from .layouts import LAYOUTS, check_layout, default_layout, group_info
+from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
 from .masks import make_mask, shard_rows, shard_tiles
 from .schedules import Shapes
 from .strategies import ALIASES, FAMILIES, code as strategy_code, from_code, get as get_strategy
@@ -227,7 +227,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
     problem, mask = None, None
     try:
-        mask = make_mask(s * P, cu_seqlens, window, causal)
+        if layout == "zigzag_docs":
+            document_bounds(s * P, P, cu_seqlens)  # every document must split over the ranks
+        mask = make_mask(s * P, cu_seqlens, window, causal, force=layout == "zigzag_docs")
     except ValueError as e:  # still exchange signatures below, so every rank raises instead of waiting
         problem = ValueError(f"rank {rank}: {e}")
     if P == 1:

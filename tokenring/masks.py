@@ -86,9 +86,10 @@ class Mask:
         return slice(r0, r1), slice(int(a[r0:r1][(b > a)[r0:r1]].min()), int(b[r0:r1].max()))
 
 
-def make_mask(S: int, cu_seqlens, window, causal: bool) -> Mask | None:
+def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> Mask | None:
     """The :class:`Mask` for these arguments, or ``None`` when they mean plain full / causal attention (one
-    document, no window that cuts anything). Raises ``ValueError`` for malformed arguments."""
+    document, no window that cuts anything) and not ``force`` (a layout whose shards only positions describe,
+    ``zigzag_docs``, always needs one). Raises ``ValueError`` for malformed arguments."""
     bounds = (0, S)
     if cu_seqlens is not None:
         if isinstance(cu_seqlens, torch.Tensor):
@@ -118,26 +119,31 @@ def make_mask(S: int, cu_seqlens, window, causal: bool) -> Mask | None:
         right = 0
     left = -1 if left >= S - 1 else left  # a window as long as the sequence cuts nothing
     right = -1 if right >= S - 1 else right
-    if len(bounds) == 2 and left == -1 and (right == -1 or causal):
+    if len(bounds) == 2 and left == -1 and (right == -1 or causal) and not force:
         return None  # plain full or causal attention
     return Mask(S, bounds, left, right, causal)
 
 
 @lru_cache(maxsize=4096)
-def _positions(S: int, P: int, layout: str, owner: int) -> torch.Tensor:
+def _layout_positions(S: int, P: int, layout: str, owner: int, bounds) -> torch.Tensor:
     from .layouts import local_positions
-    return local_positions(S, P, owner, layout)
+    return local_positions(S, P, owner, layout, cu_seqlens=bounds)
+
+
+def _positions(mask: Mask, P: int, layout: str, owner: int) -> torch.Tensor:
+    """Global positions of ``owner``'s shard (``zigzag_docs`` cuts every document of the mask)."""
+    return _layout_positions(mask.S, P, layout, owner, mask.bounds if layout == "zigzag_docs" else None)
 
 
 def shard_rows(mask: Mask, P: int, layout: str, owner: int, rows: slice) -> torch.Tensor:
     """Global positions of rows ``rows`` of ``owner``'s shard."""
-    return _positions(mask.S, P, layout, owner)[rows]
+    return _positions(mask, P, layout, owner)[rows]
 
 
 @lru_cache(maxsize=4096)
 def shard_pair(mask: Mask, P: int, layout: str, q_owner: int, kv_owner: int) -> tuple[slice, slice] | None:
     """Which rows of ``q_owner``'s shard see which rows of ``kv_owner``'s (:meth:`Mask.pair`)."""
-    return mask.pair(_positions(mask.S, P, layout, q_owner), _positions(mask.S, P, layout, kv_owner))
+    return mask.pair(_positions(mask, P, layout, q_owner), _positions(mask, P, layout, kv_owner))
 
 
 @lru_cache(maxsize=8192)
@@ -145,8 +151,8 @@ def shard_tiles(mask: Mask, P: int, layout: str, q_owner: int, q_rows: tuple[int
                 kv_rows: tuple[int, int]) -> tuple["Tile", ...]:
     """:func:`tiles` of rows ``q_rows`` of ``q_owner``'s shard against rows ``kv_rows`` of ``kv_owner``'s
     (``P = 1``: the whole sequence in natural order, as Ulysses computes it)."""
-    qpos = _positions(mask.S, P, layout, q_owner)[slice(*q_rows)]
-    kpos = _positions(mask.S, P, layout, kv_owner)[slice(*kv_rows)]
+    qpos = _positions(mask, P, layout, q_owner)[slice(*q_rows)]
+    kpos = _positions(mask, P, layout, kv_owner)[slice(*kv_rows)]
     return _tiles(mask, qpos, kpos)
 
 
