@@ -215,6 +215,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     row of the batch); ``window=(left, right)`` lets query ``i`` see keys ``i-left .. i+right`` (``-1``:
     unbounded; ``causal`` caps ``right`` at 0). Every strategy takes both; blocks no query sees are neither
     computed nor sent (Ulysses skips the computation only: its all-to-alls move every row).
+    ``layout="zigzag_docs"`` (with ``cu_seqlens``, every document a multiple of ``2P`` tokens; shard with
+    ``tokenring.shard(x, layout="zigzag_docs", cu_seqlens=cu)``) zigzags each document over the ranks, which
+    balances causal work whatever the document lengths.
     """
     rank, P = group_info(group)
     _check_local(q, k, v, rank)
