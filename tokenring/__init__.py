@@ -3,15 +3,19 @@
     out = tokenring.attention(q, k, v, causal=True)        # q: (B, s, H, d) shard, k/v: (B, s, Hkv, d)
     x_local = tokenring.shard(x_full, dim=1, layout="zigzag")
     x_full = tokenring.gather(x_local, dim=1, layout="zigzag")
+    out = tokenring.attention(q, k, v, causal=True, cu_seqlens=cu, window=(4095, 0))   # packed docs, a window
+    out = tokenring.decode_attention(q_new, k_rows, v_rows)   # new tokens over a sequence-sharded KV cache
 
 The cost model behind ``strategy="auto"`` (``tokenring.sim``) is imported on first use only.
 """
 from .api import STRATEGY_NAMES, attention, choose_strategy
 from .comm import get_timeout, set_timeout
+from .decode import decode_attention
 from .layouts import gather, local_positions, shard
 
 __version__ = "0.1.0"
-__all__ = ["attention", "shard", "gather", "local_positions", "choose_strategy", "explain", "set_topology",
+__all__ = ["attention", "decode_attention", "shard", "gather", "local_positions", "choose_strategy", "explain",
+           "set_topology",
            "get_current_topology", "set_timeout", "get_timeout",
            "STRATEGY_NAMES", "__version__"]
 
