@@ -298,3 +298,25 @@ def test_cpu_calibration_small():
     t_small = m.block_time(32, 32, 2, 2, 16, False, False)
     t_big = m.block_time(256, 256, 2, 2, 16, False, False)
     assert 0 < t_small < t_big and m.merge_time(1000) > 0
+
+
+@pytest.mark.parametrize("topo", ["switch:100mbit", "mesh:100mbit", "ring:100mbit"])
+def test_queued_variant_only_adds_waits(topo):
+    """simulate(queued=True) (messages also wait for resources busy with earlier steps' messages) is never
+    faster than the default model, and equals it for schedules whose messages all finish in their own step
+    (the classic ring on a switch: every message is due in the step that posts it)."""
+    import torch
+    from tokenring.schedules import Shapes
+    from tokenring.sim import get_topology
+    sh = Shapes(1, 1024, 8, 8, 64, torch.float32, 4)
+    t = get_topology(topo, 4)
+    for name in ("token_ring:relay", "token_ring:direct,c=2,k=1", "token_ring:direct,c=4,k=2", "ring",
+                 "ring:direct,c=1,k=3", "ulysses"):
+        for causal in (False, True):
+            a = simulate(name, sh, t, flat_kernel(1e-3), causal=causal, backward=True).time
+            b = simulate(name, sh, t, flat_kernel(1e-3), causal=causal, backward=True, queued=True).time
+            assert b >= a * (1 - 1e-12), (name, causal, a, b)
+            if name == "ring" and topo.startswith("switch"):
+                assert b == pytest.approx(a), (name, causal, a, b)
+            if name == "token_ring:direct,c=4,k=2" and topo.startswith("switch"):
+                assert b > 1.2 * a, (name, causal, a, b)  # its prefetches share the port with later steps'

@@ -190,8 +190,14 @@ def _in_order(pair: np.ndarray, nbytes: np.ndarray, dur: np.ndarray) -> np.ndarr
     return out
 
 
-def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelModel) -> PassResult:
+def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelModel,
+                  queued: bool = False) -> PassResult:
+    """One pass of ``cs``. ``queued``: a variant of the model (not the default, not validated for ``auto``)
+    in which a message also waits for the links/ports it uses to be free of messages posted in *earlier*
+    steps and still in flight (prefetches, partials due later); by default only messages posted in the same
+    step share a resource."""
     P = cs.P
+    res_free = np.zeros(0) if queued else None  # per resource id: when its last message finishes
     comp_cost = _compute_costs(cs, sh, km)
     nbytes, handle = _message_costs(cs, sh, km)
     T = np.zeros(P)
@@ -222,7 +228,16 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
                 start = np.maximum(start, pair_free[pair])
             if pair_free is not None:
                 dur = _in_order(pair, b, dur)
+            if res_free is not None:  # wait for the resources still busy with earlier steps' messages
+                fi, ri = topo._routes(ms, md)
+                if ri.size and ri.max() >= res_free.size:
+                    res_free = np.concatenate([res_free, np.zeros(int(ri.max()) + 1 - res_free.size)])
+                busy_until = np.zeros(ms.size)
+                np.maximum.at(busy_until, fi, res_free[ri])
+                start = np.maximum(start, busy_until)
             fin = start + dur
+            if res_free is not None:
+                np.maximum.at(res_free, ri, fin[fi])
             if pair_free is not None:
                 np.maximum.at(pair_free, pair, fin)
             now = du <= t
@@ -282,10 +297,12 @@ def fastest(results: list[SimResult]) -> SimResult:
 
 
 def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelModel | None = None, *,
-             causal: bool = False, layout: str | None = None, backward: bool = False, mask=None) -> SimResult:
+             causal: bool = False, layout: str | None = None, backward: bool = False, mask=None,
+             queued: bool = False) -> SimResult:
     """Predict one attention call (``backward=True``: forward + backward) of ``strategy`` on ``topology``
     (resized to ``shapes.P`` ranks if needed). ``mask``: a :class:`tokenring.masks.Mask` (packed documents,
-    a window; see :func:`tokenring.masks.make_mask`) whose empty blocks the schedules skip."""
+    a window; see :func:`tokenring.masks.make_mask`) whose empty blocks the schedules skip. ``queued``: the
+    model variant of :func:`simulate_pass` (messages queue behind earlier steps' on shared resources)."""
     layout = layout or default_layout(causal)
     st = get_strategy(strategy)
     zigzag = causal and layout == "zigzag"
@@ -294,15 +311,16 @@ def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelMo
         raise ValueError(why)
     if st.mode == "auto":  # a family choice: its fastest variant (what tokenring.attention would run)
         return fastest([simulate(n, shapes, topology, kernel, causal=causal, layout=layout, backward=backward,
-                                 mask=mask)
+                                 mask=mask, queued=queued)
                         for n in variant_candidates(strategy, shapes, causal, layout)])
     if topology.P != shapes.P:
         topology = topology.with_P(shapes.P)
     km = kernel or kernel_model(topology.device)
-    passes = [simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, False, mask), shapes, topology, km)]
+    passes = [simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, False, mask), shapes, topology, km,
+                            queued)]
     if backward:
         passes.append(simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, True, mask), shapes,
-                                    topology, km))
+                                    topology, km, queued))
     return SimResult(strategy, topology.name, shapes, causal, layout, passes)
 
 

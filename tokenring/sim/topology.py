@@ -216,6 +216,18 @@ class RingTopology(Topology):
     def _latency(self, src, dst):
         return self._ways(src, dst)[1] * self.latency
 
+    def _routes(self, src, dst):
+        """Links a flow crosses: clockwise link ``i`` (``i -> i+1``) is resource ``i``, counter-clockwise link
+        ``i`` (``i -> i-1``) resource ``P + i`` (``flow_times`` computes loads directly; this serves the
+        simulator's queued variant)."""
+        P = self.P
+        fwd, hops = self._ways(src, dst)
+        fi = np.repeat(np.arange(src.size), hops)
+        step = np.concatenate([np.arange(h) for h in hops]) if hops.size else np.zeros(0, np.int64)
+        s, f = src[fi], fwd[fi]
+        ri = np.where(f, (s + step) % P, P + (s - step) % P)
+        return fi.astype(np.int64), ri.astype(np.int64)
+
     def flow_times(self, src, dst, nbytes) -> np.ndarray:
         src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         nbytes = np.asarray(nbytes, dtype=np.float64)
