@@ -53,7 +53,7 @@ class ShardedLayer(DynamicLayer):
             self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]  # (B, Hkv, 0, d): no rows yet
         o = self.owner
         t = key_states.shape[-2]
-        if self.keys.numel() and key_states.shape[1::2] != self.keys.shape[1::2]:
+        if key_states.shape[1::2] != self.keys.shape[1::2]:  # (every rank checks, even one holding no rows)
             raise ValueError(f"tokenring ShardedCache (layer {self.layer_idx}): this cache holds K/V with "
                              f"{self.keys.shape[1]} heads of dim {self.keys.shape[3]}, the model gives "
                              f"{key_states.shape[1]} of dim {key_states.shape[3]}: a cache from another model")
@@ -71,11 +71,12 @@ class ShardedLayer(DynamicLayer):
             self.skip = 0
             info = {"new": None}
         else:
-            a, b = place_new(self.counts, t)[o.rank]
+            placed = place_new(self.counts, t)
+            a, b = placed[o.rank]
             if b > a:
                 self.keys = torch.cat([self.keys, key_states[:, :, a:b]], dim=-2)
                 self.values = torch.cat([self.values, value_states[:, :, a:b]], dim=-2)
-            for r, (x, y) in enumerate(place_new(self.counts, t)):
+            for r, (x, y) in enumerate(placed):
                 self.counts[r] += y - x
             self.total += t
             info = {"new": (a, b) if b > a else None}
