@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .comm import get_timeout, group_store
 from .kernels import tiled_backward, tiled_forward
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
-from .masks import make_mask, shard_rows, shard_tiles
+from .masks import make_mask, whole_tiles
 from .schedules import Shapes
 from .strategies import ALIASES, FAMILIES, code as strategy_code, from_code, get as get_strategy
 from .strategies.base import Config, ScheduledAttention
@@ -171,11 +171,10 @@ class _MaskedSingle(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
-        pos = shard_rows(mask, 1, "contiguous", 0, slice(None)).to(q.device)
-        ts = shard_tiles(mask, 1, "contiguous", 0, (0, mask.S), 0, (0, mask.S))
-        o, lse = tiled_forward(q, k, v, ts, lambda t: t.mask(mask, pos, pos), scale)
+        ctx.tiles = whole_tiles(mask, q.device)  # (tiles, mask_of), for backward too
+        o, lse = tiled_forward(q, k, v, *ctx.tiles, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.mask, ctx.scale, ctx.tiles, ctx.pos = mask, scale, ts, pos
+        ctx.scale = scale
         return o
 
     @staticmethod
@@ -183,8 +182,7 @@ class _MaskedSingle(torch.autograd.Function):
         from .strategies.base import row_delta
         q, k, v, o, lse = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = tiled_backward(dout, q, k, v, lse, row_delta(dout, o), ctx.tiles,
-                                    lambda t: t.mask(ctx.mask, ctx.pos, ctx.pos), ctx.scale, out=o)
+        dq, dk, dv = tiled_backward(dout, q, k, v, lse, row_delta(dout, o), *ctx.tiles, ctx.scale, out=o)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

@@ -28,8 +28,8 @@ import torch
 
 from .merge import acc_dtype
 
-__all__ = ["block_forward", "block_backward", "tiled_forward", "tiled_backward", "math_forward", "math_backward", "out_for_delta",
-           "cpu_backward_choice", "needs_equal_heads", "BACKENDS"]
+__all__ = ["block_forward", "block_backward", "tiled_forward", "tiled_backward", "math_forward", "math_backward",
+           "out_for_delta", "cpu_backward_choice", "needs_equal_heads", "BACKENDS"]
 
 BACKENDS = ("auto", "cpu_flash", "cuda", "math")
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["LAYOUTS", "default_layout", "check_layout", "local_positions", "global_order", "shard", "gather", "group_info",
-           "document_bounds"]
+__all__ = ["LAYOUTS", "default_layout", "check_layout", "local_positions", "global_order", "shard", "gather",
+           "group_info", "document_bounds"]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_docs")
 
@@ -45,7 +45,7 @@ def _check_divisible(S: int, P: int, layout: str, what: str = "sequence length")
     if S % parts:
         raise ValueError(
             f"{what} {S} cannot be split for layout={layout!r} over {P} ranks: it must be divisible by {parts}"
-            f" ({'2*P chunks' if layout == 'zigzag' else 'P shards'}); pad the sequence to a multiple of {parts}")
+            f" ({'2*P chunks' if parts == 2 * P else 'P shards'}); pad the sequence to a multiple of {parts}")
 
 
 def document_bounds(S: int, P: int, cu_seqlens) -> tuple[int, ...]:

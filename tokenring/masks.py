@@ -26,7 +26,8 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["Mask", "Tile", "make_mask", "tiles", "visible", "shard_pair", "shard_tiles", "shard_rows", "TILE_ROWS"]
+__all__ = ["Mask", "Tile", "make_mask", "tiles", "visible", "shard_pair", "shard_tiles", "shard_rows",
+           "block_tiles", "whole_tiles", "TILE_ROWS"]
 
 TILE_ROWS = 512  # query rows per explicitly masked tile: bounds a tile's mask at 512 x its keys
 
@@ -154,6 +155,30 @@ def shard_tiles(mask: Mask, P: int, layout: str, q_owner: int, q_rows: tuple[int
     qpos = _positions(mask, P, layout, q_owner)[slice(*q_rows)]
     kpos = _positions(mask, P, layout, kv_owner)[slice(*kv_rows)]
     return _tiles(mask, qpos, kpos)
+
+
+def block_tiles(mask: Mask, P: int, layout: str, q_owner: int, q_rows: slice, kv_owner: int, kv_rows: slice,
+                device=None):
+    """The tiles of rows ``q_rows`` of ``q_owner``'s shard against rows ``kv_rows`` of ``kv_owner``'s, and
+    ``mask_of(tile)``: a tile's bool mask on ``device`` (``None`` for full / causal tiles; the rows' positions
+    are moved to ``device`` only once a tile needs them). ``P = 1``, ``"contiguous"``: the whole sequence."""
+    ts = shard_tiles(mask, P, layout, q_owner, (q_rows.start, q_rows.stop), kv_owner, (kv_rows.start, kv_rows.stop))
+    where: dict = {}
+
+    def mask_of(t: Tile) -> torch.Tensor | None:
+        if t.kind != "mask":
+            return None
+        if not where:
+            where["q"] = shard_rows(mask, P, layout, q_owner, q_rows).to(device)
+            where["k"] = shard_rows(mask, P, layout, kv_owner, kv_rows).to(device)
+        return t.mask(mask, where["q"], where["k"])
+    return ts, mask_of
+
+
+def whole_tiles(mask: Mask, device=None):
+    """:func:`block_tiles` of the whole sequence (natural order) against itself."""
+    every = slice(0, mask.S)
+    return block_tiles(mask, 1, "contiguous", 0, every, 0, every, device)
 
 
 def visible(mask: Mask, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,14 @@ import torch
 from ..comm import Comm, Trace, buffers
 from ..executor import execute
 from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
-from ..masks import shard_rows, shard_tiles
+from ..masks import block_tiles
 from ..merge import acc_dtype, merge_, new_accumulator
 from ..messages import kind as message_kind
 from ..schedules import (Compute, Message, Schedule, Shapes, covers, direct, head_slice, overlaps, part_rows,
                          part_slice, part_union, payload)
 
 __all__ = ["Strategy", "BlockDims", "Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy",
-           "RelayOrDirect", "ScheduledAttention", "shapes_of"]
+           "RelayOrDirect", "ScheduledAttention", "shapes_of", "tile_dims"]
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,9 @@ class Strategy:
         dims = BlockDims(sh.B * part_rows(c.q_part, sh.s), part_rows(c.kv_part, sh.s), sh.H // h, sh.Hkv // h)
         if mask is None:
             return dims
-        ts = shard_tiles(mask, sh.P, layout, c.q_owner, _bounds(part_slice(c.q_part, sh.s)),
-                         c.kv_owner, _bounds(part_slice(c.kv_part, sh.s)))
-        return replace(dims, tiles=tuple((sh.B * (t.q1 - t.q0), t.k1 - t.k0, t.kind) for t in ts))
+        ts, _ = block_tiles(mask, sh.P, layout, c.q_owner, part_slice(c.q_part, sh.s), c.kv_owner,
+                            part_slice(c.kv_part, sh.s))
+        return replace(dims, tiles=tile_dims(ts, sh.B))
 
     def forward(self, q, k, v, cfg: "Config"):
         raise NotImplementedError
@@ -133,9 +133,10 @@ def _cached_schedule(strategy: Strategy, P: int, layout: str, causal: bool, back
     return strategy.build_schedule(P, layout, causal, backward, mask)
 
 
-def _bounds(sl: slice) -> tuple[int, int]:
-    return sl.start, sl.stop
-
+def tile_dims(tiles, B: int) -> tuple[tuple[int, int, str], ...]:
+    """``(rows_q, rows_k, kind)`` per kernel call of a masked block (batch folded into the rows), for
+    :attr:`BlockDims.tiles`."""
+    return tuple((B * (t.q1 - t.q0), t.k1 - t.k0, t.kind) for t in tiles)
 
 
 @dataclass
@@ -290,19 +291,9 @@ class _OpsBase:
 
     def tiles(self, c: Compute):
         """A masked compute's tiles and the function that builds a tile's mask (:mod:`tokenring.masks`)."""
-        m, cfg = self.cfg.mask, self.cfg
-        qs, ks = self.rows(c.q_part), self.rows(c.kv_part)
-        ts = shard_tiles(m, cfg.P, cfg.layout, c.q_owner, (qs.start, qs.stop), c.kv_owner, (ks.start, ks.stop))
-        where = {}
-
-        def mask_of(t):
-            if t.kind != "mask":
-                return None
-            if not where:  # positions only once a tile needs an explicit mask
-                where["q"] = shard_rows(m, cfg.P, cfg.layout, c.q_owner, qs).to(self.device)
-                where["k"] = shard_rows(m, cfg.P, cfg.layout, c.kv_owner, ks).to(self.device)
-            return t.mask(m, where["q"], where["k"])
-        return ts, mask_of
+        cfg = self.cfg
+        return block_tiles(cfg.mask, cfg.P, cfg.layout, c.q_owner, self.rows(c.q_part), c.kv_owner,
+                           self.rows(c.kv_part), self.device)
 
     def attend(self, c: Compute, q, k, v):
         """Forward of compute ``c``: the whole block, or its tiles under a mask."""

@@ -13,10 +13,10 @@ import torch
 from ..comm import buffers
 from ..executor import execute
 from ..kernels import block_backward, block_forward, tiled_backward, tiled_forward
-from ..masks import shard_rows, shard_tiles
+from ..masks import whole_tiles
 from ..layouts import global_order
 from ..schedules import Compute, Message, Schedule, Shapes, Step, payload, ulysses_kv_heads
-from .base import BlockDims, Config, Strategy, row_delta
+from .base import BlockDims, Config, Strategy, row_delta, tile_dims
 
 __all__ = ["Ulysses", "STRATEGY"]
 
@@ -86,19 +86,13 @@ class _UlyssesOps:
         return [torch.cat(ts, dim=2).to(dt) for ts, dt in zip(parts, dtype_of)]
 
 
-def _full_tiles(mask, device):
-    """Tiles of the whole sequence (natural order) against itself, and their masks' builder."""
-    pos = shard_rows(mask, 1, "contiguous", 0, slice(None)).to(device)
-    return shard_tiles(mask, 1, "contiguous", 0, (0, mask.S), 0, (0, mask.S)), lambda t: t.mask(mask, pos, pos)
-
-
 class _Forward(_UlyssesOps):
     def compute(self, c: Compute) -> None:
         q, k, v = self.gathered("u_qkv")
         if self.cfg.mask is None:
             o, lse = block_forward(q, k, v, c.diag, self.cfg.scale)
         else:  # documents / window: only the tiles they leave (no bytes saved: every head group is all rows)
-            o, lse = tiled_forward(q, k, v, *_full_tiles(self.cfg.mask, q.device), self.cfg.scale)
+            o, lse = tiled_forward(q, k, v, *whole_tiles(self.cfg.mask, q.device), self.cfg.scale)
         self.saved = (q, k, v, o, lse)  # my head group over the full sequence, for backward
         self.scatter_back([o])
 
@@ -116,7 +110,7 @@ class _Backward(_UlyssesOps):
                                         self.cfg.backward_kernel, out=self.o)
         else:
             dq, dk, dv = tiled_backward(dout, self.q, self.k, self.v, self.lse, delta,
-                                        *_full_tiles(self.cfg.mask, dout.device), self.cfg.scale,
+                                        *whole_tiles(self.cfg.mask, dout.device), self.cfg.scale,
                                         self.cfg.backward_kernel, out=self.o)
         self.scatter_back([dq.to(self.q.dtype), dk.to(self.k.dtype), dv.to(self.v.dtype)])
 
@@ -145,8 +139,7 @@ class Ulysses(Strategy):
         S, e = sh.s * sh.P, sh.dtype.itemsize
         hq, hk = sh.H // sh.P, ulysses_kv_heads(sh.H, sh.Hkv, sh.P) // sh.P
         copies = (sh.B * S * (hq + 2 * hk) * sh.d * e * 2, sh.B * S * hq * sh.d * e)
-        tiles = None if mask is None else tuple(
-            (sh.B * (t.q1 - t.q0), t.k1 - t.k0, t.kind) for t in shard_tiles(mask, 1, "contiguous", 0, (0, S), 0, (0, S)))
+        tiles = None if mask is None else tile_dims(whole_tiles(mask)[0], sh.B)
         return BlockDims(sh.B * S, S, hq, hk, copies, tiles)
 
     def forward(self, q, k, v, cfg: Config):
