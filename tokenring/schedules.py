@@ -32,7 +32,7 @@ from .merge import acc_dtype
 from .messages import kind as message_kind
 
 __all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
-           "part_slice", "part_union", "covers", "overlaps", "part_rows", "chunk", "rows", "direct", "pairings",
+           "part_slice", "part_union", "covers", "overlaps", "part_rows", "chunk", "rows", "direct", "direct_steps", "pairings", "pairing",
            "drop_empty_tail", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
 
 PARTS = ("all", "lo", "hi")
@@ -66,10 +66,12 @@ def _frac(part: str) -> tuple[int, int, int]:
     return a, b, n
 
 
-def chunk(part: str, i: int, c: int) -> str:
-    """Row chunk ``i`` of ``c`` equal chunks of ``part`` (``chunk("hi", 0, 2) == "2:3/4"``)."""
+def chunk(part: str, i: int, c: int, j: int | None = None) -> str:
+    """Row chunks ``i`` up to ``j`` (default ``i + 1``) of ``c`` equal chunks of ``part``
+    (``chunk("hi", 0, 2) == "2:3/4"``)."""
     a, b, n = _frac(part)
-    return rows(a * c + i * (b - a), a * c + (i + 1) * (b - a), n * c)
+    j = i + 1 if j is None else j
+    return rows(a * c + i * (b - a), a * c + j * (b - a), n * c)
 
 
 def part_slice(part: str, n: int) -> slice:
@@ -160,16 +162,37 @@ class Schedule:
                  [m for m in st.messages if m.src == r],
                  [m for m in st.messages if m.dst == r]) for st in self.steps]
 
-    def reads(self, r: int) -> dict[tuple[str, int], list[tuple[int, str]]]:
-        """``(kind, owner)`` -> ``(step, rows)`` of every read on rank ``r``: a compute's queries or K/V, or the
-        payload of a message it sends. What no later read needs can be released (see ``Store.release``)."""
+    def reads(self, r: int) -> dict[tuple[str, int], list[tuple[int, str, int]]]:
+        """``(kind, owner)`` -> ``(step, rows, since)`` of every read on rank ``r``: a compute's queries or K/V,
+        or the payload of a message it sends. ``since``: the last step before the read at which rank ``r``
+        (re)filled those rows: a message of them arriving (handled at its due step) or a compute producing a
+        partial of them (``-1``: from the start). A held piece is needed after step ``u`` only by reads with
+        ``since <= u`` (see ``Store.release``); a read with ``since > u`` gets fresh rows, e.g. a hierarchical
+        schedule that sends a block again in its next round. (Arrivals that add into what is held, dK/dV
+        accumulators, refill nothing.)"""
         out: dict = {}
-        for t, (computes, sends, _) in enumerate(self.for_rank(r)):
+        fills: dict = {}  # (kind, owner) -> [(step, rows)] of refills
+        made = "dq" if self.backward else "out"  # what a compute of another rank's queries produces here
+        plan = self.for_rank(r)
+        for t, (computes, _, recvs) in enumerate(plan):
+            for m in recvs:
+                if message_kind(m.kind).receive != "store":
+                    continue
+                fills.setdefault((m.kind, m.owner), []).append((t if m.due < 0 else m.due, m.part))
             for c in computes:
-                out.setdefault((self.q_kind, c.q_owner), []).append((t, c.q_part))
-                out.setdefault(("kv", c.kv_owner), []).append((t, c.kv_part))
+                if c.q_owner != r:
+                    fills.setdefault((made, c.q_owner), []).append((t, c.q_part))
+
+        def since(key, t: int, part: str) -> int:
+            return max((u for u, p in fills.get(key, ()) if u < t and covers(p, part)), default=-1)
+
+        for t, (computes, sends, _) in enumerate(plan):
+            for c in computes:
+                for key, part in (((self.q_kind, c.q_owner), c.q_part), (("kv", c.kv_owner), c.kv_part)):
+                    out.setdefault(key, []).append((t, part, since(key, t, part)))
             for m in sends:
-                out.setdefault((m.kind, m.owner), []).append((t, m.part))
+                key = (m.kind, m.owner)
+                out.setdefault(key, []).append((t, m.part, since(key, t, m.part)))
         return out
 
     def describe(self, sh: "Shapes | None" = None, ranks=None) -> str:
@@ -241,6 +264,12 @@ def block_pair(q_owner: int, kv_owner: int, P: int, layout: str, causal: bool,
     raise ValueError(f"unknown layout {layout!r}")
 
 
+def pairing(P: int, layout: str, causal: bool, mask=None):
+    """``pair(q_owner, kv_owner)`` = :func:`block_pair` for this problem: what the schedule builders take, so a
+    hierarchical schedule can run them on a sub-group with its own notion of which blocks meet."""
+    return lambda q_owner, kv_owner: block_pair(q_owner, kv_owner, P, layout, causal, mask)
+
+
 def relay(owner: int, path: list[int], needs: list[str | None], kind: str,
           heads: str = "all") -> list[tuple[int, Message]]:
     """Messages that carry ``owner``'s payload hop by hop along ``path`` (``path[t]`` is visited at step
@@ -286,11 +315,18 @@ def pairings(P: int) -> list[list[int]]:
     return rounds
 
 
-def _own_rows(r: int, a: int, b: int, n: int, causal: bool) -> list[Compute]:
-    """Rank ``r``'s own queries in rows ``[a/n, b/n)`` against its own keys: everything before them in full
-    and the square diagonal block masked when causal; all keys otherwise."""
+def _own_rows(r: int, a: int, b: int, n: int, own, causal: bool) -> list[Compute]:
+    """Rank ``r``'s queries in rows ``[a/n, b/n)`` against the K/V it holds at home, ``own = pair(r, r)``.
+    The causal diagonal: everything before those rows in full plus the square diagonal block, masked; any
+    other block (non-causal, or a visiting K/V block of a hierarchical round): those rows of its query part
+    against its K/V part."""
+    if own is None:
+        return []
+    q_part, kv_part, diag = own
+    if not diag:  # not this rank's diagonal: those rows of the block's query part against its K/V part
+        return [Compute(r, r, chunk(q_part, a, n, b), r, kv_part)]
     part = rows(a, b, n)
-    if not causal:
+    if not causal:  # (a mask may still cut the block: the kernels take it from the tokens' positions)
         return [Compute(r, r, part, r, "all")]
     return ([Compute(r, r, part, r, rows(0, a, n))] if a else []) + [Compute(r, r, part, r, part, True)]
 
@@ -319,6 +355,16 @@ def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: 
     chunk is freed once computed), and at most ``2k`` blocks of partials (its own travelling home, others'
     arriving).
     """
+    steps = direct_steps(P, pairing(P, layout, causal, mask), causal, backward, mover, chunks, lookahead,
+                         None if mask is None else mask.S // P)
+    q_kind = "qgrad" if backward else "q"
+    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps), mask)
+
+
+def direct_steps(P: int, pair, causal: bool, backward: bool, mover: str, chunks: int, lookahead: int,
+                 s: int | None = None) -> list[Step]:
+    """The steps of :func:`direct` for blocks that meet as ``pair(q_owner, kv_owner)`` says (``s``: the local
+    length, when parts are exact row ranges that a chunk can leave empty)."""
     c, k = chunks, lookahead
     if c < 1 or not 1 <= k <= max(1, P - 1):
         raise ValueError(f"chunks must be >= 1 and lookahead in 1..P-1 = {P - 1}; got chunks={c}, lookahead={k}")
@@ -331,22 +377,26 @@ def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: 
     n_own = c + 1 + byes * c  # own rows in n_own pieces: c first, one per bye round, the last one at the end
     last = 1 + c * len(rounds)
     steps = [Step() for _ in range(last + 1)]
+
+    def own(r: int, a: int, b: int) -> list[Compute]:
+        out = _own_rows(r, a, b, n_own, pair(r, r), causal)
+        return [x for x in out if s is None or part_rows(x.q_part, s)]
+
     for r in range(P):
-        steps[0].computes += _own_rows(r, 0, c, n_own, causal)
-        steps[last].computes += _own_rows(r, n_own - 1, n_own, n_own, causal)
+        steps[0].computes += own(r, 0, c)
+        steps[last].computes += own(r, n_own - 1, n_own)
     x = 1
     for i, partner in itertools.product(range(c), rounds):  # chunk-major
         for r, j in enumerate(partner):
             if j == r:
-                steps[x].computes += _own_rows(r, c + i, c + i + 1, n_own, causal)
+                steps[x].computes += own(r, c + i, c + i + 1)
                 continue
-            pair = block_pair(j, r, P, layout, causal, mask) if mover == "q" else \
-                block_pair(r, j, P, layout, causal, mask)
-            if pair is None:
+            got = pair(j, r) if mover == "q" else pair(r, j)
+            if got is None:
                 continue
-            q_part, kv_part, _ = pair
+            q_part, kv_part, _ = got
             part = chunk(q_part if mover == "q" else kv_part, i, c)
-            if mask is not None and not part_rows(part, mask.S // P):
+            if s is not None and not part_rows(part, s):
                 continue  # a masked block can have fewer rows than chunks
             if mover == "q":
                 steps[x].computes.append(Compute(r, j, part, r, kv_part))
@@ -356,8 +406,7 @@ def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: 
             if ret is not None:
                 steps[x + 1].messages.append(Message(r, j, ret, j, part, due=min(x + k * c, last)))
         x += 1
-    q_kind = "qgrad" if backward else "q"
-    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps), mask)
+    return steps
 
 
 def ulysses_kv_heads(H: int, Hkv: int, P: int) -> int:

@@ -234,13 +234,14 @@ class Store:
             out.append(t)
         return out
 
-    def release(self, step: int, reads: dict[tuple[str, int], list[tuple[int, str]]]) -> None:
+    def release(self, step: int, reads: dict[tuple[str, int], list[tuple[int, str, int]]]) -> None:
         """Drop every piece that no read after ``step`` needs (``reads`` from :meth:`Schedule.reads`: a piece
-        stays while a later read asks for rows it shares, e.g. a dK/dV piece that a wider one will absorb);
-        this rank's own inputs live for the whole call.
-        Visiting row chunks are so freed one by one, as soon as they have been computed or sent on."""
+        stays while a later read asks for rows it shares, e.g. a dK/dV piece that a wider one will absorb,
+        unless those rows arrive or are computed afresh before that read); this rank's own inputs live for
+        the whole call. Visiting row chunks are so freed one by one, as soon as they have been computed or
+        sent on."""
         for key in [k for k in self.entries if k[1] != self.me]:
-            later = [part for t, part in reads.get(key[:2], ()) if t > step]
+            later = [part for t, part, since in reads.get(key[:2], ()) if t > step and since <= step]
             pieces = [p for p in self.entries[key] if any(overlaps(p[0], part) for part in later)]
             if pieces:
                 self.entries[key] = pieces

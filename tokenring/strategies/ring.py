@@ -13,43 +13,50 @@ is the classic ring above; ``ring:auto`` lets the cost model pick among the vari
 """
 from __future__ import annotations
 
-from ..schedules import Compute, Message, Schedule, Step, block_pair, drop_empty_tail, part_union, relay
+from ..schedules import Compute, Message, Schedule, Step, drop_empty_tail, pairing, part_union, relay
 from .base import RelayOrDirect
 
-__all__ = ["pass_kv", "Ring", "STRATEGY"]
+__all__ = ["pass_kv", "pass_kv_steps", "Ring", "STRATEGY"]
 
 ONE_WAY = (("all", +1),)
 
 
 def pass_kv(P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, name: str = "ring",
             mask=None) -> Schedule:
+    steps = pass_kv_steps(P, pairing(P, layout, causal, mask), backward, lanes)
+    return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", drop_empty_tail(steps), mask)
+
+
+def pass_kv_steps(P: int, pair, backward: bool, lanes=ONE_WAY) -> list[Step]:
+    """The steps of :func:`pass_kv` for blocks that meet as ``pair(q_owner, kv_owner)`` says."""
     steps = [Step() for _ in range(P + 1)]  # the extra step only brings the last dK/dV home
     for i in range(P):
-        own = block_pair(i, i, P, layout, causal, mask)
-        steps[0].computes.append(Compute(i, i, own[0], i, own[1], own[2]))
+        own = pair(i, i)
+        if own is not None:
+            steps[0].computes.append(Compute(i, i, own[0], i, own[1], own[2]))
         for heads, sign in lanes:
             path = [(i + sign * t) % P for t in range(1, P)]
-            pairs = [block_pair(r, i, P, layout, causal, mask) for r in path]
-            for t, (r, pair) in enumerate(zip(path, pairs), start=1):
-                if pair is not None:
-                    steps[t].computes.append(Compute(r, r, pair[0], i, pair[1], pair[2], heads=heads))
+            pairs = [pair(r, i) for r in path]
+            for t, (r, got) in enumerate(zip(path, pairs), start=1):
+                if got is not None:
+                    steps[t].computes.append(Compute(r, r, got[0], i, got[1], got[2], heads=heads))
             for t, m in relay(i, path, [(p[1] if p else None) for p in pairs], "kv", heads):
                 steps[t].messages.append(m)
             if backward:
                 # The dK/dV accumulator of K/V_i goes from each contributor to the next one, then home to i.
                 acc_part, holder = None, None
-                for t, (r, pair) in enumerate(zip(path, pairs), start=1):
-                    if pair is None:
+                for t, (r, got) in enumerate(zip(path, pairs), start=1):
+                    if got is None:
                         continue
                     if holder is not None:
                         steps[t_held + 1].messages.append(Message(holder, r, "dkv", i, acc_part, heads))
-                    acc_part, holder, t_held = part_union(acc_part, pair[1]), r, t
+                    acc_part, holder, t_held = part_union(acc_part, got[1]), r, t
                 if holder is not None:
                     steps[t_held + 1].messages.append(Message(holder, i, "dkv", i, acc_part, heads))
     # Computes were appended per K/V owner; order them by rank for readable traces (semantics unaffected).
     for st in steps:
         st.computes.sort(key=lambda c: c.rank)
-    return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", drop_empty_tail(steps), mask)
+    return steps
 
 
 class Ring(RelayOrDirect):

@@ -28,31 +28,38 @@ locally and returns the partial dQ straight to the owner.
 """
 from __future__ import annotations
 
-from ..schedules import Compute, Message, Schedule, Step, block_pair, drop_empty_tail, relay
+from ..schedules import Compute, Message, Schedule, Step, drop_empty_tail, pairing, relay
 from .base import RelayOrDirect
 
-__all__ = ["TokenRing", "STRATEGY"]
+__all__ = ["TokenRing", "pass_q_steps", "STRATEGY"]
 
 
 def _pass_q(P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
+    steps = pass_q_steps(P, pairing(P, layout, causal, mask), backward)
+    carry = "qgrad" if backward else "q"
+    return Schedule("token_ring:relay", P, layout, causal, backward, carry, drop_empty_tail(steps), mask)
+
+
+def pass_q_steps(P: int, pair, backward: bool) -> list[Step]:
+    """The steps of the relay schedule for blocks that meet as ``pair(q_owner, kv_owner)`` says."""
     carry, ret = ("qgrad", "dq") if backward else ("q", "out")
     steps = [Step() for _ in range(P + 1)]  # the extra step only returns the last partials
     for t in range(P):
         for r in range(P):
             j = (r + t) % P
-            pair = block_pair(j, r, P, layout, causal, mask)
-            if pair is None:
+            got = pair(j, r)
+            if got is None:
                 continue
-            q_part, kv_part, diag = pair
+            q_part, kv_part, diag = got
             steps[t].computes.append(Compute(r, j, q_part, r, kv_part, diag))
             if j != r:
                 steps[t + 1].messages.append(Message(r, j, ret, j, q_part))
     for j in range(P):
         path = [(j - t) % P for t in range(1, P)]
-        needs = [(pair[0] if pair else None) for pair in (block_pair(j, r, P, layout, causal, mask) for r in path)]
+        needs = [(got[0] if got else None) for got in (pair(j, r) for r in path)]
         for t, m in relay(j, path, needs, carry):
             steps[t].messages.append(m)
-    return Schedule("token_ring:relay", P, layout, causal, backward, carry, drop_empty_tail(steps), mask)
+    return steps
 
 
 class TokenRing(RelayOrDirect):
