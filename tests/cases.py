@@ -7,6 +7,7 @@ reference computed from the very same (possibly bf16-rounded) inputs.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -77,13 +78,21 @@ def check_case(rank: int, P: int, case: dict) -> dict:
         topo = topo[rank % len(topo)]
     if topo:
         tokenring.set_topology(topo)
+    env = case.get("env") or {}
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     try:
         out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout,
                                   cu_seqlens=case.get("cu_seqlens"), window=case.get("window"),
-                                  _config=case.get("config"))
+                                  inner_size=case.get("inner_size"), _config=case.get("config"))
     finally:
         if topo:
             tokenring.set_topology(None)
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     out.backward(dout_full.index_select(1, idx))
     tol = TOL[dtype]
     errs = {}
@@ -165,6 +174,17 @@ def expect_error(rank: int, P: int, kind: str) -> str:
         kw = dict(cu_seqlens=[0, 5, 8 * P] if rank else [0, 9, 5, 8 * P])
     elif kind == "window_bad":
         kw = dict(window=(-3, 2))
+    elif kind == "inner_missing":  # a hierarchical strategy and no node size anywhere
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        kw = dict(strategy="double_ring")
+    elif kind == "inner_indivisible":
+        kw = dict(strategy="token_ring_2d", inner_size=P + 1)
+    elif kind == "usp_heads":  # 6 query heads do not split over nodes of 4
+        q = torch.randn(1, 8, 6, 16)
+        k, v = torch.randn(1, 8, 3, 16), torch.randn(1, 8, 3, 16)
+        kw = dict(strategy="usp", inner_size=4)
+    elif kind == "inner_differ":
+        kw = dict(strategy="double_ring", inner_size=2 if rank else 1)
     try:
         tokenring.attention(q, k, v, **kw)
     except ValueError as e:

@@ -13,7 +13,8 @@ from .kernels import tiled_backward, tiled_forward
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
 from .masks import make_mask, whole_tiles
 from .schedules import Shapes
-from .strategies import ALIASES, FAMILIES, code as strategy_code, from_code, get as get_strategy
+from .strategies import (ALIASES, CODE_LEN, FAMILIES, code as strategy_code, from_code, get as get_strategy,
+                         node_size, with_node_size)
 from .strategies.base import Config, ScheduledAttention
 
 __all__ = ["attention", "choose_strategy", "resolve", "STRATEGY_NAMES", "forget_choices"]
@@ -64,7 +65,7 @@ def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -
 def choose_strategy(H: int, Hkv: int, P: int, *, B: int = 1, s: int | None = None, d: int = 128,
                     dtype: torch.dtype = torch.bfloat16, causal: bool = False, layout: str | None = None,
                     backward: bool = True, device_type: str = "cpu", topology=None, requested: str = "auto",
-                    mask=None) -> str:
+                    mask=None, inner_size: int | None = None) -> str:
     """What ``strategy=requested`` (``"auto"``, or a family choice such as ``"token_ring"``) runs for this
     rank's shard shapes on ``P`` ranks: a concrete variant's spec.
 
@@ -73,7 +74,10 @@ def choose_strategy(H: int, Hkv: int, P: int, *, B: int = 1, s: int | None = Non
     ``h100-nvswitch-8`` on CUDA) and picks the fastest; ``tokenring.explain`` shows the numbers. Ulysses is
     a candidate only when ``H % P == 0``. Without ``s``, the shape-free rule: TokenRing for MHA, pass-KV
     ring for GQA/MQA (K+V is smaller than Q there). ``mask``: a :class:`tokenring.masks.Mask` (packed
-    documents, window) the candidates' schedules are cut for."""
+    documents, window) the candidates' schedules are cut for. ``inner_size``: ranks per node (default
+    ``$LOCAL_WORLD_SIZE``), for the hierarchical strategies."""
+    n = node_size(inner_size)
+    requested = requested if requested == "auto" else with_node_size(get_strategy(requested), n).name
     if s is None or P < 2:
         if requested != "auto":
             return get_strategy(requested).variants(P)[0].name
@@ -81,34 +85,38 @@ def choose_strategy(H: int, Hkv: int, P: int, *, B: int = 1, s: int | None = Non
     from .sim.auto import choose
     layout = layout or default_layout(causal)
     return choose(Shapes(B, s, H, Hkv, d, dtype, P), causal, layout, backward, device_type, topology, requested,
-                  mask)[0]
+                  mask, n)[0]
 
 
 def resolve(strategy: str, q_shape, k_shape, P: int, *, dtype=torch.bfloat16, causal: bool = False,
-            layout: str | None = None, backward: bool = True, device_type: str = "cpu", mask=None):
+            layout: str | None = None, backward: bool = True, device_type: str = "cpu", mask=None,
+            inner_size: int | None = None):
     """The concrete strategy ``tokenring.attention(strategy=...)`` runs for these shard shapes on ``P`` ranks
     (from this process's topology setting; inside ``attention`` rank 0 decides for everyone)."""
-    if strategy != "auto" and get_strategy(strategy).mode != "auto":
-        return get_strategy(strategy)
+    if strategy != "auto":
+        st = with_node_size(get_strategy(strategy), node_size(inner_size))
+        if st.mode != "auto":
+            return st
     B, s, H, d = q_shape
     return get_strategy(choose_strategy(H, k_shape[2], P, B=B, s=s, d=d, dtype=dtype, causal=causal,
                                         layout=layout, backward=backward, device_type=device_type,
-                                        requested=strategy, mask=mask))
+                                        requested=strategy, mask=mask, inner_size=inner_size))
 
 
 def _code(text: str) -> int:
     return zlib.crc32(text.encode())  # stable across processes, unlike hash()
 
 
-def _signature(q, k, causal, layout, strategy, scale, backward, mask_code: int) -> list[float]:
+def _signature(q, k, causal, layout, strategy, scale, backward, mask_code: int, inner: int) -> list[float]:
     B, s, H, d = q.shape
     return [B, s, H, k.shape[2], d, _code(str(q.dtype)), _code(q.device.type),
-            float(causal), LAYOUTS.index(layout), _code(strategy), scale, float(backward), float(mask_code)]
+            float(causal), LAYOUTS.index(layout), _code(strategy), scale, float(backward), float(mask_code),
+            float(inner)]
 
 
 _FIELDS = ["batch", "local length", "query heads", "key/value heads", "head dim", "dtype", "device type",
            "causal", "layout", "strategy", "softmax_scale", "backward (inputs requiring grad)",
-           "cu_seqlens / window (checksum; -1: refused on that rank)"]
+           "cu_seqlens / window (checksum; -1: refused on that rank)", "inner_size (ranks per node)"]
 
 
 def _show(field: str, value: float) -> str:
@@ -127,7 +135,7 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
     key = (id(group), tuple(sig))  # nothing per-host in it: a rank that re-checked alone would wait for the others
     if remember and key in _checked:
         return _checked[key]
-    choice = strategy_code(decide()) if rank == 0 else [-1.0] * 4
+    choice = strategy_code(decide()) if rank == 0 else [-1.0] * CODE_LEN
     mine = torch.tensor(sig + choice, dtype=torch.float64, device=device)
     allsig = [torch.empty_like(mine) for _ in range(P)]
     # Each rank marks its arrival in the rendezvous store, so a rank that never comes can be named.
@@ -160,7 +168,7 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
                 f"tokenring: rank {r} calls attention with a different {'; '.join(bad)}; here: {describe}. "
                 f"Every rank must pass shards of the same shape, dtype and options; shard the sequence with "
                 f"tokenring.shard() so local lengths are equal.")
-    chosen = from_code(allsig[0][-4:].tolist())
+    chosen = from_code(allsig[0][-CODE_LEN:].tolist())
     if remember:
         _checked[key] = chosen
     return chosen
@@ -195,7 +203,7 @@ def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: float | None = None, strategy: str = "auto", layout: str | None = None,
               cu_seqlens=None, window: tuple[int, int] | None = None,
-              group=None, _config: dict | None = None) -> torch.Tensor:
+              group=None, inner_size: int | None = None, _config: dict | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across the ranks of ``group``.
 
     ``q``: (B, s, H, d), ``k``/``v``: (B, s, Hkv, d), this rank's shard (laid out by ``layout``; default
@@ -216,11 +224,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``layout="zigzag_docs"`` (with ``cu_seqlens``, every document a multiple of ``2P`` tokens; shard with
     ``tokenring.shard(x, layout="zigzag_docs", cu_seqlens=cu)``) zigzags each document over the ranks, which
     balances causal work whatever the document lengths.
+
+    Beyond one node: ``"usp"`` (Ulysses inside a node, ring between nodes), ``"double_ring"`` and
+    ``"token_ring_2d"`` (ring / TokenRing inside a node, K/V ring between nodes) run over nodes of
+    ``inner_size`` ranks (default ``$LOCAL_WORLD_SIZE``, which torchrun sets): ranks ``a*n .. a*n+n-1`` of
+    the group form node ``a``. With a node size known (or a multi-node topology set), ``"auto"`` considers
+    them too.
     """
     rank, P = group_info(group)
     _check_local(q, k, v, rank)
-    if strategy != "auto":
-        get_strategy(strategy)  # unknown names fail here, on every rank, before any communication
+    n = node_size(inner_size)
+    if strategy != "auto":  # unknown names fail here, on every rank, before any communication
+        strategy = with_node_size(get_strategy(strategy), n).name
     layout = layout if layout is not None else default_layout(causal)
     check_layout(layout)
     B, s, H, d = q.shape
@@ -250,13 +265,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
         return resolve(strategy, q.shape, k.shape, P, dtype=q.dtype, causal=causal, layout=layout,
-                       backward=backward, device_type=q.device.type, mask=mask)
+                       backward=backward, device_type=q.device.type, mask=mask, inner_size=n)
 
     describe = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}, " \
                f"strategy={strategy!r}" + (f", {mask.describe()}" if mask is not None else "")
     mask_code = -1 if problem is not None else (mask.key if mask is not None else 0)
     try:
-        strat = _agree(_signature(q, k, causal, layout, strategy, scale, backward, mask_code), decide, describe,
+        strat = _agree(_signature(q, k, causal, layout, strategy, scale, backward, mask_code, n), decide, describe,
                        group, q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P,
                        remember=problem is None)
     except ValueError:

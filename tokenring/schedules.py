@@ -195,9 +195,10 @@ class Schedule:
                 out.setdefault(key, []).append((t, m.part, since(key, t, m.part)))
         return out
 
-    def describe(self, sh: "Shapes | None" = None, ranks=None) -> str:
+    def describe(self, sh: "Shapes | None" = None, ranks=None, spec=None) -> str:
         """A per-step, per-rank table of what each rank computes, sends and receives (with bytes when ``sh``
-        is given): the plan ``tokenring explain --plan`` prints."""
+        is given; ``spec``: the strategy's :func:`payload`, where it differs): the plan ``tokenring explain
+        --plan`` prints."""
         what = f"{self.strategy} {'backward' if self.backward else 'forward'}, P={self.P}, layout={self.layout}, " \
                f"causal={self.causal}"
         if sh is not None:
@@ -206,7 +207,7 @@ class Schedule:
         ranks = range(self.P) if ranks is None else ranks
 
         def size(m: Message) -> str:
-            return f" {message_bytes(m, sh) / 1e6:.3g}MB" if sh is not None else ""
+            return f" {message_bytes(m, sh, spec) / 1e6:.3g}MB" if sh is not None else ""
 
         def heads(h: str) -> str:
             return "" if h == "all" else f"[{h}]"
@@ -223,7 +224,7 @@ class Schedule:
                     lines.append(f"  rank {r}: compute {', '.join(comp) or '-'} | send {', '.join(send) or '-'} | "
                                  f"recv {', '.join(recv) or '-'}")
         if sh is not None:
-            sent = [sum(message_bytes(m, sh) for st in self.steps for m in st.messages if m.src == r)
+            sent = [sum(message_bytes(m, sh, spec) for st in self.steps for m in st.messages if m.src == r)
                     for r in range(self.P)]
             lines.append(f"bytes sent per rank: max {max(sent) / 1e6:.4g} MB, total {sum(sent) / 1e6:.4g} MB")
         return "\n".join(lines)
@@ -443,9 +444,10 @@ def payload(kind: str, part: str, sh: Shapes, heads: str = "all") -> list[tuple[
     return [shapes[t] for t in spec.tensors]
 
 
-def message_bytes(m: Message, sh: Shapes) -> int:
+def message_bytes(m: Message, sh: Shapes, spec=None) -> int:
+    """Bytes of ``m`` (``spec``: a strategy's payload function, default :func:`payload`)."""
     total = 0
-    for shape, dt, _ in payload(m.kind, m.part, sh, m.heads):
+    for shape, dt, _ in (spec or payload)(m.kind, m.part, sh, m.heads):
         numel = 1
         for x in shape:
             numel *= x

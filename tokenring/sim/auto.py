@@ -59,27 +59,40 @@ def _kernel(topo: Topology, P: int):
     return kernel_model(topo.device)
 
 
+def node_sizes(topo: Topology, P: int, inner: int = 0) -> tuple[int, ...]:
+    """Grid shapes ``auto`` tries for the hierarchical strategies: the caller's node size (``inner_size`` /
+    ``$LOCAL_WORLD_SIZE``) and, on a multi-node topology, its node size and the divisors of it, each only if
+    it splits ``P`` into at least two nodes of at least two ranks."""
+    sizes = {inner} if inner else set()
+    node = getattr(topo, "node", None)
+    if node is not None:
+        sizes |= {k for k in range(2, node.P + 1) if node.P % k == 0}
+    return tuple(sorted(k for k in sizes if 1 < k < P and P % k == 0))
+
+
 def _evaluate(sh: Shapes, causal: bool, layout: str, backward: bool, topo: Topology, requested: str,
-              mask=None) -> list[SimResult]:
+              mask=None, inner: int = 0) -> list[SimResult]:
     km = _kernel(topo, sh.P)
     return [simulate(n, sh, topo, km, causal=causal, layout=layout, backward=backward, mask=mask)
-            for n in variant_candidates(requested, sh, causal, layout)]
+            for n in variant_candidates(requested, sh, causal, layout, node_sizes(topo, sh.P, inner))]
 
 
 def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_type: str = "cpu",
-           topology=None, requested: str = "auto", mask=None) -> tuple[str, list[SimResult], Topology, str]:
+           topology=None, requested: str = "auto", mask=None,
+           inner: int = 0) -> tuple[str, list[SimResult], Topology, str]:
     """``(strategy, predictions, topology, where the topology came from)`` for ``requested`` (``"auto"`` or a
     family choice such as ``"token_ring"``): the fastest prediction wins, ties (within 0.5%) go to the earlier
-    candidate (token_ring's relay, then its direct variants by chunks and lookahead, then ring, ulysses)."""
+    candidate (token_ring's relay, then its direct variants by chunks and lookahead, then ring, ulysses, then
+    the hierarchical ones). ``inner``: the caller's ranks per node (see :func:`node_sizes`)."""
     if topology is not None:
         topo, origin = get_topology(topology, sh.P), "argument"
     else:
         topo, origin = get_current_topology(sh.P, device_type)
     key = (sh, causal, layout, backward, topo.name, topo.P, repr(_explicit), os.environ.get("TOKENRING_TOPOLOGY"),
            torch.get_num_threads(),
-           topology if isinstance(topology, (str, type(None))) else repr(topology), requested, mask)
+           topology if isinstance(topology, (str, type(None))) else repr(topology), requested, mask, inner)
     if key not in _cache:
-        results = _evaluate(sh, causal, layout, backward, topo, requested, mask)
+        results = _evaluate(sh, causal, layout, backward, topo, requested, mask, inner)
         if not results:
             raise ValueError(f"no variant of {requested!r} can run B={sh.B} s={sh.s} H={sh.H} Hkv={sh.Hkv} on "
                              f"P={sh.P} ranks")

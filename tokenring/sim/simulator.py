@@ -28,8 +28,8 @@ import torch
 
 from ..layouts import default_layout
 from ..messages import kind as message_kind
-from ..schedules import Message, Shapes, message_bytes, payload
-from ..strategies import get as get_strategy, runnable as runnable_strategies
+from ..schedules import Message, Shapes, message_bytes
+from ..strategies import HIERARCHICAL, get as get_strategy, runnable as runnable_strategies
 from .kernel_model import KernelModel, kernel_model
 from .topology import Topology
 
@@ -167,12 +167,13 @@ def _message_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> tuple[n
     """Bytes of each message class, and the receiver's cost of handling one (its ``handling`` in the table of
     message kinds: merging a partial, adding a gradient, copying a head group into place)."""
     nbytes, handle = [], []
+    spec = get_strategy(cs.strategy).payload
     for kind, part, heads in cs.msg_classes:
-        b = message_bytes(Message(0, 1, kind, 0, part, heads), sh)
+        b = message_bytes(Message(0, 1, kind, 0, part, heads), sh, spec)
         nbytes.append(b)
         how = message_kind(kind).handling
         # elements of its row tensors (partial outputs, gradients; not the lse row statistics)
-        elems = sum(math.prod(shape) for shape, _, seq_dim in payload(kind, part, sh, heads) if seq_dim == 1)
+        elems = sum(math.prod(shape) for shape, _, seq_dim in spec(kind, part, sh, heads) if seq_dim == 1)
         cost = {"merge": km.merge_time, "add": km.add_time, "copy": lambda _: km.copy_time(b)}
         handle.append(cost[how](elems) if how else 0.0)
     return np.array(nbytes, dtype=np.float64), np.array(handle)
@@ -274,17 +275,21 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
 AUTO_STRATEGIES = ("token_ring", "ring:auto", "ulysses", "ring_bidir")
 
 
-def candidates(H: int, P: int, Hkv: int | None = None) -> list[str]:
+def candidates(H: int, P: int, Hkv: int | None = None, inner=()) -> list[str]:
     """Strategies ``auto`` may pick for ``H`` query / ``Hkv`` K/V heads on ``P`` ranks: those of
-    :data:`AUTO_STRATEGIES` whose ``check`` passes."""
-    return runnable_strategies(H, H if Hkv is None else Hkv, P, AUTO_STRATEGIES)
+    :data:`AUTO_STRATEGIES` whose ``check`` passes, and the hierarchical ones for each node size in ``inner``
+    (1 < n < P, dividing P)."""
+    names = list(AUTO_STRATEGIES) + [get_strategy(f).with_inner(n).name for n in inner if 1 < n < P and P % n == 0
+                                     for f in HIERARCHICAL]
+    return runnable_strategies(H, H if Hkv is None else Hkv, P, names)
 
 
-def variant_candidates(requested: str, sh: Shapes, causal: bool, layout: str) -> list[str]:
+def variant_candidates(requested: str, sh: Shapes, causal: bool, layout: str, inner=()) -> list[str]:
     """The concrete strategies ``requested`` may run: for ``"auto"`` every variant of every family ``auto``
-    considers, for a family choice (``"token_ring"``, ``"ring:auto"``) its variants, else itself; only those
-    whose ``check`` passes for these shapes."""
-    fams = candidates(sh.H, sh.P, sh.Hkv) if requested == "auto" else [requested]
+    considers (hierarchical ones for the node sizes ``inner``), for a family choice (``"token_ring"``,
+    ``"ring:auto"``, ``"token_ring_2d:n=8"``) its variants, else itself; only those whose ``check`` passes
+    for these shapes."""
+    fams = candidates(sh.H, sh.P, sh.Hkv, inner) if requested == "auto" else [requested]
     zigzag = causal and layout == "zigzag"
     return [v.name for f in fams for v in get_strategy(f).variants(sh.P)
             if v.check(sh.H, sh.Hkv, sh.P, sh.s, zigzag) is None]

@@ -9,20 +9,22 @@ benchmark, the demo, the tests) reads this registry.
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
-from . import ring, ring_bidir, token_ring, ulysses
-from .base import RelayOrDirect, Strategy
+from . import double_ring, ring, ring_bidir, token_ring, token_ring_2d, ulysses, usp
+from .base import Strategy
 
-__all__ = ["STRATEGIES", "FAMILIES", "Strategy", "get", "why_not", "runnable", "code", "from_code"]
+__all__ = ["STRATEGIES", "FAMILIES", "HIERARCHICAL", "Strategy", "get", "why_not", "runnable", "code", "from_code",
+           "CODE_LEN", "node_size", "with_node_size"]
 
-_MODULES = (token_ring, ring, ulysses, ring_bidir)
+_MODULES = (token_ring, ring, ulysses, ring_bidir, double_ring, token_ring_2d, usp)
 STRATEGIES: dict[str, Strategy] = {m.STRATEGY.family or m.STRATEGY.name: m.STRATEGY for m in _MODULES}
 FAMILIES = tuple(STRATEGIES)
 ALIASES = {"token_ring_paper": "token_ring:relay"}
 _MODES = ("", "auto", "relay", "direct")
-# Families that take a mode and parameters, by the class of their registered object.
-_CLASSES = {name: type(st) for name, st in STRATEGIES.items() if isinstance(st, RelayOrDirect)}
+_PARAMS = {"c": "chunks", "k": "lookahead", "n": "inner"}
+HIERARCHICAL = tuple(name for name, st in STRATEGIES.items() if st.hierarchical)
 
 
 @lru_cache(maxsize=1024)
@@ -32,35 +34,54 @@ def get(spec: str) -> Strategy:
     family, _, params = spec.partition(":")
     if family not in STRATEGIES:
         raise ValueError(f"strategy={spec!r} is unknown; choose one of {FAMILIES + tuple(ALIASES) + ('auto',)} "
-                         f"(variants: 'token_ring:relay', 'token_ring:direct,c=2,k=1', 'ring:direct,c=1,k=3')")
+                         f"(variants: 'token_ring:relay', 'token_ring:direct,c=2,k=1', 'ring:direct,c=1,k=3', "
+                         f"'double_ring:n=8')")
     if not params:
         return STRATEGIES[family]
-    if family not in _CLASSES:
-        raise ValueError(f"strategy {family!r} takes no parameters (got {spec!r})")
-    mode, *kv = params.split(",")
+    items = params.split(",")
+    mode = "" if "=" in items[0] else items.pop(0)
+    if mode not in _MODES:
+        raise ValueError(f"strategy={spec!r}: unknown mode {mode!r}; modes are relay, direct and auto")
     args = {}
-    for item in kv:
+    for item in items:
         key, _, value = item.partition("=")
-        if key not in ("c", "k") or not value.isdigit():
-            raise ValueError(f"strategy={spec!r}: parameters are c=<chunks> and k=<lookahead blocks>, e.g. "
-                             f"'{family}:direct,c=2,k=1'")
-        args["chunks" if key == "c" else "lookahead"] = int(value)
-    st = _CLASSES[family](mode, **args)
+        if key not in _PARAMS or not value.isdigit():
+            raise ValueError(f"strategy={spec!r}: parameters are c=<chunks>, k=<lookahead blocks> and, for the "
+                             f"hierarchical strategies, n=<ranks per node>; e.g. '{family}:direct,c=2,k=1'")
+        args[_PARAMS[key]] = int(value)
+    st = STRATEGIES[family].make(mode, **args)
     return st if st.name == spec else get(st.name)  # one object per canonical spec (schedules cache on it)
 
 
+CODE_LEN = 5
+
+
 def code(st: Strategy) -> list[float]:
-    """``st`` as four numbers (family, mode, chunks, lookahead), to travel with the cross-rank signature."""
+    """``st`` as five numbers (family, mode, chunks, lookahead, ranks per node), to travel with the cross-rank
+    signature."""
     return [float(FAMILIES.index(st.family or st.name)), float(_MODES.index(st.mode)), float(st.chunks),
-            float(st.lookahead)]
+            float(st.lookahead), float(st.inner)]
 
 
 def from_code(values) -> Strategy:
-    fam, mode, c, k = (int(x) for x in values)
-    family = FAMILIES[fam]
-    if not _MODES[mode]:
-        return STRATEGIES[family]
-    return get(_CLASSES[family](_MODES[mode], c, k).name)
+    fam, mode, c, k, n = (int(x) for x in values)
+    return get(STRATEGIES[FAMILIES[fam]].make(_MODES[mode], c, k, n).name)
+
+
+def node_size(inner_size: int | None = None) -> int:
+    """Ranks per node for the hierarchical strategies: ``inner_size``, else ``$LOCAL_WORLD_SIZE`` (torchrun
+    sets it), else 0 (unknown)."""
+    if inner_size:
+        if int(inner_size) < 1:
+            raise ValueError(f"inner_size must be a positive number of ranks per node, got {inner_size}")
+        return int(inner_size)
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(env) if env.isdigit() and int(env) > 0 else 0
+
+
+def with_node_size(st: Strategy, n: int) -> Strategy:
+    """``st`` with ``n`` ranks per node, if it is a hierarchical family without a node size yet."""
+    return st.with_inner(n) if st.hierarchical and not st.inner and n else st
 
 
 def why_not(name: str, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:

@@ -59,6 +59,15 @@ class Strategy:
     chunks: int = 1
     lookahead: int = 1
 
+    inner: int = 0            # ranks per node, for hierarchical strategies (0: flat, or not chosen yet)
+    hierarchical: bool = False
+
+    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0) -> "Strategy":
+        """The member of this family with these parameters (registry use: :func:`tokenring.strategies.get`)."""
+        if mode or (chunks, lookahead, inner) != (1, 1, 0):
+            raise ValueError(f"strategy {self.name!r} takes no parameters")
+        return self
+
     def variants(self, P: int) -> list["Strategy"]:
         return [self]
 
@@ -81,6 +90,11 @@ class Strategy:
 
     def backward_schedule(self, P: int, layout: str, causal: bool, mask=None) -> Schedule:
         return self.schedule(P, layout, causal, True, mask)
+
+    def payload(self, kind: str, part: str, sh: Shapes, heads: str = "all"):
+        """The tensors of one of this strategy's messages, for the simulator (:func:`tokenring.schedules.payload`
+        unless the strategy reshapes the problem between its phases, as USP does)."""
+        return payload(kind, part, sh, heads)
 
     def block_dims(self, c: Compute, sh: Shapes, mask=None, layout: str = "contiguous") -> BlockDims:
         """Row blocks of the local shard; a head half halves both head counts. With a ``mask`` (and the
@@ -447,6 +461,12 @@ class RelayOrDirect(ScheduledStrategy):
         self.mode, self.chunks, self.lookahead = mode, int(chunks), int(lookahead)
         self.name = spec_name(self.family, mode, self.chunks, self.lookahead, self.default_mode)
 
+    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0) -> Strategy:
+        if inner:
+            raise ValueError(f"strategy {self.family!r} is flat and takes no node size (n=); the hierarchical "
+                             f"ones are double_ring, token_ring_2d and usp")
+        return type(self)(mode or None, chunks, lookahead)
+
     def variants(self, P: int) -> list[Strategy]:
         if self.mode != "auto":
             return [self]
@@ -461,10 +481,11 @@ class RelayOrDirect(ScheduledStrategy):
             return f"{self.name}: lookahead k must be between 1 and P-1 = {P - 1} blocks"
         if s is not None:
             rows = s // 2 if zigzag else s  # zigzag causal blocks use half of a rank's rows
-            if rows < self.chunks or s < self.chunks + 1:
+            own = self.chunks + 1 + (P % 2) * self.chunks  # pieces the own block is cut into (direct_steps)
+            if rows < self.chunks or s < own:
                 return (f"{self.name}: {self.chunks} chunks need at least {self.chunks} rows per visiting block "
-                        f"and {self.chunks + 1} local rows, but this rank has {s}{' (halves of it)' if zigzag else ''}"
-                        f"; use fewer chunks (c=) or a longer sequence")
+                        f"and {own} local rows on {P} ranks, but this rank has {s}"
+                        f"{' (halves of it)' if zigzag else ''}; use fewer chunks (c=) or a longer sequence")
         return None
 
     def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         ap.error(why)
     for backward in {"fwd": [False], "bwd": [True], "both": [False, True]}[a.mode]:
-        print(get(name).schedule(P, layout, a.causal, backward).describe(sh, a.rank))
+        print(get(name).schedule(P, layout, a.causal, backward).describe(sh, a.rank, get(name).payload))
         print()
     return 0
 

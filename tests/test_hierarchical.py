@@ -1,0 +1,158 @@
+"""Hierarchical (two-level) strategies: usp, double_ring, token_ring_2d over grids of nodes x ranks per node.
+
+Against the float64 reference, forward and backward (tolerances as everywhere: float64 1e-9, float32 1e-5,
+bfloat16 2e-2): P = 4 as 2x2, P = 6 as 2x3 and 3x2 (and nodes of one rank / one node of all ranks), causal
+and not, zigzag and contiguous, MHA / GQA / MQA, odd head dims, batch 1-2, packed documents and windows; the
+node size from ``inner_size=`` and from ``$LOCAL_WORLD_SIZE``; ``auto`` choosing among them. Schedules:
+every attended pair computed exactly once (tests/test_units.py covers them too), and what crosses nodes.
+"""
+import itertools
+import random
+
+import pytest
+import torch
+
+import cases
+from tokenring.schedules import Shapes, message_bytes
+from tokenring.strategies import get, why_not
+
+HEADS = [(4, 4), (4, 2), (6, 1)]
+LAYOUTS = [(False, "contiguous"), (True, "contiguous"), (True, "zigzag"), (False, "zigzag")]
+
+
+def specs(n: int) -> list[str]:
+    """Every hierarchical strategy, with the inner variants that exist for nodes of ``n`` ranks."""
+    out = [f"usp:n={n}", f"double_ring:n={n}", f"token_ring_2d:relay,n={n}"]
+    for c, k in ((1, 1), (2, max(1, n - 1))):
+        out += [f"token_ring_2d:direct,c={c},k={k},n={n}", f"double_ring:direct,c={c},k={k},n={n}"]
+    return out
+
+
+def grid(P: int, n: int, dtypes=("float64",)) -> list[dict]:
+    out = []
+    for i, (spec, (causal, layout), (H, Hkv), dtype) in enumerate(itertools.product(
+            specs(n), LAYOUTS, HEADS, dtypes)):
+        s = 10 + 2 * (i % 3)  # even (zigzag), at least the pieces a direct inner schedule cuts
+        if why_not(spec, H, Hkv, P, s, causal and layout == "zigzag"):
+            continue
+        out.append(dict(B=1 + i % 2, s=s, H=H, Hkv=Hkv, d=(8, 13, 16)[i % 3], dtype=dtype, causal=causal,
+                        layout=layout, strategy=spec, seed=i))
+    return out
+
+
+@pytest.mark.parametrize("P,n", [(4, 2), (6, 2), (6, 3)])
+def test_match_reference(pools, P, n):
+    todo = grid(P, n)
+    assert len(todo) > 40
+    assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
+@pytest.mark.parametrize("P,n", [(4, 1), (4, 4)])
+def test_degenerate_grids(pools, P, n):
+    """Nodes of one rank (everything between nodes) and one node of every rank (a flat schedule)."""
+    todo = [c for c in grid(P, n) if c["seed"] % 3 == 0]
+    assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
+def test_low_precision(pools):
+    todo = [c for c in grid(4, 2, ("float32", "bfloat16")) if c["seed"] % 4 == 0]
+    assert pools(4).run(cases.check_many, todo) == [len(todo)] * 4
+
+
+def test_documents_and_windows(pools):
+    """Packed documents, sliding windows (blocks nobody sees are skipped: the rounds are cut for the mask) and
+    zigzag_docs, on every hierarchical strategy."""
+    P, n, rng, todo = 4, 2, random.Random(4), []
+    for i, spec in enumerate(specs(n)):
+        for causal, window, layout in ((True, None, "zigzag"), (False, (5, 3), "contiguous"), (True, (9, 0), "zigzag"),
+                                       (True, None, "zigzag_docs")):
+            s = 12
+            S = s * P
+            if layout == "zigzag_docs":
+                cu = [0, 16, 24, S]  # every document a multiple of 2P
+            else:
+                cu = [0] + sorted(rng.sample(range(1, S), 3)) + [S]
+            H, Hkv = HEADS[i % 3]
+            if why_not(spec, H, Hkv, P, s, causal and layout == "zigzag"):
+                continue
+            todo.append(dict(B=1, s=s, H=H, Hkv=Hkv, d=8, dtype="float64", causal=causal, layout=layout,
+                             strategy=spec, cu_seqlens=cu, window=window, seed=i))
+    assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
+def test_node_size_from_argument_environment_and_auto(pools):
+    """``strategy="double_ring"`` with ``inner_size=``, with ``$LOCAL_WORLD_SIZE`` (as torchrun sets it), the
+    family choice ``token_ring_2d`` (cost model picks the inner variant), and ``auto`` on a two-level topology
+    (it may pick a hierarchical strategy): all exact."""
+    base = dict(B=1, s=8, H=4, Hkv=2, d=8, dtype="float64", causal=True, layout="zigzag", seed=3)
+    todo = [dict(base, strategy="double_ring", inner_size=2), dict(base, strategy="usp", env={"LOCAL_WORLD_SIZE": "2"}),
+            dict(base, strategy="token_ring_2d", inner_size=2),
+            dict(base, strategy="auto", inner_size=2, topology="ib-2x8")]
+    assert pools(4).run(cases.check_many, todo) == [len(todo)] * 4
+
+
+@pytest.mark.parametrize("kind,needle", [("inner_missing", "inner_size"), ("inner_indivisible", "divide"),
+                                         ("usp_heads", "H % n"), ("inner_differ", "different")])
+def test_bad_node_sizes_raise_on_every_rank(pools, kind, needle):
+    for msg in pools(4).run(cases.expect_error, kind):
+        assert needle in msg, msg
+
+
+def _attended(S, P, layout, causal):
+    from tokenring.layouts import local_positions
+    pos = [local_positions(S, P, r, layout).tolist() for r in range(P)]
+    return pos, {(a, b) for j, r in itertools.product(range(P), range(P)) for a in pos[j] for b in pos[r]
+                 if not causal or b <= a}
+
+
+@pytest.mark.parametrize("P,n", [(4, 2), (6, 2), (6, 3), (8, 4), (8, 2)])
+@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "contiguous"), (True, "zigzag")])
+def test_two_level_schedules_cover_each_pair_once(P, n, causal, layout):
+    """Every attended pair computed exactly once, no masked pair computed, every compute's inputs held by the
+    rank that runs it (a message counts from the step after it is due)."""
+    from tokenring.schedules import covers, part_slice
+    s = 12
+    pos, need = _attended(s * P, P, layout, causal)
+    for spec in specs(n)[1:]:  # usp's ring runs over node rows: covered by the correctness tests
+        if why_not(spec, 4, 4, P, s, causal and layout == "zigzag"):
+            continue
+        st = get(spec)
+        for sched in (st.forward_schedule(P, layout, causal), st.backward_schedule(P, layout, causal)):
+            seen = []
+            have = {(r, kind, r): [("all", -1)] for r in range(P) for kind in ("q", "qgrad", "kv")}
+            for t, step in enumerate(sched.steps):
+                for c in step.computes:
+                    for kind, owner, part in ((sched.q_kind, c.q_owner, c.q_part), ("kv", c.kv_owner, c.kv_part)):
+                        assert any(ready < t and covers(p, part) for p, ready in have.get((c.rank, kind, owner), [])), \
+                            (spec, sched.backward, t, c)
+                    seen += [(a, b) for a in pos[c.q_owner][part_slice(c.q_part, s)]
+                             for b in pos[c.kv_owner][part_slice(c.kv_part, s)] if not c.diag or b <= a]
+                for m in step.messages:
+                    assert m.src != m.dst and (m.due == -1 or t <= m.due < len(sched.steps)), (spec, t, m)
+                    have.setdefault((m.dst, m.kind, m.owner), []).append((m.part, max(t, m.due)))
+            assert len(seen) == len(set(seen)), f"{spec}: a pair computed twice"
+            assert set(seen) == need, spec
+
+
+@pytest.mark.parametrize("spec", ["double_ring", "token_ring_2d:relay", "token_ring_2d:direct,c=2,k=1", "usp"])
+def test_inter_node_bytes(spec):
+    """Non-causal, P = 8 as 2 nodes x 4: what each rank sends to another node, against the hand count.
+    Forward: one K/V block per round after the first for the K/V-ring strategies (m - 1 = 1 block), and for
+    usp the K/V of its head group over the node's rows (the same bytes); flat ring: the ranks at a node's
+    edge send all P - 1 blocks across. Backward adds the dK/dV (float32 accumulators) going home."""
+    P, n, m = 8, 4, 2
+    sh = Shapes(1, 64, 8, 4, 16, torch.bfloat16, P)
+    kv_block = 2 * sh.B * sh.s * sh.Hkv * sh.d * 2
+    st = get(f"{spec}{',' if ':' in spec else ':'}n={n}")
+    for backward in (False, True):
+        sched = st.schedule(P, "contiguous", False, backward)
+        across = [0] * P
+        for step in sched.steps:
+            for msg in step.messages:
+                if msg.src // n != msg.dst // n:
+                    across[msg.src] += message_bytes(msg, sh, st.payload)
+        want = (m - 1) * kv_block * (1 + (2 if backward else 0))  # + dK/dV in float32 = 2x the bf16 K/V bytes
+        assert across == [want] * P, (spec, backward, across, want)
+    flat = get("ring").schedule(P, "contiguous", False, False)
+    edge = sum(message_bytes(x, sh) for st_ in flat.steps for x in st_.messages if x.src == n - 1)
+    assert edge == (P - 1) * kv_block

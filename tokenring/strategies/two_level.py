@@ -1,0 +1,165 @@
+"""Two-level (hierarchical) schedules over an ``m x n`` grid of ranks: ``n`` ranks per node, ``m`` nodes.
+
+Rank ``r = a*n + l`` is local rank ``l`` of node ``a``. A flat schedule over ``P`` ranks sends every block
+across the slow inter-node links as often as across the fast intra-node ones; a two-level one moves K/V
+between nodes only once per *round* and runs a whole flat schedule inside each node meanwhile.
+
+:func:`two_level` composes any flat schedule builder (``pass_kv_steps``, ``pass_q_steps``,
+``direct_steps``: they take a ``pair(q_owner, kv_owner)`` function) with a ring of K/V between nodes::
+
+    round o = 0 .. m-1 (steps o*L .. o*L + L - 1, L = the inner schedule's compute steps)
+      rank (a, l) holds K/V of (a - o, l): its own in round 0, then what (a - 1, l) held in round o - 1
+      inner schedule of node a over its n ranks, K/V owner l read as (a - o, l), queries as (a, j)
+      meanwhile: (a, l) sends the K/V it holds to (a + 1, l), due by the end of round o (overlapped)
+      backward: the dK/dV the node made for (a - o, l) gathers on (a, l) and goes home, due one round later
+
+Each round's inner schedule is built for that round's blocks (zigzag halves, masks), so only rows some query
+sees travel. Memory per rank: the inner schedule's, plus the K/V held for the round and the next round's in
+flight (two blocks), plus in backward one dK/dV block travelling home.
+The executor and the simulator run the result like any flat schedule (the ranks in it are global).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..schedules import Message, Schedule, Step, block_pair, direct_steps, drop_empty_tail, part_union, relay
+from .base import RelayOrDirect, chunk_choices, lookaheads
+from .ring import pass_kv_steps
+from .token_ring import pass_q_steps
+
+__all__ = ["two_level", "TwoLevel", "inner_size_error"]
+
+_KV_SIDE = ("kv", "dkv")  # message kinds about K/V (owner: the K/V's rank); the others are about queries
+
+
+def inner_size_error(name: str, P: int, n: int) -> str | None:
+    """Why ``n`` ranks per node cannot split ``P`` ranks for strategy ``name`` (``None``: it can)."""
+    if n <= 0:
+        return (f"strategy {name!r} runs over nodes of inner_size ranks: pass tokenring.attention(..., "
+                f"inner_size=N) (ranks per node), set $LOCAL_WORLD_SIZE (torchrun does), or name it "
+                f"'{name.split(':')[0]}:n=N'")
+    if P % n:
+        return (f"strategy {name!r}: {P} ranks do not split into nodes of {n} (inner_size must divide the group "
+                f"size); use a divisor of {P}")
+    return None
+
+
+def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bool, mask, inner) -> Schedule:
+    """Compose ``inner(pair) -> list[Step]`` (a flat schedule over ``n`` local ranks) with a ring of K/V between
+    the ``P / n`` nodes, as the module docstring draws it."""
+    m = P // n
+
+    def g(a: int, l: int) -> int:
+        return (a % m) * n + l
+
+    rounds = {}
+    for o in range(m):
+        for a in range(m):
+            b = a - o
+            rounds[o, a] = inner(lambda j, l, a=a, b=b: block_pair(g(a, j), g(b, l), P, layout, causal, mask))
+    stride = max(1 + max((t for t, st in enumerate(s) if st.computes), default=0) for s in rounds.values())
+    out: list[Step] = []
+
+    def at(t: int) -> Step:
+        while len(out) <= t:
+            out.append(Step())
+        return out[t]
+
+    home: list[tuple[int, Message]] = []  # (step to post, message): dK/dV a node made for another node's K/V
+    for (o, a), steps in rounds.items():
+        b, base = a - o, o * stride
+        last_add: dict[int, int] = {}   # local K/V owner -> last step its dK/dV grows on its holder this round
+        part: dict[int, str | None] = {}  # local K/V owner -> rows this node computed against
+        for t, st in enumerate(steps):
+            for c in st.computes:
+                at(base + t).computes.append(replace(c, rank=g(a, c.rank), q_owner=g(a, c.q_owner),
+                                                     kv_owner=g(b, c.kv_owner)))
+                part[c.kv_owner] = part_union(part.get(c.kv_owner), c.kv_part)
+                if c.rank == c.kv_owner:
+                    last_add[c.kv_owner] = max(last_add.get(c.kv_owner, 0), t)
+            for msg in st.messages:
+                owner = g(b, msg.owner) if msg.kind in _KV_SIDE else g(a, msg.owner)
+                at(base + t).messages.append(replace(msg, src=g(a, msg.src), dst=g(a, msg.dst), owner=owner,
+                                                     due=msg.due + base if msg.due >= 0 else -1))
+                if msg.kind == "dkv" and msg.dst == msg.owner:
+                    last_add[msg.owner] = max(last_add.get(msg.owner, 0), max(t, msg.due))
+        if backward and o:
+            for l, rows_ in part.items():
+                home.append((base + last_add.get(l, 0) + 1, Message(g(a, l), g(b, l), "dkv", g(b, l), rows_)))
+    end = max(len(out), max((t for t, _ in home), default=0) + 1)
+    for t, msg in home:  # due a round later (or at the end): the holder computes on meanwhile
+        at(t).messages.append(replace(msg, due=min(t + stride, end - 1)))
+    for b in range(m):  # the outer ring: each K/V block visits the nodes after its own, one round each
+        for l in range(n):
+            path = [g(b + o, l) for o in range(1, m)]
+            needs = []
+            for o in range(1, m):
+                need = None
+                for st in rounds[o, (b + o) % m]:
+                    for c in st.computes:
+                        if c.rank == l and c.kv_owner == l:
+                            need = part_union(need, c.kv_part)
+                    for msg in st.messages:
+                        if msg.src == l and msg.kind == "kv" and msg.owner == l:
+                            need = part_union(need, msg.part)
+                needs.append(need)
+            for i, msg in relay(g(b, l), path, needs, "kv"):
+                at(i * stride).messages.append(replace(msg, due=(i + 1) * stride - 1))
+    q_kind = "qgrad" if backward else "q"
+    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(out), mask)
+
+
+class TwoLevel(RelayOrDirect):
+    """A flat family run inside each node of ``inner`` ranks, with a ring of K/V between nodes
+    (:func:`two_level`). ``mode`` / ``chunks`` / ``lookahead`` choose the inner schedule as for the flat
+    family (relay, or direct with ``lookahead`` up to ``inner - 1``); ``inner=0``: the node size is not known
+    yet (``tokenring.attention`` takes it from ``inner_size=`` or ``$LOCAL_WORLD_SIZE``)."""
+    hierarchical = True
+
+    def __init__(self, mode: str | None = None, chunks: int = 1, lookahead: int = 1, inner: int = 0):
+        super().__init__(mode, chunks, lookahead)
+        self.inner = int(inner)
+        if self.inner < 0:
+            raise ValueError(f"{self.family}: the node size n= must be positive, got {inner}")
+        if self.inner:
+            self.name += ("," if ":" in self.name else ":") + f"n={self.inner}"
+
+    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0) -> "TwoLevel":
+        return type(self)(mode or None, chunks, lookahead, inner or self.inner)
+
+    def with_inner(self, n: int) -> "TwoLevel":
+        from . import get
+        return get(type(self)(self.mode, self.chunks, self.lookahead, n).name)
+
+    def variants(self, P: int) -> list["TwoLevel"]:
+        if self.mode != "auto":
+            return [self]
+        n, cls = self.inner, type(self)
+        return [cls("relay", inner=n)] + [cls("direct", c, k, n) for c in chunk_choices(n) for k in lookaheads(n)]
+
+    def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
+        why = inner_size_error(self.name, P, self.inner) or super().check(H, Hkv, self.inner, s, zigzag)
+        if why or self.mode != "direct" or s is None:
+            return why
+        # A visiting K/V block at a rank's own place (rounds after the first) may meet half of its queries,
+        # and that half is cut into as many pieces as the own block.
+        own = self.chunks + 1 + (self.inner % 2) * self.chunks
+        if (s // 2 if zigzag else s) < own:
+            return (f"{self.name}: the inner schedule cuts a rank's {'half ' if zigzag else ''}block into {own} "
+                    f"pieces but this rank has {s} rows; use fewer chunks (c=) or a longer sequence")
+        return None
+
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
+        why = inner_size_error(self.name, P, self.inner)
+        if why:
+            raise ValueError(why)
+        if self.mode == "auto":
+            return super().build_schedule(P, layout, causal, backward, mask)  # says: resolve it first
+        n, s = self.inner, None if mask is None else mask.S // P
+
+        def inner(pair):
+            if self.mode == "direct":
+                return direct_steps(n, pair, causal, backward, self.mover, self.chunks, self.lookahead, s)
+            return (pass_kv_steps if self.mover == "kv" else pass_q_steps)(n, pair, backward)
+
+        return two_level(self.name, P, n, layout, causal, backward, mask, inner)

@@ -1,0 +1,262 @@
+"""USP (yunchang's unified sequence parallelism): Ulysses inside each node of ``n`` ranks, ring between nodes.
+
+Rank ``r = a*n + l`` (node ``a``, local rank ``l``). ::
+
+    step 0        all-to-all inside node a: rank (a, l) gets head group l (H/n query heads, Hkv'/n K/V heads)
+                  of every row the node holds, n*s rows, sorted into global order (which is exactly node a's
+                  shard of the same layout over m = P/n "ranks": zigzag stays zigzag, at node granularity)
+    steps 1..m    ring attention over nodes among the ranks of head group l: K/V of head group l travel
+                  (a, l) -> (a + 1, l), one node's rows per step (backward: dK/dV follow, then go home)
+    last step     all-to-all back: my rows of every head group
+
+So the inter-node link carries K/V of ``1/n`` of the heads for ``n`` times the rows: the same bytes as a flat
+ring over nodes, but in ``m`` steps instead of ``P``, each with ``n^2`` times the compute to hide them behind.
+Needs ``H % n == 0``; K/V heads are repeated (differentiably) to ``Hkv'``, the fewest that split over ``n``.
+``usp:n=8`` names the node size; ``tokenring.attention(strategy="usp", inner_size=8)`` or
+``$LOCAL_WORLD_SIZE`` give it otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..comm import buffers
+from ..executor import execute
+from ..layouts import local_positions
+from ..masks import block_tiles
+from ..schedules import Compute, Message, Schedule, Shapes, Step, block_pair, drop_empty_tail, part_rows, part_slice
+from ..schedules import payload as flat_payload, ulysses_kv_heads
+from .base import BackwardOps, BlockDims, Config, ForwardOps, Strategy, row_delta, tile_dims
+from .ring import pass_kv_steps
+from .two_level import inner_size_error
+
+__all__ = ["Usp", "STRATEGY"]
+
+_A2A = ("u_qkv", "u_out", "u_dout", "u_grad")
+
+
+def node_shapes(sh: Shapes, n: int) -> Shapes:
+    """What one rank holds between the all-to-alls: ``n * s`` rows of ``H/n`` query and ``Hkv'/n`` K/V heads, on
+    a ring of ``P/n`` nodes."""
+    return Shapes(sh.B, sh.s * n, sh.H // n, ulysses_kv_heads(sh.H, sh.Hkv, n) // n, sh.d, sh.dtype, sh.P // n)
+
+
+def _schedule(name: str, P: int, n: int, layout: str, causal: bool, backward: bool, mask) -> Schedule:
+    m = P // n
+    first, last = ("u_dout", "u_grad") if backward else ("u_qkv", "u_out")
+
+    def a2a(kind: str) -> list[Message]:
+        return [Message(a * n + i, a * n + j, kind, a * n + (j if kind in ("u_out", "u_grad") else i))
+                for a in range(m) for i in range(n) for j in range(n) if i != j]
+
+    ring = pass_kv_steps(m, lambda q, kv: block_pair(q, kv, m, layout, causal, mask), backward)
+    ring = drop_empty_tail(ring)
+    steps = [Step(messages=a2a(first))] + [Step() for _ in ring] + [Step(messages=a2a(last))]
+    for t, st in enumerate(ring, start=1):
+        for l in range(n):  # one ring per head group, over the nodes
+            steps[t].computes += [replace(c, rank=c.rank * n + l, q_owner=c.q_owner * n + l,
+                                          kv_owner=c.kv_owner * n + l) for c in st.computes]
+            steps[t].messages += [replace(x, src=x.src * n + l, dst=x.dst * n + l, owner=x.owner * n + l)
+                                  for x in st.messages]
+    return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", steps, mask)
+
+
+class _NodeTiles:
+    """Masked blocks of the ring phase: owners are global ranks, rows are their node's (``cfg.P`` = nodes)."""
+    n: int
+
+    def tiles(self, c: Compute):
+        cfg = self.cfg
+        return block_tiles(cfg.mask, cfg.P, cfg.layout, c.q_owner // self.n, self.rows(c.q_part),
+                           c.kv_owner // self.n, self.rows(c.kv_part), self.device)
+
+
+class _NodeForward(_NodeTiles, ForwardOps):
+    pass
+
+
+class _NodeBackward(_NodeTiles, BackwardOps):
+    pass
+
+
+class _UspOps:
+    """The all-to-alls here; the ring between them is :class:`ForwardOps` / :class:`BackwardOps` over the node's
+    rows (``self.ring``, made once the first all-to-all has arrived)."""
+
+    def __init__(self, sh: Shapes, cfg: Config, n: int, device, local: dict[str, list[torch.Tensor]], make_ring):
+        self.sh, self.cfg, self.n, self.device = sh, cfg, n, device
+        self.node, self.l = divmod(cfg.rank, n)
+        self.local = local  # the all-to-all's kind -> my rows over all heads
+        self.got: dict[int, list[torch.Tensor]] = {}
+        self.make_ring, self.ring = make_ring, None
+        S = sh.s * sh.P
+        docs = cfg.mask.bounds if cfg.layout == "zigzag_docs" else None
+        pos = torch.cat([local_positions(S, sh.P, self.node * n + j, cfg.layout, device, docs) for j in range(n)])
+        self.order = torch.argsort(pos)     # node's concatenation -> global order
+        self.inverse = torch.argsort(self.order)
+        want = local_positions(S, sh.P // n, self.node, cfg.layout, device, docs)
+        if not torch.equal(pos[self.order], want):  # the property the ring over nodes relies on
+            raise RuntimeError(f"usp: node {self.node}'s rows are not its {cfg.layout} shard over nodes")
+        self.result: list[torch.Tensor] | None = None
+
+    def _group(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        h = t.shape[2] // self.n
+        return t[:, :, j * h:(j + 1) * h].contiguous()
+
+    def payload(self, m: Message) -> list[torch.Tensor]:
+        if m.kind in ("u_qkv", "u_dout"):
+            return [self._group(t, m.dst % self.n) for t in self.local[m.kind]]
+        if m.kind in ("u_out", "u_grad"):
+            s, j = self.sh.s, m.dst % self.n
+            return [t[:, j * s:(j + 1) * s].contiguous() for t in self._result()]
+        return self._ring().payload(m)
+
+    def empty(self, m: Message) -> list[torch.Tensor]:
+        if m.kind in _A2A:
+            return buffers(flat_payload(m.kind, m.part, replace(self.sh, P=self.n)), self.device)
+        return self._ring().empty(m)
+
+    def receive(self, m: Message, tensors) -> None:
+        if m.kind in _A2A:
+            self.got[m.src % self.n] = tensors
+        else:
+            self._ring().receive(m, tensors)
+
+    def compute(self, c: Compute) -> None:
+        self._ring().compute(c)
+
+    def release(self, step: int, reads: dict) -> None:
+        if self.ring is not None:
+            self.ring.release(step, reads)
+
+    def held_bytes(self) -> int:
+        return self.ring.held_bytes() if self.ring is not None else 0
+
+    def gathered(self, kind: str) -> list[torch.Tensor]:
+        """My head group over the node's rows, in global order, from what every rank of the node sent me."""
+        self.got[self.l] = [self._group(t, self.l) for t in self.local[kind]]
+        parts = zip(*(self.got[j] for j in range(self.n)))
+        return [torch.cat(ts, dim=1).index_select(1, self.order) for ts in parts]
+
+    def _ring(self):
+        if self.ring is None:
+            self.ring = self.make_ring(self)
+        return self.ring
+
+    def _result(self) -> list[torch.Tensor]:
+        if self.result is None:  # the ring is done: its result in the node's concatenation order
+            self.result = [t.index_select(1, self.inverse) for t in self.ring.result()]
+        return self.result
+
+    def heads_back(self, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """My rows over all heads, from every rank's head group."""
+        s = self.sh.s
+        self.got[self.l] = [t[:, self.l * s:(self.l + 1) * s] for t in self._result()]
+        parts = zip(*(self.got[j] for j in range(self.n)))
+        return [torch.cat(ts, dim=2).to(dt) for ts, dt in zip(parts, dtypes)]
+
+
+class Usp(Strategy):
+    name = family = "usp"
+    hierarchical = True
+
+    def __init__(self, inner: int = 0):
+        self.inner = int(inner)
+        if self.inner < 0:
+            raise ValueError(f"usp: the node size n= must be positive, got {inner}")
+        self.name = f"usp:n={self.inner}" if self.inner else "usp"
+
+    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0) -> "Usp":
+        if mode or (chunks, lookahead) != (1, 1):
+            raise ValueError("strategy 'usp' takes only the node size, e.g. 'usp:n=8'")
+        return Usp(inner or self.inner)
+
+    def with_inner(self, n: int) -> "Usp":
+        from . import get
+        return get(Usp(n).name)
+
+    def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
+        why = inner_size_error(self.name, P, self.inner)
+        if why:
+            return why
+        if H % self.inner:
+            return (f"strategy {self.name!r} splits the {H} query heads over the {self.inner} ranks of a node "
+                    f"(H % n == 0); use double_ring or token_ring_2d, or a node size that divides {H}")
+        return None
+
+    def prepare(self, q, k, v, P: int):
+        rep = ulysses_kv_heads(q.shape[2], k.shape[2], self.inner) // k.shape[2]
+        if rep > 1:  # replicate K/V heads so they split evenly over the node (autograd sums their gradients back)
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        return q, k, v
+
+    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
+        why = inner_size_error(self.name, P, self.inner)
+        if why:
+            raise ValueError(why)
+        return _schedule(self.name, P, self.inner, layout, causal, backward, mask)
+
+    def payload(self, kind: str, part: str, sh: Shapes, heads: str = "all"):
+        """All-to-all messages are Ulysses' over the node; ring messages carry node rows of a head group."""
+        if kind in _A2A:
+            return flat_payload(kind, part, replace(sh, P=self.inner), heads)
+        return flat_payload(kind, part, node_shapes(sh, self.inner), heads)
+
+    def block_dims(self, c: Compute, sh: Shapes, mask=None, layout: str = "contiguous") -> BlockDims:
+        """A block of node rows over one head group; the rank's first block also pays for the all-to-alls'
+        reshuffles (cat + reorder of Q/K/V, and of the result)."""
+        n, ns = self.inner, node_shapes(sh, self.inner)
+        e = sh.dtype.itemsize
+        copies = ()
+        if c.q_owner == c.kv_owner:
+            copies = (sh.B * ns.s * (ns.H + 2 * ns.Hkv) * sh.d * e * 2, sh.B * ns.s * ns.H * sh.d * e)
+        dims = BlockDims(sh.B * part_rows(c.q_part, ns.s), part_rows(c.kv_part, ns.s), ns.H, ns.Hkv, copies)
+        if mask is None:
+            return dims
+        ts, _ = block_tiles(mask, ns.P, layout, c.q_owner // n, part_slice(c.q_part, ns.s), c.kv_owner // n,
+                            part_slice(c.kv_part, ns.s))
+        return replace(dims, tiles=tile_dims(ts, sh.B))
+
+    def _node_cfg(self, cfg: Config) -> Config:
+        return replace(cfg, P=cfg.P // self.inner)
+
+    def forward(self, q, k, v, cfg: Config):
+        n = self.inner
+        sh = Shapes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, cfg.P)
+
+        def ring(ops: _UspOps):
+            qn, kn, vn = ops.gathered("u_qkv")
+            r = _NodeForward(qn, kn, vn, node_shapes(sh, n), self._node_cfg(cfg))
+            r.n, r.inputs = n, (qn, kn, vn)
+            r.result = lambda: [r.o.to(q.dtype)]
+            return r
+
+        ops = _UspOps(sh, cfg, n, q.device, {"u_qkv": [q, k, v]}, ring)
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask), cfg.comm(f"{self.name} forward"),
+                ops, cfg.held("forward"))
+        (out,) = ops.heads_back([q.dtype])
+        qn, kn, vn = ops.ring.inputs
+        return out, (qn, kn, vn, ops.ring.o.to(q.dtype), ops.ring.lse)
+
+    def backward(self, dout, saved, cfg: Config):
+        n = self.inner
+        qn, kn, vn, on, lsen = saved
+        B, ns_rows, hq, d = qn.shape
+        sh = Shapes(B, ns_rows // n, hq * n, kn.shape[2] * n, d, qn.dtype, cfg.P)
+
+        def ring(ops: _UspOps):
+            (doutn,) = ops.gathered("u_dout")
+            r = _NodeBackward(qn, kn, vn, doutn, lsen, row_delta(doutn, on), node_shapes(sh, n),
+                              self._node_cfg(cfg))
+            r.n = n
+            r.result = lambda: [r.dq.to(qn.dtype), r.dk.to(kn.dtype), r.dv.to(vn.dtype)]
+            return r
+
+        ops = _UspOps(sh, cfg, n, dout.device, {"u_dout": [dout]}, ring)
+        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask), cfg.comm(f"{self.name} backward"),
+                ops, cfg.held("backward"))
+        return tuple(ops.heads_back([qn.dtype, kn.dtype, vn.dtype]))
+
+
+STRATEGY = Usp()
