@@ -9,7 +9,7 @@ performance goals were missed. Results go to ``--out-dir`` (default ``bench/resu
 (everything, with the machine), ``results.md`` (the tables), ``timeline.png`` and ``timeline.trace.json``.
 
 1. Correctness. Every strategy (the families of ``tokenring.strategies.STRATEGIES`` plus ``token_ring:relay``
-   and ``token_ring:direct,c=2,k=1``), forward and backward, on P=2 and P=4 local ranks that share GPU 0 (gloo:
+   and ``token_ring:direct,c=2,k=1``; the hierarchical ones over nodes of two ranks), forward and backward, on P=2 and P=4 local ranks that share GPU 0 (gloo:
    ``tokenring.comm`` stages CUDA tensors through host memory), bf16 / fp16 / fp32, MHA (H=8, Hkv=8) and GQA
    (H=8, Hkv=2), head dims 64, 72, 128, causal (zigzag layout) and not (contiguous): the full cross product at
    S=2048 tokens in all. Reference: PyTorch SDPA (math backend, ``enable_gqa=True``) in float64 on the full
@@ -46,9 +46,16 @@ import torch.nn.functional as F
 
 import tokenring
 from tokenring.kernels import _pick_backward
-from tokenring.strategies import STRATEGIES
+from tokenring.strategies import HIERARCHICAL, STRATEGIES
 
-STRATEGY_SPECS = list(STRATEGIES) + ["token_ring:relay", "token_ring:direct,c=2,k=1"]
+STRATEGY_SPECS = [f for f in STRATEGIES if f not in HIERARCHICAL] + ["token_ring:relay", "token_ring:direct,c=2,k=1"]
+
+
+def hierarchical_specs(P: int) -> list[str]:
+    """The hierarchical strategies on ``P`` ranks: nodes of two ranks where ``P`` is even (all-to-alls, inner
+    and outer rings all run), else of one."""
+    n = 2 if P % 2 == 0 else 1
+    return [f"{f}:n={n}" for f in HIERARCHICAL]
 TOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
 DTYPES = ("bfloat16", "float16", "float32")
 HEADS = ((8, 8), (8, 2))          # (H, Hkv): MHA, GQA
@@ -81,8 +88,9 @@ def correctness_cases(P: int, S: int, quick: bool) -> list[dict]:
     """The full cross product, or (quick) one case per strategy and mask with dtype / heads / head dim cycling so
     that every value appears."""
     cases = []
+    specs = STRATEGY_SPECS + hierarchical_specs(P)
     if quick:
-        for i, strat in enumerate(STRATEGY_SPECS):
+        for i, strat in enumerate(specs):
             for c, causal in enumerate((False, True)):
                 j = 2 * i + c
                 H, Hkv = HEADS[j % 2]
@@ -93,7 +101,7 @@ def correctness_cases(P: int, S: int, quick: bool) -> list[dict]:
             for H, Hkv in HEADS:
                 for d in HEAD_DIMS:
                     for causal in (False, True):
-                        for strat in STRATEGY_SPECS:
+                        for strat in specs:
                             cases.append(dict(strategy=strat, dtype=dtype, H=H, Hkv=Hkv, d=d, causal=causal))
     for n, c in enumerate(cases):
         c.update(P=P, S=S, layout="zigzag" if c["causal"] else "contiguous", seed=1000 * P + n)

@@ -98,7 +98,8 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert res["exit_code"] == p.returncode and res["failures"] == []
     cases = res["correctness"]["cases"]
     assert {c["strategy"] for c in cases} == {"token_ring", "ring", "ulysses", "ring_bidir", "token_ring:relay",
-                                              "token_ring:direct,c=2,k=1"}
+                                              "token_ring:direct,c=2,k=1", "usp:n=2", "double_ring:n=2",
+                                              "token_ring_2d:n=2"}
     assert {c["dtype"] for c in cases} == {"bfloat16", "float16", "float32"}
     assert all(c["ok"] for c in cases) and res["correctness"]["failed"] == 0, [c for c in cases if not c["ok"]]
     assert set(res["correctness"]["backward_kernels"]) == {"bfloat16", "float16", "float32"}
