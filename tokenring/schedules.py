@@ -32,7 +32,7 @@ from .merge import acc_dtype
 from .messages import kind as message_kind
 
 __all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
-           "part_slice", "part_union", "covers", "overlaps", "part_rows", "chunk", "rows", "direct", "direct_steps", "pairings", "pairing",
+           "part_slice", "part_union", "covers", "overlaps", "part_rows", "chunk", "rows", "direct", "direct_steps", "own_pieces", "pairings", "pairing",
            "drop_empty_tail", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
 
 PARTS = ("all", "lo", "hi")
@@ -332,6 +332,13 @@ def _own_rows(r: int, a: int, b: int, n: int, own, causal: bool) -> list[Compute
     return ([Compute(r, r, part, r, rows(0, a, n))] if a else []) + [Compute(r, r, part, r, part, True)]
 
 
+def own_pieces(chunks: int, P: int) -> list[tuple[int, int, int]]:
+    """How :func:`direct_steps` cuts a rank's own block on ``P`` ranks: ``(a, b, n)`` = rows ``[a/n, b/n)``
+    of its query part, one piece per step that computes it."""
+    n = chunks + 1 + (P % 2) * chunks
+    return [(0, chunks, n)] + [(k, k + 1, n) for k in range(chunks, n)]
+
+
 def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: str, chunks: int,
            lookahead: int, mask=None) -> Schedule:
     """Direct (mesh-native), fine-grained schedule: every block one rank lacks comes *straight from its owner*,
@@ -374,8 +381,9 @@ def direct_steps(P: int, pair, causal: bool, backward: bool, mover: str, chunks:
     carry = "kv" if mover == "kv" else ("qgrad" if backward else "q")
     ret = ("dq" if backward else "out") if mover == "q" else ("dkv" if backward else None)
     rounds = pairings(P)
-    byes = P % 2  # odd P: one bye round per chunk sweep, spent on the own block's middle rows
-    n_own = c + 1 + byes * c  # own rows in n_own pieces: c first, one per bye round, the last one at the end
+    # Own rows in n_own pieces (own_pieces): c first, one per bye round (odd P: one bye round per chunk sweep,
+    # spent on the own block's middle rows), the last one at the end.
+    n_own = own_pieces(c, P)[0][2]
     last = 1 + c * len(rounds)
     steps = [Step() for _ in range(last + 1)]
 

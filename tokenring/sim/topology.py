@@ -475,6 +475,21 @@ def _testbed(kind: str, rate=200e6 / 8, P=4, efficiency=TESTBED_EFFICIENCY):
     raise ValueError(kind)
 
 
+def _testbed_cluster(P=4, node=2, intra="400mbit", inter="100mbit", efficiency=TESTBED_EFFICIENCY):
+    """The two-level testbed (``tokenring testbed --topology cluster``): nodes of ``node`` ranks joined inside by
+    a mesh at ``intra``, each node's inter-node traffic through one NIC link at ``inter`` per direction."""
+    n = int(node)
+    mesh = MeshTopology(f"mesh:{intra}", n, link_bw=parse_rate(intra) * efficiency, latency=TESTBED_LATENCY,
+                        device="cpu", cpu_per_byte=host_cpu_per_byte(P))
+    return ClusterTopology(
+        f"cluster:{n}:{intra}:{inter}", P, device="cpu", node=mesh, nic_bw=parse_rate(inter) * efficiency,
+        nic_latency=TESTBED_LATENCY, nics_per_node=1, cpu_per_byte=host_cpu_per_byte(P),
+        source=f"TokenRing two-level CPU testbed: nodes of {n} ranks (one namespace each) joined by a mesh of veth "
+               f"links shaped at {intra} per direction; each node's inter-node traffic leaves through one NIC "
+               f"(a router namespace) whose link to a switch is shaped at {inter} per direction. Ranks' cores "
+               f"pay CPU time per byte moved, as on the flat testbed.")
+
+
 def _loopback(P=4):
     return SwitchTopology("loopback", P, device="cpu", port_bw=LOOPBACK_BW, latency=100e-6,
                           backplane_bw=LOOPBACK_BW, cpu_per_byte=host_cpu_per_byte(P),
@@ -491,6 +506,7 @@ PRESETS = {
     "switch": lambda P=4, rate="200mbit": _testbed("switch", rate, P),
     "ring": lambda P=4, rate="200mbit": _testbed("ring", rate, P),
     "mesh": lambda P=4, rate="200mbit": _testbed("mesh", rate, P),
+    "cluster": _testbed_cluster,
     "loopback": _loopback,
 }
 _DEFAULT_P = {"a10-pcie-4": 4, "h100-nvswitch-8": 8, "ascend910b-mesh-8": 8, "mi300x-mesh-8": 8, "ib-2x8": 16}
@@ -579,6 +595,12 @@ def get_topology(spec, P: int | None = None) -> Topology:
             data = yaml.safe_load(text)
         return topology_from_dict(data, P)
     name, _, rate = spec.partition(":")
+    if name == "cluster" and rate:  # the two-level testbed: cluster:NODE:INTRA:INTER
+        parts = rate.split(":")
+        if len(parts) != 3 or not parts[0].isdigit():
+            raise ValueError(f"a two-level testbed is 'cluster:NODE:INTRA:INTER' (ranks per node, intra- and "
+                             f"inter-node rates), e.g. 'cluster:2:400mbit:100mbit'; got {spec!r}")
+        return _preset(name, P, node=int(parts[0]), intra=parts[1], inter=parts[2])
     if rate:
         if name not in ("switch", "ring", "mesh"):
             raise ValueError(f"only the testbed kinds take a rate ('switch:200mbit'), not {name!r}")

@@ -85,8 +85,9 @@ def with_node_size(st: Strategy, n: int) -> Strategy:
 
 
 def why_not(name: str, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
-    """Why strategy ``name`` cannot run ``H`` query / ``Hkv`` K/V heads on ``P`` ranks (``None``: it can)."""
-    return get(name).check(H, Hkv, P, s, zigzag)
+    """Why strategy ``name`` cannot run ``H`` query / ``Hkv`` K/V heads on ``P`` ranks (``None``: it can); a
+    hierarchical family without a node size takes ``$LOCAL_WORLD_SIZE``, as ``tokenring.attention`` does."""
+    return with_node_size(get(name), node_size()).check(H, Hkv, P, s, zigzag)
 
 
 def runnable(H: int, Hkv: int, P: int, names=None) -> list[str]:

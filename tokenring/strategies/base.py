@@ -20,8 +20,8 @@ from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_ba
 from ..masks import block_tiles
 from ..merge import acc_dtype, merge_, new_accumulator
 from ..messages import kind as message_kind
-from ..schedules import (Compute, Message, Schedule, Shapes, covers, direct, head_slice, overlaps, part_rows,
-                         part_slice, part_union, payload)
+from ..schedules import (Compute, Message, Schedule, Shapes, chunk, covers, direct, head_slice, overlaps,
+                         own_pieces, part_rows, part_slice, part_union, payload)
 
 __all__ = ["Strategy", "BlockDims", "Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy",
            "RelayOrDirect", "ScheduledAttention", "shapes_of", "tile_dims"]
@@ -481,11 +481,12 @@ class RelayOrDirect(ScheduledStrategy):
             return f"{self.name}: lookahead k must be between 1 and P-1 = {P - 1} blocks"
         if s is not None:
             rows = s // 2 if zigzag else s  # zigzag causal blocks use half of a rank's rows
-            own = self.chunks + 1 + (P % 2) * self.chunks  # pieces the own block is cut into (direct_steps)
-            if rows < self.chunks or s < own:
+            own = own_pieces(self.chunks, P)  # how direct_steps cuts the own block: no piece may be empty
+            if rows < self.chunks or any(part_rows(chunk("all", a, n, b), s) == 0 for a, b, n in own):
                 return (f"{self.name}: {self.chunks} chunks need at least {self.chunks} rows per visiting block "
-                        f"and {own} local rows on {P} ranks, but this rank has {s}"
-                        f"{' (halves of it)' if zigzag else ''}; use fewer chunks (c=) or a longer sequence")
+                        f"and enough local rows to cut the own block into {len(own)} pieces on {P} ranks, but "
+                        f"this rank has {s}{' (halves of it)' if zigzag else ''}; use fewer chunks (c=) or a "
+                        f"longer sequence")
         return None
 
     def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:

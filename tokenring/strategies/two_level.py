@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..schedules import Message, Schedule, Step, block_pair, direct_steps, drop_empty_tail, part_union, relay
+from ..schedules import (Compute, Message, Schedule, Step, block_pair, chunk, direct_steps, drop_empty_tail,
+                         own_pieces, part_rows, part_union, relay)
 from .base import RelayOrDirect, chunk_choices, lookaheads
 from .ring import pass_kv_steps
 from .token_ring import pass_q_steps
@@ -52,11 +53,14 @@ def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
     def g(a: int, l: int) -> int:
         return (a % m) * n + l
 
-    rounds = {}
+    rounds, built = {}, {}
     for o in range(m):
         for a in range(m):
             b = a - o
-            rounds[o, a] = inner(lambda j, l, a=a, b=b: block_pair(g(a, j), g(b, l), P, layout, causal, mask))
+            pairs = tuple(block_pair(g(a, j), g(b, l), P, layout, causal, mask) for j in range(n) for l in range(n))
+            if pairs not in built:  # rounds whose blocks meet alike share one inner schedule (most of them)
+                built[pairs] = inner(lambda j, l, pairs=pairs: pairs[j * n + l])
+            rounds[o, a] = built[pairs]
     stride = max(1 + max((t for t, st in enumerate(s) if st.computes), default=0) for s in rounds.values())
     out: list[Step] = []
 
@@ -70,39 +74,43 @@ def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
         b, base = a - o, o * stride
         last_add: dict[int, int] = {}   # local K/V owner -> last step its dK/dV grows on its holder this round
         part: dict[int, str | None] = {}  # local K/V owner -> rows this node computed against
+        qa, kb = a % m * n, b % m * n  # node a's first rank (queries), node b's (K/V)
         for t, st in enumerate(steps):
+            step = at(base + t)
             for c in st.computes:
-                at(base + t).computes.append(replace(c, rank=g(a, c.rank), q_owner=g(a, c.q_owner),
-                                                     kv_owner=g(b, c.kv_owner)))
-                part[c.kv_owner] = part_union(part.get(c.kv_owner), c.kv_part)
-                if c.rank == c.kv_owner:
-                    last_add[c.kv_owner] = max(last_add.get(c.kv_owner, 0), t)
-            for msg in st.messages:
-                owner = g(b, msg.owner) if msg.kind in _KV_SIDE else g(a, msg.owner)
-                at(base + t).messages.append(replace(msg, src=g(a, msg.src), dst=g(a, msg.dst), owner=owner,
-                                                     due=msg.due + base if msg.due >= 0 else -1))
-                if msg.kind == "dkv" and msg.dst == msg.owner:
-                    last_add[msg.owner] = max(last_add.get(msg.owner, 0), max(t, msg.due))
+                step.computes.append(Compute(qa + c.rank, qa + c.q_owner, c.q_part, kb + c.kv_owner, c.kv_part,
+                                             c.diag, c.heads))
+                if backward:
+                    part[c.kv_owner] = part_union(part.get(c.kv_owner), c.kv_part)
+                    if c.rank == c.kv_owner:
+                        last_add[c.kv_owner] = max(last_add.get(c.kv_owner, 0), t)
+            for x in st.messages:
+                step.messages.append(Message(qa + x.src, qa + x.dst, x.kind,
+                                             (kb if x.kind in _KV_SIDE else qa) + x.owner, x.part, x.heads,
+                                             x.due + base if x.due >= 0 else -1))
+                if x.kind == "dkv" and x.dst == x.owner:
+                    last_add[x.owner] = max(last_add.get(x.owner, 0), max(t, x.due))
         if backward and o:
             for l, rows_ in part.items():
                 home.append((base + last_add.get(l, 0) + 1, Message(g(a, l), g(b, l), "dkv", g(b, l), rows_)))
     end = max(len(out), max((t for t, _ in home), default=0) + 1)
     for t, msg in home:  # due a round later (or at the end): the holder computes on meanwhile
         at(t).messages.append(replace(msg, due=min(t + stride, end - 1)))
+    held: dict[int, list] = {}  # per inner schedule: the K/V rows each local rank reads from what it holds
+    for steps in built.values():
+        need = [None] * n
+        for st in steps:
+            for c in st.computes:
+                if c.rank == c.kv_owner:
+                    need[c.rank] = part_union(need[c.rank], c.kv_part)
+            for x in st.messages:
+                if x.kind == "kv" and x.src == x.owner:
+                    need[x.src] = part_union(need[x.src], x.part)
+        held[id(steps)] = need
     for b in range(m):  # the outer ring: each K/V block visits the nodes after its own, one round each
         for l in range(n):
             path = [g(b + o, l) for o in range(1, m)]
-            needs = []
-            for o in range(1, m):
-                need = None
-                for st in rounds[o, (b + o) % m]:
-                    for c in st.computes:
-                        if c.rank == l and c.kv_owner == l:
-                            need = part_union(need, c.kv_part)
-                    for msg in st.messages:
-                        if msg.src == l and msg.kind == "kv" and msg.owner == l:
-                            need = part_union(need, msg.part)
-                needs.append(need)
+            needs = [held[id(rounds[o, (b + o) % m])][l] for o in range(1, m)]
             for i, msg in relay(g(b, l), path, needs, "kv"):
                 at(i * stride).messages.append(replace(msg, due=(i + 1) * stride - 1))
     q_kind = "qgrad" if backward else "q"
@@ -142,11 +150,12 @@ class TwoLevel(RelayOrDirect):
         if why or self.mode != "direct" or s is None:
             return why
         # A visiting K/V block at a rank's own place (rounds after the first) may meet half of its queries,
-        # and that half is cut into as many pieces as the own block.
-        own = self.chunks + 1 + (self.inner % 2) * self.chunks
-        if (s // 2 if zigzag else s) < own:
-            return (f"{self.name}: the inner schedule cuts a rank's {'half ' if zigzag else ''}block into {own} "
-                    f"pieces but this rank has {s} rows; use fewer chunks (c=) or a longer sequence")
+        # and that half is cut into as many pieces as the own block: none may be empty.
+        own = own_pieces(self.chunks, self.inner)
+        halves = ("lo", "hi") if zigzag else ("all",)
+        if any(part_rows(chunk(h, a, n, b), s) == 0 for h in halves for a, b, n in own):
+            return (f"{self.name}: the inner schedule cuts a rank's {'half ' if zigzag else ''}block into "
+                    f"{len(own)} pieces but this rank has {s} rows; use fewer chunks (c=) or a longer sequence")
         return None
 
     def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:

@@ -10,7 +10,11 @@ link is full duplex: each direction has the full rate). Topologies:
 - ``ring``: links only between neighbours ``r`` and ``r + 1``; traffic to other ranks is forwarded hop by hop
   along the shorter way round;
 - ``mesh``: a dedicated link per pair (Ascend HCCS / AMD xGMI): traffic to each peer is routed over that
-  pair's own link.
+  pair's own link;
+- ``cluster``: two levels. Nodes of ``node`` ranks (``--node``); inside a node a mesh of links at
+  ``intra`` Mbit/s (``--intra``, default 4x the rate); each node has one NIC: a router namespace that the
+  node's ranks reach over unshaped veths and whose single link to a switch (a bridge in a hub namespace) is
+  shaped at ``rate`` in each direction, so all of a node's inter-node traffic shares that one slower link.
 
 Addressing: rank ``r`` owns ``10.77.0.<r+1>`` (a /32 on one of its veth ends for ring/mesh, a /24 on its
 single port for switch); each peer's /32 is routed over the right link with ``src`` set, so gloo, bound to
@@ -36,7 +40,7 @@ import sys
 
 __all__ = ["Testbed", "TOPOLOGIES", "available", "cleanup_stale", "main"]
 
-TOPOLOGIES = ("switch", "ring", "mesh")
+TOPOLOGIES = ("switch", "ring", "mesh", "cluster")
 _counter = itertools.count()
 _live: list["Testbed"] = []
 
@@ -69,9 +73,14 @@ class Testbed:
     """
 
     def __init__(self, P: int, topology: str, rate_mbit: float, delay_ms: float = 0.0,
-                 queue_ms: float = 100.0, prefix: str | None = None):
+                 queue_ms: float = 100.0, prefix: str | None = None, node: int = 0, intra_mbit: float | None = None):
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology {topology!r} is unknown; choose one of {TOPOLOGIES}")
+        if topology == "cluster" and (node < 1 or P % node or node == P):
+            raise ValueError(f"the cluster testbed needs nodes of `node` ranks dividing P={P} into at least two "
+                             f"nodes, got node={node}")
+        self.node = node if topology == "cluster" else 0
+        self.intra = (intra_mbit or 4 * rate_mbit) if topology == "cluster" else None
         if P < 2 or P > 200:
             raise ValueError(f"the testbed needs 2 <= P <= 200 ranks, got {P}")
         if rate_mbit <= 0:
@@ -90,9 +99,16 @@ class Testbed:
     def hub(self) -> str:
         return f"{self.prefix}-sw"
 
+    def router(self, a: int) -> str:
+        return f"{self.prefix}-n{a}"
+
     @staticmethod
     def addr(r: int) -> str:
         return f"10.77.{r // 250}.{r % 250 + 1}"
+
+    @staticmethod
+    def router_addr(a: int) -> str:
+        return f"10.78.{a // 250}.{a % 250 + 1}"
 
     # ------------------------------------------------------------------ setup
     def _ns_add(self, name: str) -> None:
@@ -115,13 +131,14 @@ class Testbed:
             # that cost small next to the attention compute sharing those cores (an interconnect's DMA costs none)
             _sh("ip", "-n", ns, "link", "set", "dev", dev, "mtu", str(MTU), "up")
 
-    def _shape(self, ns: str, dev: str) -> None:
-        rate_bytes = self.rate * 1e6 / 8
+    def _shape(self, ns: str, dev: str, rate: float | None = None) -> None:
+        rate = rate or self.rate
+        rate_bytes = rate * 1e6 / 8
         # 2 ms of traffic, and at least one full frame (tbf never sends a frame larger than its bucket). The bucket
         # is what an idle link may send at line rate: keep it to about one frame so that small messages do not
         # travel faster than the rate after a pause (a 256 KB bucket made 256 KB chunks nearly free at 70 Mbit/s).
         burst = max(MTU + 4096, int(rate_bytes * 0.002))
-        tbf = ["tbf", "rate", f"{self.rate}mbit", "burst", str(burst), "latency", f"{self.queue_ms}ms"]
+        tbf = ["tbf", "rate", f"{rate}mbit", "burst", str(burst), "latency", f"{self.queue_ms}ms"]
         if self.delay_ms > 0:
             self._in(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
                      f"{self.delay_ms}ms")
@@ -155,6 +172,8 @@ class Testbed:
                 self._ns_add(self.ns(r))
             if self.topology == "switch":
                 self._setup_switch()
+            elif self.topology == "cluster":
+                self._setup_cluster()
             else:
                 self._setup_links()
         except BaseException:
@@ -208,6 +227,45 @@ class Testbed:
                     route += ["via", self.addr(nh), "dev", f"p{nh}", "onlink"]
                 _sh(*route, "src", self.addr(i))
 
+    def _setup_cluster(self) -> None:
+        n, m = self.node, self.P // self.node
+        self._ns_add(self.hub)
+        _sh("ip", "-n", self.hub, "link", "add", "name", "br0", "type", "bridge")
+        _sh("ip", "-n", self.hub, "link", "set", "dev", "br0", "up")
+        for a in range(m):  # each node's NIC: a router with one shaped link to the switch
+            nic = self.router(a)
+            self._ns_add(nic)
+            self._veth(nic, "sw", self.hub, f"n{a}")
+            _sh("ip", "-n", self.hub, "link", "set", "dev", f"n{a}", "master", "br0")
+            _sh("ip", "-n", nic, "addr", "add", f"{self.router_addr(a)}/32", "dev", "sw")
+            self._shape(nic, "sw")           # node -> switch
+            self._shape(self.hub, f"n{a}")   # switch -> node
+        for r in range(self.P):  # each rank: an unshaped link to its node's NIC, its identity address on it
+            a = r // n
+            self._veth(self.ns(r), "up", self.router(a), f"r{r}")
+            _sh("ip", "-n", self.ns(r), "addr", "add", f"{self.addr(r)}/32", "dev", "up")
+            _sh("ip", "-n", self.router(a), "route", "add", f"{self.addr(r)}/32", "dev", f"r{r}")
+            self.iface[r] = "up"
+        for a in range(m):  # the mesh inside each node
+            for i, j in itertools.combinations(range(a * n, (a + 1) * n), 2):
+                self._veth(self.ns(i), f"p{j}", self.ns(j), f"p{i}")
+                self._shape(self.ns(i), f"p{j}", self.intra)
+                self._shape(self.ns(j), f"p{i}", self.intra)
+        for i in range(self.P):
+            for j in range(self.P):
+                if i == j:
+                    continue
+                if i // n == j // n:
+                    route = ["dev", f"p{j}"]
+                else:
+                    route = ["via", self.router_addr(i // n), "dev", "up", "onlink"]
+                _sh("ip", "-n", self.ns(i), "route", "add", f"{self.addr(j)}/32", *route, "src", self.addr(i))
+        for a in range(m):  # a router sends another node's ranks to that node's router
+            for j in range(self.P):
+                if j // n != a:
+                    _sh("ip", "-n", self.router(a), "route", "add", f"{self.addr(j)}/32", "via",
+                        self.router_addr(j // n), "dev", "sw", "onlink")
+
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
         """Delete every namespace we created (with them go their veth links, bridge and qdiscs). Idempotent."""
@@ -243,15 +301,26 @@ class Testbed:
         with gloo bound to its link. The ranks rendezvous through a file store (namespaces share the file
         system), so no address or port is needed."""
         # The ranks' cost model (strategy "auto", "token_ring") sees this testbed unless the caller chose one.
-        topo = os.environ.get("TOKENRING_TOPOLOGY") or f"{self.topology}:{self.rate:g}mbit"
+        topo = os.environ.get("TOKENRING_TOPOLOGY") or self.spec()
+        extra = {"LOCAL_WORLD_SIZE": str(self.node)} if self.node else {}  # as torchrun would set it
         return dict(prefix=lambda r: ["ip", "netns", "exec", self.ns(r)],
                     env=lambda r: {"GLOO_SOCKET_IFNAME": self.iface[r], "TP_SOCKET_IFNAME": self.iface[r],
-                                   "TOKENRING_TOPOLOGY": topo})
+                                   "TOKENRING_TOPOLOGY": topo, **extra})
+
+    def spec(self) -> str:
+        """This testbed as a ``tokenring.sim`` topology spec (``"mesh:200mbit"``,
+        ``"cluster:2:400mbit:100mbit"``)."""
+        if self.node:
+            return f"cluster:{self.node}:{self.intra:g}mbit:{self.rate:g}mbit"
+        return f"{self.topology}:{self.rate:g}mbit"
 
     def describe(self) -> dict:
-        return dict(topology=self.topology, P=self.P, rate_mbit=self.rate, rate_MBps=self.rate / 8,
-                    delay_ms=self.delay_ms, shaping="tc tbf per direction (full duplex), veth",
-                    links=len(self.links))
+        out = dict(topology=self.topology, P=self.P, rate_mbit=self.rate, rate_MBps=self.rate / 8,
+                   delay_ms=self.delay_ms, shaping="tc tbf per direction (full duplex), veth",
+                   links=len(self.links), spec=self.spec())
+        if self.node:
+            out.update(node=self.node, intra_mbit=self.intra)
+        return out
 
 
 def _raise_exit(signum, frame):
@@ -298,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topology", nargs="+", default=["mesh", "switch"], choices=TOPOLOGIES)
     ap.add_argument("--rate", type=float, nargs="+", default=[200.0], help="link rate(s), Mbit/s per direction")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency per direction (needs netem)")
+    ap.add_argument("--node", type=int, default=2, help="cluster: ranks per node")
+    ap.add_argument("--intra", type=float, default=None, help="cluster: intra-node link rate, Mbit/s (default 4x)")
     ap.add_argument("--cleanup", action="store_true",
                     help="only delete namespaces left behind by a testbed process that was killed, then exit")
     bench.add_args(ap)
@@ -325,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         for topo, rate, spec in cases:
             if prog:
                 prog.update(task, description=f"{topo} {rate:g} Mbit/s S={spec['S']}")
-            with Testbed(spec["P"], topo, rate, a.delay_ms) as tb:
+            with Testbed(spec["P"], topo, rate, a.delay_ms, node=a.node, intra_mbit=a.intra) as tb:
                 res = bench.run(spec, **tb.launch_kwargs())
                 res["testbed"] = tb.describe()
             results.append(res)
