@@ -11,7 +11,8 @@ inter-node rate, and one NIC link per node (shared by its ranks) to a switch.
    The *inter-node comm-bound* rate is the one at which ring's K/V message per step takes ``RATIO * C`` on
    the NIC link (flat ring sends one K/V block across each node boundary per step).
 2. On 2 nodes x 2 ranks (and 3 x 2 with ``--big``): MHA and GQA (H=8, Hkv=2), causal (zigzag) forward and
-   forward+backward, non-causal forward, at the comm-bound rate; a rate sweep for MHA causal fwd+bwd. Each run
+   forward+backward, non-causal forward, at the comm-bound rate (GQA at its own: the rate times Hkv/H, as its
+   K/V per step is that much smaller); both again at half the rate, causal forward+backward. Each run
    measures every flat strategy (ring, ring_bidir, ulysses, the TokenRing variant the cost model picks,
    ``ring:auto``) and every hierarchical one (usp, double_ring, token_ring_2d's picked variant) and ``auto``,
    with ``$LOCAL_WORLD_SIZE`` = 2 as torchrun would set it.
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # a fresh clone works without install
 from _results import write  # noqa: E402
 from tokenring.tools import bench, testbed  # noqa: E402
 
-S, H, D, NODE, RATIO, INTRA = 4096, 8, 64, 2, 3.0, 4.0
+S, H, D, NODE, RATIO, INTRA, GQA_KV = 4096, 8, 64, 2, 3.0, 4.0, 2
 FLAT = ["ring", "ring_bidir", "ulysses", "token_ring", "ring:auto"]
 HIER = ["usp", "double_ring", "token_ring_2d", "double_ring:direct,c=1,k=1"]
 STRATEGIES = FLAT + HIER + ["auto"]
@@ -74,7 +75,7 @@ def predict(res: dict) -> dict:
 
 def run_case(tag: str, P: int, rate: float, Hkv: int, causal: bool, mode: str, repeats: int) -> dict:
     spec = bench.make_spec(P=P, S=S, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, strategies=STRATEGIES,
-                           repeats=repeats, warmup=1, trace=False, comm_only=False)
+                           repeats=repeats, warmup=1, trace=True, comm_only=False)
     with testbed.Testbed(P, "cluster", rate, node=NODE, intra_mbit=INTRA * rate) as tb:
         res = bench.run(spec, **tb.launch_kwargs())
         res["testbed"] = tb.describe()
@@ -119,22 +120,28 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--big", action="store_true", help="also 3 nodes x 2 ranks (6 ranks on the cores)")
     ap.add_argument("--from-json", help="rewrite the report from an earlier run's JSON")
+    ap.add_argument("--repredict", action="store_true",
+                    help="with --from-json: predict the kept measurements again with the model as it is now")
     a = ap.parse_args(argv)
     if a.from_json:
         with open(a.from_json) as f:
             data = json.load(f)
+        if a.repredict:
+            for res in data["runs"]:
+                res["predicted"] = predict(res)
     elif testbed.available():
         print(f"hierarchical: cannot measure: {testbed.available()}. Use --from-json with an earlier run.")
         return 2
     else:
         cal = calibrate(a.repeats)
         rate = cal["rate_mbit"]
-        plan = [("main", 4, rate, H, True, "both"), ("main", 4, rate, 2, True, "both"),
-                ("main", 4, rate, H, True, "fwd"), ("main", 4, rate, 2, True, "fwd"),
-                ("main", 4, rate, H, False, "fwd"), ("main", 4, rate, 2, False, "fwd"),
-                ("sweep", 4, rate * 2, H, True, "both"), ("sweep", 4, rate / 2, H, True, "both")]
+        g = rate * GQA_KV / H  # GQA's K/V per step is Hkv/H of MHA's: its comm-bound rate scales with it
+        plan = [("main", 4, rate, H, True, "both"), ("main", 4, g, GQA_KV, True, "both"),
+                ("main", 4, rate, H, True, "fwd"), ("main", 4, g, GQA_KV, True, "fwd"),
+                ("main", 4, rate, H, False, "fwd"), ("main", 4, g, GQA_KV, False, "fwd"),
+                ("sweep", 4, rate / 2, H, True, "both"), ("sweep", 4, g / 2, GQA_KV, True, "both")]
         if a.big:
-            plan += [("big", 6, rate, H, True, "both"), ("big", 6, rate, 2, True, "fwd")]
+            plan += [("big", 6, rate, H, True, "both"), ("big", 6, g, GQA_KV, True, "both")]
         if a.quick:
             plan = plan[:1]
         runs = []
