@@ -16,7 +16,8 @@ inter-node rate, and one NIC link per node (shared by its ranks) to a switch.
    measures every flat strategy (ring, ring_bidir, ulysses, the TokenRing variant the cost model picks,
    ``ring:auto``) and every hierarchical one (usp, double_ring, token_ring_2d's picked variant) and ``auto``,
    with ``$LOCAL_WORLD_SIZE`` = 2 as torchrun would set it.
-3. The simulator's prediction of every measured variant on the same two-level topology (model as committed).
+3. The simulator's prediction of every measured variant on the same two-level topology (model as committed,
+   its CPU kernel model calibrated on this machine after the measurements, as ``bench/evidence.py`` does).
 No number in the outputs is typed by hand; every repeat is kept in the JSON.
 """
 from __future__ import annotations
@@ -58,25 +59,27 @@ def calibrate(repeats: int) -> dict:
 
 
 def predict(res: dict) -> dict:
-    """The model's prediction per measured strategy (its resolved variant) on this testbed's topology."""
+    """The model's prediction per measured strategy (its resolved variant) on this testbed's topology, with the
+    CPU kernel model calibrated on this machine (as ``bench/evidence.py`` validates it)."""
     import torch
     from tokenring.schedules import Shapes
-    from tokenring.sim import get_topology, simulate
-    from tokenring.sim.auto import _kernel
+    from tokenring.sim import get_topology, kernel_model, simulate
+    from tokenring.sim.kernel_model import cpu_share
     sp, tb = res["spec"], res["testbed"]
-    sh = Shapes(sp["B"], sp["S"] // sp["P"], sp["H"], sp["Hkv"], sp["d"], getattr(torch, sp["dtype"]), sp["P"])
+    dt = getattr(torch, sp["dtype"])
+    sh = Shapes(sp["B"], sp["S"] // sp["P"], sp["H"], sp["Hkv"], sp["d"], dt, sp["P"])
     topo = get_topology(tb["spec"], sp["P"])
-    torch.set_num_threads(sp["threads"])
-    km = _kernel(topo, sp["P"])
+    km = kernel_model("cpu", sp["threads"], calibrated=True, dtype=dt, share=cpu_share(sp["P"], sp["threads"]))
     return {r["strategy"]: simulate(r["variant"], sh, topo, km, causal=sp["causal"], layout=sp["layout"],
                                     backward=sp["pass"] != "fwd").time
             for r in res["results"] if "time" in r and r.get("variant")}
 
 
-def run_case(tag: str, P: int, rate: float, Hkv: int, causal: bool, mode: str, repeats: int) -> dict:
-    spec = bench.make_spec(P=P, S=S, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, strategies=STRATEGIES,
-                           repeats=repeats, warmup=1, trace=True, comm_only=False)
-    with testbed.Testbed(P, "cluster", rate, node=NODE, intra_mbit=INTRA * rate) as tb:
+def run_case(tag: str, P: int, rate: float, Hkv: int, causal: bool, mode: str, repeats: int, node: int = NODE,
+             intra: float = INTRA, d: int = D, dtype: str = "float32", s: int = S // 4) -> dict:
+    spec = bench.make_spec(P=P, S=s * P, H=H, Hkv=Hkv, d=d, causal=causal, mode=mode, dtype=dtype,
+                           strategies=STRATEGIES, repeats=repeats, warmup=1, trace=True, comm_only=False)
+    with testbed.Testbed(P, "cluster", rate, node=node, intra_mbit=intra * rate) as tb:
         res = bench.run(spec, **tb.launch_kwargs())
         res["testbed"] = tb.describe()
     res["case"] = tag
@@ -90,7 +93,12 @@ def run_case(tag: str, P: int, rate: float, Hkv: int, causal: bool, mode: str, r
 def label(res: dict) -> str:
     sp = res["spec"]
     heads = "MHA" if sp["H"] == sp["Hkv"] else f"GQA {sp['H']}/{sp['Hkv']}"
-    return f"{sp['P'] // NODE}x{NODE}, {heads}, {'causal' if sp['causal'] else 'non-causal'}, " \
+    n = res["testbed"]["node"]
+    extra = "" if (sp["d"], sp["dtype"], sp["S"] // sp["P"]) == (D, "float32", S // 4) else \
+        f", d={sp['d']} {sp['dtype']} s={sp['S'] // sp['P']}"
+    ratio = res["testbed"]["intra_mbit"] / res["testbed"]["rate_mbit"]
+    extra += "" if ratio == INTRA else f", intra {ratio:g}x"
+    return f"{sp['P'] // n}x{n}{extra}, {heads}, {'causal' if sp['causal'] else 'non-causal'}, " \
            f"{'fwd' if sp['pass'] == 'fwd' else 'fwd+bwd'}, {res['testbed']['rate_mbit']:g} Mbit/s"
 
 
@@ -119,6 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--big", action="store_true", help="also 3 nodes x 2 ranks (6 ranks on the cores)")
+    ap.add_argument("--heldout", action="store_true",
+                    help="the held-out grid (measured after the model is frozen) instead of the main one")
+    ap.add_argument("--resume", action="store_true", help="continue an interrupted run from its partial JSON")
     ap.add_argument("--from-json", help="rewrite the report from an earlier run's JSON")
     ap.add_argument("--repredict", action="store_true",
                     help="with --from-json: predict the kept measurements again with the model as it is now")
@@ -133,7 +144,13 @@ def main(argv=None) -> int:
         print(f"hierarchical: cannot measure: {testbed.available()}. Use --from-json with an earlier run.")
         return 2
     else:
-        cal = calibrate(a.repeats)
+        runs, partial = [], a.out + ".partial.json"  # kept after every case: a crash loses one case, not all
+        if a.resume and os.path.exists(partial):
+            with open(partial) as f:
+                old = json.load(f)
+            cal, runs = old["calibration"], old["runs"]
+        else:
+            cal = calibrate(a.repeats)
         rate = cal["rate_mbit"]
         g = rate * GQA_KV / H  # GQA's K/V per step is Hkv/H of MHA's: its comm-bound rate scales with it
         plan = [("main", 4, rate, H, True, "both"), ("main", 4, g, GQA_KV, True, "both"),
@@ -144,20 +161,32 @@ def main(argv=None) -> int:
             plan += [("big", 6, rate, H, True, "both"), ("big", 6, g, GQA_KV, True, "both")]
         if a.quick:
             plan = plan[:1]
-        runs = []
-        for tag, P, r, Hkv, causal, mode in plan:
-            print(f"{tag}: P={P} rate={r:g} Hkv={Hkv} causal={causal} {mode}", flush=True)
-            runs.append(run_case(tag, P, r, Hkv, causal, mode, a.repeats))
-        data = dict(calibration=cal, runs=runs, machine=bench.machine(), date=datetime.date.today().isoformat())
+        if a.heldout:  # measured after the model was frozen: other grids, shapes, dtypes and rates
+            plan = [("held-out", 6, rate, H, True, "both", dict(node=3)),
+                    ("held-out", 6, g, GQA_KV, True, "fwd", dict(node=3)),
+                    ("held-out", 4, rate * 2, H, False, "both", dict(intra=2.0, d=128, s=512)),
+                    ("held-out", 4, g * 2, GQA_KV, True, "both", dict(dtype="bfloat16", s=1536)),
+                    ("held-out", 6, rate / 2, H, False, "fwd", dict(node=2, intra=8.0))]
+        for tag, P, r, Hkv, causal, mode, *kw in plan[len(runs):]:
+            print(f"{tag}: P={P} rate={r:g} Hkv={Hkv} causal={causal} {mode} {kw}", flush=True)
+            runs.append(run_case(tag, P, r, Hkv, causal, mode, a.repeats, **(kw[0] if kw else {})))
+            with open(partial, "w") as f:
+                json.dump(dict(calibration=cal, runs=runs), f)
+        flags = "".join(f" --{f}" for f in ("big", "heldout") if getattr(a, f))
+        data = dict(calibration=cal, runs=runs, machine=bench.machine(), date=datetime.date.today().isoformat(),
+                    command=f"sudo .venv/bin/python bench/hierarchical.py{flags}" +
+                            (f" --out {os.path.relpath(a.out)}" if a.out != ap.get_default("out") else ""))
+        os.remove(partial)
     cal, runs = data["calibration"], data["runs"]
     rows, stats = summary(runs)
     errs = sorted(abs(e["error"]) for e in stats["errors"])
     m = data["machine"]
     L = ["# Hierarchical vs flat strategies on the two-level testbed", "",
-         f"Generated by `sudo .venv/bin/python bench/hierarchical.py{' --big' if any(r['case'] == 'big' for r in runs) else ''}` "
+         f"Generated by `{data.get('command', 'sudo .venv/bin/python bench/hierarchical.py --big')}` "
          f"on {data['date']}. Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, gloo, no GPU. "
-         f"S={S}, H={H}, d={D}, float32, B=1, one thread per rank. Testbed: nodes of {NODE} ranks, a mesh of "
-         f"links at {INTRA:g}x the inter-node rate inside each node, one NIC link per node (shared by its ranks) "
+         f"S={S} at P=4 ({S // 4} tokens per rank at every P), H={H}, d={D}, float32, B=1, one thread per rank. "
+         f"Testbed: nodes of {NODE} ranks (unless the case says otherwise), a mesh of links at {INTRA:g}x the "
+         f"inter-node rate inside each node (ditto), one NIC link per node (shared by its ranks) "
          f"to a switch; `tc tbf` per direction.", "",
          f"Calibration (unshaped): one forward block = {ms(cal['block_compute_s'])} ms; ring's K/V per step = "
          f"{cal['kv_bytes_per_step'] / 1e6:.2f} MB, which takes {cal['ratio']:g}x a block on the NIC link at "

@@ -190,7 +190,8 @@ def test_receive_handling_after_wait():
 
 
 @pytest.mark.parametrize("name", ["token_ring:relay", "token_ring:direct,c=2,k=2", "ring", "ring:direct,c=3,k=1",
-                                  "ulysses", "ring_bidir"])
+                                  "ulysses", "ring_bidir", "usp:n=2", "double_ring:n=2",
+                                  "token_ring_2d:direct,c=2,k=1,n=2"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backward", [False, True])
 def test_compiled_schedule_is_the_executors(name, causal, backward):
@@ -209,7 +210,7 @@ def test_compiled_schedule_is_the_executors(name, causal, backward):
     sent = [0] * P
     for step in sched.steps:
         for m in step.messages:
-            sent[m.src] += message_bytes(m, sh)
+            sent[m.src] += message_bytes(m, sh, st.payload)
     assert r.passes[-1].bytes_per_rank == max(sent)
 
 
@@ -276,6 +277,33 @@ def test_auto_follows_the_model_and_explains(capsys):
     assert text == out and "token_ring" in text and "ring" in text and "ulysses" in text and "->" in text
     text = tokenring.explain(q, k_gqa, P=3, topology="mesh:100mbit", file=None)
     assert "not a candidate" in text and text.count("ring") >= 3
+
+
+def test_auto_considers_hierarchical_strategies_on_clusters():
+    """On four nodes of 8 GPUs, causal GQA 32/8 at 4K tokens per rank: a hierarchical
+    strategy is predicted fastest and auto picks it; on one node there is no node size to try; an explicit
+    inner_size makes them candidates anywhere."""
+    from tokenring.sim.auto import node_sizes
+    from tokenring.strategies import get as get_st
+    kw = dict(s=4096, d=128, dtype=torch.bfloat16, causal=True)
+    name = tokenring.choose_strategy(32, 8, 32, topology="ib-2x8", **kw)
+    assert get_st(name).hierarchical and get_st(name).inner in (2, 4, 8), name
+    assert node_sizes(get_topology("ib-2x8", 16), 16) == (2, 4, 8)
+    assert node_sizes(get_topology("mesh:200mbit", 4), 4) == ()
+    assert node_sizes(get_topology("mesh:200mbit", 4), 4, inner=2) == (2,)
+    assert node_sizes(get_topology("ib-2x8", 16), 16, inner=3) == (2, 4, 8)  # 3 does not divide 16
+    mixed = tokenring.choose_strategy(32, 32, 4, s=4096, d=64, dtype=torch.float32, topology="mesh:200mbit",
+                                      inner_size=2, requested="token_ring_2d")
+    assert mixed.startswith("token_ring_2d:") and mixed.endswith(",n=2")
+
+
+def test_two_level_testbed_topology():
+    t = get_topology("cluster:2:400mbit:100mbit", 6)
+    assert (t.P, t.node.P, t.nics_per_node) == (6, 2, 1)
+    assert t.flow_times([0], [1], [1e6]) < t.flow_times([0], [2], [1e6])  # the NIC is the slower link
+    assert t.with_P(8).P == 8 and "cluster" in t.describe()
+    with pytest.raises(ValueError, match="NODE:INTRA:INTER"):
+        get_topology("cluster:400mbit", 4)
 
 
 def test_set_topology_and_default(monkeypatch):

@@ -114,3 +114,36 @@ def test_rejects_bad_arguments():
         TB(2, "torus", 100)
     with pytest.raises(ValueError, match="rate"):
         TB(2, "mesh", 0)
+    with pytest.raises(ValueError, match="node"):
+        TB(4, "cluster", 100, node=3)
+    with pytest.raises(ValueError, match="node"):
+        TB(4, "cluster", 100, node=4)  # one node: nothing between nodes
+
+
+@needs_root
+def test_cluster_testbed_routes_through_one_nic_per_node():
+    """Two nodes of two ranks: same-node peers over their own shaped link, other nodes' ranks through the node's
+    router (the NIC), whose one link to the switch is shaped both ways; a hierarchical strategy runs exactly
+    inside it, with the node size from $LOCAL_WORLD_SIZE as torchrun would set it; nothing is left behind."""
+    before = _host_state()
+    prefix = f"trtest-{os.getpid()}-cluster"
+    spec = bench.make_spec(P=4, S=32, H=2, d=8, causal=True, strategies=["usp", "double_ring"], repeats=1,
+                           warmup=0, comm_only=False, timeout=60)
+    with TB(4, "cluster", rate_mbit=100, node=2, prefix=prefix) as tb:
+        assert len(_ours(prefix)) == 4 + 2 + 1  # ranks, routers, switch
+        assert tb.spec() == "cluster:2:400mbit:100mbit"
+        for r in range(4):
+            for p in range(4):
+                if p == r:
+                    continue
+                route = _sh("ip", "-n", tb.ns(r), "route", "get", tb.addr(p))
+                assert f"src {tb.addr(r)}" in route
+                assert (f"dev p{p}" in route) == (r // 2 == p // 2), route
+                assert (tb.router_addr(r // 2) in route) == (r // 2 != p // 2), route
+        for a in range(2):
+            assert "tbf" in _sh("ip", "netns", "exec", tb.router(a), "tc", "qdisc", "show", "dev", "sw")
+        res = bench.run(spec, **tb.launch_kwargs())
+    assert [r["variant"] for r in res["results"]] == ["usp:n=2", "double_ring:n=2"]
+    assert all(r["check"]["ok"] for r in res["results"])
+    assert _ours(prefix) == []
+    assert _host_state() == before

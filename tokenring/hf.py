@@ -78,6 +78,7 @@ class _Settings:
     layout: str = "zigzag"
     group: object = None
     check_positions: bool = True
+    inner_size: int | None = None  # ranks per node for the hierarchical strategies (None: $LOCAL_WORLD_SIZE)
     config_fn: object = None  # private: module -> extra ``_config`` for tokenring.attention (tracing), or None
 
 
@@ -85,11 +86,15 @@ _settings = _Settings()
 
 
 def configure(strategy: str | None = None, layout: str | None = None, group=None,
-              check_positions: bool | None = None) -> None:
+              check_positions: bool | None = None, inner_size: int | None = None) -> None:
     """Set the strategy (``"auto"``, ``"token_ring"``, ``"ring"``, ``"ulysses"``, ``"ring_bidir"`` or a variant
     such as ``"token_ring:direct,c=2,k=3"``), the layout the inputs were
     sharded with (``"zigzag"`` default, or ``"contiguous"``) and the process group used by every attention
-    layer of models with ``attn_implementation="tokenring"``. Arguments left ``None`` keep their value."""
+    layer of models with ``attn_implementation="tokenring"``; ``inner_size``: ranks per node for the
+    hierarchical strategies (``"usp"``, ``"double_ring"``, ``"token_ring_2d"``; default ``$LOCAL_WORLD_SIZE``).
+    Arguments left ``None`` keep their value."""
+    if inner_size is not None and int(inner_size) < 1:
+        raise ValueError(f"inner_size must be a positive number of ranks per node, got {inner_size}")
     if strategy is not None:
         if strategy != "auto":
             get_strategy(strategy)  # unknown names and malformed variants fail here, with what is accepted
@@ -101,6 +106,8 @@ def configure(strategy: str | None = None, layout: str | None = None, group=None
         _settings.group = group
     if check_positions is not None:
         _settings.check_positions = bool(check_positions)
+    if inner_size is not None:
+        _settings.inner_size = int(inner_size)
 
 
 @contextlib.contextmanager
@@ -253,7 +260,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     extra = _settings.config_fn(module) if _settings.config_fn is not None else None
     out = attention(q, k, v, causal=causal, softmax_scale=scaling, strategy=_settings.strategy,
-                    layout=_settings.layout, cu_seqlens=cu, window=window, group=group, _config=extra)
+                    layout=_settings.layout, cu_seqlens=cu, window=window, group=group,
+                    inner_size=_settings.inner_size, _config=extra)
     return out, None
 
 

@@ -193,7 +193,7 @@ def _in_order(pair: np.ndarray, nbytes: np.ndarray, dur: np.ndarray) -> np.ndarr
 
 def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelModel,
                   queued: bool = False) -> PassResult:
-    """One pass of ``cs``. ``queued``: a variant of the model (not the default, not validated for ``auto``)
+    """One pass of ``cs``. ``queued``: a variant of the model (the default on clusters only: ``Topology.queued``)
     in which a message also waits for the links/ports it uses to be free of messages posted in *earlier*
     steps and still in flight (prefetches, partials due later); by default only messages posted in the same
     step share a resource."""
@@ -303,11 +303,12 @@ def fastest(results: list[SimResult]) -> SimResult:
 
 def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelModel | None = None, *,
              causal: bool = False, layout: str | None = None, backward: bool = False, mask=None,
-             queued: bool = False) -> SimResult:
+             queued: bool | None = None) -> SimResult:
     """Predict one attention call (``backward=True``: forward + backward) of ``strategy`` on ``topology``
     (resized to ``shapes.P`` ranks if needed). ``mask``: a :class:`tokenring.masks.Mask` (packed documents,
     a window; see :func:`tokenring.masks.make_mask`) whose empty blocks the schedules skip. ``queued``: the
-    model variant of :func:`simulate_pass` (messages queue behind earlier steps' on shared resources)."""
+    model variant of :func:`simulate_pass` (messages queue behind earlier steps' on shared resources);
+    ``None``: the topology's default (on for clusters)."""
     layout = layout or default_layout(causal)
     st = get_strategy(strategy)
     zigzag = causal and layout == "zigzag"
@@ -320,6 +321,7 @@ def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelMo
                         for n in variant_candidates(strategy, shapes, causal, layout)])
     if topology.P != shapes.P:
         topology = topology.with_P(shapes.P)
+    queued = topology.queued if queued is None else queued
     km = kernel or kernel_model(topology.device)
     passes = [simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, False, mask), shapes, topology, km,
                             queued)]

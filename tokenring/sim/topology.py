@@ -78,6 +78,10 @@ class Topology:
     # (GPUs); on CPU hosts the kernel's TCP stack and gloo copy every byte on the cores that also compute.
     cpu_per_byte: float = 0.0
     preset_kw: dict = field(default_factory=dict)
+    # Whether the simulator lets a message wait for links/NICs still busy with earlier steps' messages
+    # (``simulate(queued=...)``): on for clusters, whose NICs carry prefetches and late partials of several
+    # steps at once (validated on the two-level testbed, bench/results/hierarchical.md), off elsewhere.
+    queued: bool = False
 
     # --- what subclasses provide -------------------------------------------------------------------------
     def _routes(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -283,6 +287,7 @@ class ClusterTopology(Topology):
     nic_bw: float = 50e9
     nic_latency: float = 15e-6
     nics_per_node: int = 0  # 0: one per rank
+    queued: bool = True
 
     def _nn(self) -> int:
         return -(-self.P // self.node.P)
@@ -402,6 +407,7 @@ LOOPBACK_BW = 1.4e9        # docs/DESIGN.md: loopback moves ~1.4 GB/s on 2 cores
 # Inter-node fabrics for presets grown beyond one node.
 _IB_NDR = dict(nic_bw=0.9 * 400e9 / 8, nic_latency=15e-6)   # ConnectX-7 NDR 400 Gb/s per GPU (DGX H100)
 _ROCE_200 = dict(nic_bw=0.9 * 200e9 / 8, nic_latency=20e-6)  # 200GE RoCE per NPU (Atlas 800T A2: 8 x 200GE)
+_ROCE_400 = dict(nic_bw=0.85 * 400e9 / 8, nic_latency=20e-6)  # 400GbE RoCE per GPU (MI300X platforms: 8 x 400G)
 
 
 def _a10(P=4):
@@ -426,6 +432,17 @@ def _h100(P=8, name="h100-nvswitch-8"):
                                                "per GPU (DGX H100, rail-optimised, non-blocking), 90% achievable.")
 
 
+def _h200(P=8):
+    node = SwitchTopology(
+        "h200-nvswitch-8", 8, device="h200", port_bw=0.8 * 450e9, latency=10e-6,
+        source="NVIDIA H200 SXM (HGX H200): NVLink 4 through NVSwitch, 900 GB/s bidirectional per GPU = 450 GB/s "
+               "per direction; 80% achievable. Kernel model: the shipped H200 attention measurements.")
+    return node if P <= 8 else ClusterTopology("h200-nvswitch-8", P, device="h200", node=node, **_IB_NDR,
+                                               source=node.source + " Between nodes: InfiniBand NDR 400 Gb/s "
+                                               "per GPU (one ConnectX-7 per GPU, rail-optimised, non-blocking), "
+                                               "90% achievable.")
+
+
 def _ib(P=16):
     return _h100(P, "ib-2x8")
 
@@ -445,8 +462,9 @@ def _mi300x(P=8):
         source="AMD Instinct MI300X platform: 8 GPUs fully connected by 7 Infinity Fabric (xGMI) links each, "
                "128 GB/s bidirectional per link (896 GB/s aggregate) = 64 GB/s per direction; ~75% achievable "
                "(measured P2P ~48 GB/s).")
-    return node if P <= 8 else ClusterTopology("mi300x-mesh-8", P, device="mi300x", node=node, **_IB_NDR,
-                                               source=node.source + " Between nodes: 400 Gb/s NIC per GPU.")
+    return node if P <= 8 else ClusterTopology("mi300x-mesh-8", P, device="mi300x", node=node, **_ROCE_400,
+                                               source=node.source + " Between nodes: 400GbE RoCE, one NIC per "
+                                               "GPU, 85% achievable.")
 
 
 def host_cpu_per_byte(P: int, threads: int = 1, cores: int | None = None) -> float:
@@ -500,6 +518,7 @@ def _loopback(P=4):
 PRESETS = {
     "a10-pcie-4": _a10,
     "h100-nvswitch-8": _h100,
+    "h200-nvswitch-8": _h200,
     "ascend910b-mesh-8": _910b,
     "mi300x-mesh-8": _mi300x,
     "ib-2x8": _ib,
@@ -509,7 +528,7 @@ PRESETS = {
     "cluster": _testbed_cluster,
     "loopback": _loopback,
 }
-_DEFAULT_P = {"a10-pcie-4": 4, "h100-nvswitch-8": 8, "ascend910b-mesh-8": 8, "mi300x-mesh-8": 8, "ib-2x8": 16}
+_DEFAULT_P = {"a10-pcie-4": 4, "h100-nvswitch-8": 8, "h200-nvswitch-8": 8, "ascend910b-mesh-8": 8, "mi300x-mesh-8": 8, "ib-2x8": 16}
 
 
 def preset_names() -> list[str]:

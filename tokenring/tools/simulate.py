@@ -4,8 +4,9 @@
     tokenring simulate --topology mesh:200mbit h100-nvswitch-8 -P 8 --seq 131072 --kv-heads 8 --steps
     tokenring simulate --sweep [--topology ...] --out DIR      # time vs P (2..1024) and vs S, JSON + PNG
 
-``--topology`` takes presets (``a10-pcie-4``, ``h100-nvswitch-8``, ``ascend910b-mesh-8``, ``mi300x-mesh-8``,
-``ib-2x8``, ``switch``/``ring``/``mesh`` with ``:RATE``, ``loopback``) or JSON/YAML files (see
+``--topology`` takes presets (``a10-pcie-4``, ``h100-nvswitch-8``, ``h200-nvswitch-8``, ``ascend910b-mesh-8``,
+``mi300x-mesh-8``, ``ib-2x8``, ``switch``/``ring``/``mesh`` with ``:RATE``, ``cluster:NODE:INTRA:INTER``,
+``loopback``; presets beyond one node become clusters of nodes joined by their stated NICs) or JSON/YAML files (see
 :func:`tokenring.sim.topology.topology_from_dict`); default ``$TOKENRING_TOPOLOGY`` or every hardware preset.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ from . import DTYPES
 
 __all__ = ["main", "sweep", "plot_curves", "save_figure", "HARDWARE_PRESETS"]
 
-HARDWARE_PRESETS = ["a10-pcie-4", "h100-nvswitch-8", "ascend910b-mesh-8", "mi300x-mesh-8", "ib-2x8"]
+HARDWARE_PRESETS = ["a10-pcie-4", "h100-nvswitch-8", "h200-nvswitch-8", "ascend910b-mesh-8", "mi300x-mesh-8",
+                    "ib-2x8"]
 TESTBED_PRESETS = ["switch:200mbit", "ring:200mbit", "mesh:200mbit"]
 SWEEP_P = [2 ** i for i in range(1, 11)]
 SWEEP_S = [2 ** i for i in range(13, 21)]  # 8K .. 1M
