@@ -140,6 +140,7 @@ def main(argv=None) -> int:
         if a.repredict:
             for res in data["runs"]:
                 res["predicted"] = predict(res)
+            data["predicted_by"] = f".venv/bin/python bench/hierarchical.py --from-json {a.from_json} --repredict"
     elif testbed.available():
         print(f"hierarchical: cannot measure: {testbed.available()}. Use --from-json with an earlier run.")
         return 2
@@ -199,6 +200,8 @@ def main(argv=None) -> int:
          "|" + "---|" * (len(STRATEGIES) + 4)] + rows
     L += ["", f"Best hierarchical vs best flat: {', '.join(f'{x:.2f}x' for x in stats['ratios'])}.", "",
           "## Simulator against these measurements", "",
+          (f"Predictions re-made from the kept measurements by `{data['predicted_by']}` (the model as committed "
+           f"then). " if data.get("predicted_by") else "") +
           f"{len(errs)} predictions on the `cluster` topology (model as committed): median error "
           f"{100 * median(errs):.1f}%, worst {100 * errs[-1]:.1f}%.", "",
           "| case | strategy | variant | measured ms | predicted ms | error |", "|---|---|---|---|---|---|"]
