@@ -4,8 +4,9 @@
     python bench/scaling.py [--out bench/results] [--max-P 1024]
 
 One attention layer, causal with zigzag load balance, bf16, batch 1, d=128, forward+backward (a training
-step's share) and forward only (prefill), for Llama-2-7B-like MHA (H = Hkv = 32), Llama-3-8B-like GQA (32/8)
-and Llama-3-405B-like GQA (128/8). Presets grow beyond one node by adding nodes over their stated inter-node
+step's share) for Llama-2-7B-like MHA (H = Hkv = 32), Llama-3-8B-like GQA (32/8) and Llama-3-405B-like GQA
+(128/8), and forward only (prefill) for the last. From P = 512 on only S = 1M (S = 128K would leave 256 tokens
+or fewer per GPU); every schedule there has ~P^2 blocks and the whole study takes about half an hour. Presets grow beyond one node by adding nodes over their stated inter-node
 fabric (see ``tokenring/sim/topology.py``): one NIC per GPU. Candidates per cell: the flat families (each
 simulated as its best variant; Ulysses only where ``H % P == 0``) and, beyond one node, the hierarchical ones
 (``usp``, ``double_ring``, ``token_ring_2d``) over nodes of the preset's node size (and its divisors up to 64
@@ -42,6 +43,8 @@ SEQS = [131072, 1048576]
 PS = [8, 16, 32, 64, 128, 256, 512, 1024]
 HEADS = {"MHA 32/32": (32, 32), "GQA 32/8": (32, 8), "GQA 128/8": (128, 8)}
 PASSES = {"fwd+bwd": True, "fwd": False}
+PREFILL_HEADS = ("GQA 128/8",)  # forward-only (prefill) cells: the goal's heads (every cell costs P^2 blocks)
+LONG_ONLY_FROM = 512  # from this P on, only S = 1M (128K over 512+ GPUs is 256 tokens or fewer per GPU)
 GOAL = dict(preset="h100-nvswitch-8", S=1048576, P=128, heads="GQA 128/8")  # 16 nodes x 8 H100, 400 Gb/s/GPU
 
 
@@ -68,9 +71,13 @@ def run(presets, seqs, Ps, log=print) -> list[dict]:
             topo = get_topology(preset, P)
             km = kernel_model(topo.device)
             for S in seqs:
+                if P >= LONG_ONLY_FROM and S < max(seqs):
+                    continue
                 for label, (H, Hkv) in HEADS.items():
                     sh = shapes_for(S, P, H, Hkv, 128, 1, torch.bfloat16)
                     for pname, backward in PASSES.items():
+                        if not backward and label not in PREFILL_HEADS:
+                            continue
                         t1 = one_gpu(km, S, H, Hkv, backward)
                         for name in strategies(topo, H, Hkv, P):
                             r = simulate(name, sh, topo, km, causal=True, backward=backward)
@@ -180,7 +187,8 @@ def _plot(table, path, what):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--presets", nargs="+", default=HARDWARE_PRESETS)
+    # ib-2x8 is h100-nvswitch-8 with another default size: the same predictions
+    ap.add_argument("--presets", nargs="+", default=[p for p in HARDWARE_PRESETS if p != "ib-2x8"])
     ap.add_argument("--max-P", type=int, default=1024)
     a = ap.parse_args(argv)
     rows = run(a.presets, SEQS, [p for p in PS if p <= a.max_P])

@@ -3,7 +3,10 @@
 Specs: a family name (``token_ring``, ``ring``, ``ulysses``, ``ring_bidir``), optionally with a mode and
 parameters: ``token_ring:relay`` (alias ``token_ring_paper``, the paper's schedule), ``token_ring:direct,c=4,k=3``,
 ``ring:direct,c=2,k=3``, ``ring:auto``. ``token_ring`` alone (like ``ring:auto``) names a *family choice*: the
-cost model picks the variant (see :func:`tokenring.api.attention`). A new strategy is one new module with a
+cost model picks the variant (see :func:`tokenring.api.attention`). Hierarchical families run over nodes of
+``n`` ranks: ``usp:n=8``, ``double_ring:n=8`` (``double_ring:direct,c=1,k=7,n=8``), ``token_ring_2d:n=8`` (a
+family choice; ``token_ring_2d:relay,n=8``, ``token_ring_2d:direct,c=2,k=1,n=8``); without ``n=`` the node
+size comes from ``inner_size=`` / ``$LOCAL_WORLD_SIZE``. A new strategy is one new module with a
 ``STRATEGY`` object, listed in ``_MODULES``; everything else (the public API, ``auto``, the simulator, the
 benchmark, the demo, the tests) reads this registry.
 """

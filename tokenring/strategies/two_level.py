@@ -143,7 +143,9 @@ class TwoLevel(RelayOrDirect):
         if self.mode != "auto":
             return [self]
         n, cls = self.inner, type(self)
-        return [cls("relay", inner=n)] + [cls("direct", c, k, n) for c in chunk_choices(n) for k in lookaheads(n)]
+        # as for flat families, fewer candidates on large groups (each is a simulation of ~P^2 blocks)
+        ks = lookaheads(n) if P <= 64 else sorted({1, max(1, n - 1)})
+        return [cls("relay", inner=n)] + [cls("direct", c, k, n) for c in chunk_choices(P) for k in ks]
 
     def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
         why = inner_size_error(self.name, P, self.inner) or super().check(H, Hkv, self.inner, s, zigzag)
