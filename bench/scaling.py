@@ -123,7 +123,6 @@ def write(rows, out):
          "compute / time (1.0: communication fully hidden). E above 1 means the distributed blocks run faster "
          "per FLOP than one causal kernel over the whole sequence does (H200-measured kernel curves).", ""]
     # the goal first
-    g = table.get((GOAL["preset"], GOAL["S"], GOAL["heads"], "fwd+bwd"), {})
     L += ["## Goal: S=1M, P=128 (16 nodes x 8 H100, 400 Gb/s IB per GPU), causal GQA 128/8, d=128", ""]
     for pname in PASSES:
         cell = table.get((GOAL["preset"], GOAL["S"], GOAL["heads"], pname), {})

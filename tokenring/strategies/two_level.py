@@ -96,17 +96,7 @@ def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
     end = max(len(out), max((t for t, _ in home), default=0) + 1)
     for t, msg in home:  # due a round later (or at the end): the holder computes on meanwhile
         at(t).messages.append(replace(msg, due=min(t + stride, end - 1)))
-    held: dict[int, list] = {}  # per inner schedule: the K/V rows each local rank reads from what it holds
-    for steps in built.values():
-        need = [None] * n
-        for st in steps:
-            for c in st.computes:
-                if c.rank == c.kv_owner:
-                    need[c.rank] = part_union(need[c.rank], c.kv_part)
-            for x in st.messages:
-                if x.kind == "kv" and x.src == x.owner:
-                    need[x.src] = part_union(need[x.src], x.part)
-        held[id(steps)] = need
+    held = {id(steps): _held_rows(steps, n) for steps in built.values()}
     for b in range(m):  # the outer ring: each K/V block visits the nodes after its own, one round each
         for l in range(n):
             path = [g(b + o, l) for o in range(1, m)]
@@ -115,6 +105,20 @@ def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
                 at(i * stride).messages.append(replace(msg, due=(i + 1) * stride - 1))
     q_kind = "qgrad" if backward else "q"
     return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(out), mask)
+
+
+def _held_rows(steps: list[Step], n: int) -> list[str | None]:
+    """Per local rank of an inner schedule: the rows of the K/V block it holds that it reads (computes against
+    or sends on), i.e. what the outer ring must have brought it."""
+    need: list[str | None] = [None] * n
+    for st in steps:
+        for c in st.computes:
+            if c.rank == c.kv_owner:
+                need[c.rank] = part_union(need[c.rank], c.kv_part)
+        for x in st.messages:
+            if x.kind == "kv" and x.src == x.owner:
+                need[x.src] = part_union(need[x.src], x.part)
+    return need
 
 
 class TwoLevel(RelayOrDirect):

@@ -73,11 +73,25 @@ class _NodeTiles:
 
 
 class _NodeForward(_NodeTiles, ForwardOps):
-    pass
+    """The ring phase's forward over node rows of one head group; ``result()``: the output to send back."""
+
+    def __init__(self, n: int, q, k, v, sh: Shapes, cfg: Config):
+        super().__init__(q, k, v, sh, cfg)
+        self.n, self.inputs = n, (q, k, v)
+
+    def result(self) -> list[torch.Tensor]:
+        return [self.o.to(self.inputs[0].dtype)]
 
 
 class _NodeBackward(_NodeTiles, BackwardOps):
-    pass
+    """The ring phase's backward; ``result()``: dQ, dK, dV of node rows of one head group."""
+
+    def __init__(self, n: int, q, k, v, dout, lse, delta, sh: Shapes, cfg: Config):
+        super().__init__(q, k, v, dout, lse, delta, sh, cfg)
+        self.n, self.dtypes = n, (q.dtype, k.dtype, v.dtype)
+
+    def result(self) -> list[torch.Tensor]:
+        return [t.to(dt) for t, dt in zip((self.dq, self.dk, self.dv), self.dtypes)]
 
 
 class _UspOps:
@@ -225,12 +239,8 @@ class Usp(Strategy):
         n = self.inner
         sh = Shapes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, cfg.P)
 
-        def ring(ops: _UspOps):
-            qn, kn, vn = ops.gathered("u_qkv")
-            r = _NodeForward(qn, kn, vn, node_shapes(sh, n), self._node_cfg(cfg))
-            r.n, r.inputs = n, (qn, kn, vn)
-            r.result = lambda: [r.o.to(q.dtype)]
-            return r
+        def ring(ops: _UspOps) -> _NodeForward:
+            return _NodeForward(n, *ops.gathered("u_qkv"), node_shapes(sh, n), self._node_cfg(cfg))
 
         ops = _UspOps(sh, cfg, n, q.device, {"u_qkv": [q, k, v]}, ring)
         execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask), cfg.comm(f"{self.name} forward"),
@@ -245,13 +255,10 @@ class Usp(Strategy):
         B, ns_rows, hq, d = qn.shape
         sh = Shapes(B, ns_rows // n, hq * n, kn.shape[2] * n, d, qn.dtype, cfg.P)
 
-        def ring(ops: _UspOps):
+        def ring(ops: _UspOps) -> _NodeBackward:
             (doutn,) = ops.gathered("u_dout")
-            r = _NodeBackward(qn, kn, vn, doutn, lsen, row_delta(doutn, on), node_shapes(sh, n),
-                              self._node_cfg(cfg))
-            r.n = n
-            r.result = lambda: [r.dq.to(qn.dtype), r.dk.to(kn.dtype), r.dv.to(vn.dtype)]
-            return r
+            return _NodeBackward(n, qn, kn, vn, doutn, lsen, row_delta(doutn, on), node_shapes(sh, n),
+                                 self._node_cfg(cfg))
 
         ops = _UspOps(sh, cfg, n, dout.device, {"u_dout": [dout]}, ring)
         execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask), cfg.comm(f"{self.name} backward"),
