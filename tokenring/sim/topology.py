@@ -422,25 +422,30 @@ def _a10(P=4):
                                                " Beyond 4 ranks: nodes joined by one 100 Gb/s NIC each (assumed).")
 
 
-def _h100(P=8, name="h100-nvswitch-8"):
+def _grown(node: Topology, P: int, fabric: dict, between: str) -> Topology:
+    """``node`` itself up to its size, else a cluster of such nodes joined by ``fabric`` (NIC rate, latency)."""
+    if P <= node.P:
+        return node
+    return ClusterTopology(node.name, P, device=node.device, node=node, **fabric,
+                           source=f"{node.source} Between nodes: {between}")
+
+
+def _hgx(P: int, name: str, device: str, gpu: str) -> Topology:
+    """8 H100 / H200 SXM GPUs on NVSwitch; beyond 8, nodes joined by one 400 Gb/s InfiniBand NIC per GPU."""
     node = SwitchTopology(
-        name, 8, device="h100", port_bw=0.8 * 450e9, latency=10e-6,
-        source="NVIDIA H100 SXM datasheet: NVLink 4, 900 GB/s bidirectional per GPU through NVSwitch = 450 GB/s "
-               "per direction; 80% achievable (NCCL bus bandwidth ~360 GB/s).")
-    return node if P <= 8 else ClusterTopology(name, P, device="h100", node=node, **_IB_NDR,
-                                               source=node.source + " Between nodes: InfiniBand NDR 400 Gb/s "
-                                               "per GPU (DGX H100, rail-optimised, non-blocking), 90% achievable.")
+        name, 8, device=device, port_bw=0.8 * 450e9, latency=10e-6,
+        source=f"NVIDIA {gpu} SXM datasheet: NVLink 4, 900 GB/s bidirectional per GPU through NVSwitch = 450 GB/s "
+               f"per direction; 80% achievable (NCCL bus bandwidth ~360 GB/s).")
+    return _grown(node, P, _IB_NDR, "InfiniBand NDR 400 Gb/s per GPU (one ConnectX-7 per GPU, rail-optimised, "
+                                    "non-blocking), 90% achievable.")
+
+
+def _h100(P=8, name="h100-nvswitch-8"):
+    return _hgx(P, name, "h100", "H100")
 
 
 def _h200(P=8):
-    node = SwitchTopology(
-        "h200-nvswitch-8", 8, device="h200", port_bw=0.8 * 450e9, latency=10e-6,
-        source="NVIDIA H200 SXM (HGX H200): NVLink 4 through NVSwitch, 900 GB/s bidirectional per GPU = 450 GB/s "
-               "per direction; 80% achievable. Kernel model: the shipped H200 attention measurements.")
-    return node if P <= 8 else ClusterTopology("h200-nvswitch-8", P, device="h200", node=node, **_IB_NDR,
-                                               source=node.source + " Between nodes: InfiniBand NDR 400 Gb/s "
-                                               "per GPU (one ConnectX-7 per GPU, rail-optimised, non-blocking), "
-                                               "90% achievable.")
+    return _hgx(P, "h200-nvswitch-8", "h200", "H200 (kernel model: the shipped H200 attention measurements)")
 
 
 def _ib(P=16):
@@ -452,8 +457,7 @@ def _910b(P=8):
         "ascend910b-mesh-8", 8, device="ascend910b", link_bw=0.8 * 28e9, latency=15e-6,
         source="Huawei Atlas 800T A2 (8x Ascend 910B): HCCS full mesh, 392 GB/s per NPU over 7 peers = 56 GB/s "
                "per link bidirectional, 28 GB/s per direction; 80% achievable. Approximate public figures.")
-    return node if P <= 8 else ClusterTopology("ascend910b-mesh-8", P, device="ascend910b", node=node, **_ROCE_200,
-                                               source=node.source + " Between nodes: 200GE RoCE per NPU.")
+    return _grown(node, P, _ROCE_200, "200GE RoCE per NPU.")
 
 
 def _mi300x(P=8):
@@ -462,9 +466,7 @@ def _mi300x(P=8):
         source="AMD Instinct MI300X platform: 8 GPUs fully connected by 7 Infinity Fabric (xGMI) links each, "
                "128 GB/s bidirectional per link (896 GB/s aggregate) = 64 GB/s per direction; ~75% achievable "
                "(measured P2P ~48 GB/s).")
-    return node if P <= 8 else ClusterTopology("mi300x-mesh-8", P, device="mi300x", node=node, **_ROCE_400,
-                                               source=node.source + " Between nodes: 400GbE RoCE, one NIC per "
-                                               "GPU, 85% achievable.")
+    return _grown(node, P, _ROCE_400, "400GbE RoCE, one NIC per GPU, 85% achievable.")
 
 
 def host_cpu_per_byte(P: int, threads: int = 1, cores: int | None = None) -> float:
