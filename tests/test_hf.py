@@ -32,6 +32,14 @@ def test_other_families(pools, arch, over):
     assert res["auto"]["logits"] < 1e-4 and res["auto"]["grad"] < 1e-4, res
 
 
+def test_hierarchical_strategies_in_a_model(pools):
+    """The hierarchical strategies over 2 nodes x 2 ranks inside a model: logits and a training step."""
+    names = ["usp:n=2", "double_ring:n=2", "token_ring_2d:relay,n=2"]
+    res = pools(4).run(hf_cases.model_matches, 256, names, "llama", {"num_hidden_layers": 2})[0]
+    for st in names:
+        assert res[st]["logits"] < 1e-4 and res[st]["grad"] < 1e-4, (st, res[st])
+
+
 def test_mistral_sliding_window_matches_single_process(pools):
     """Sliding-window layers (window 96 < S = 512, smaller than a rank's 128 tokens and crossing ranks): logits
     and one training step's loss and gradients equal transformers' own sdpa run, P = 3 and 4."""
