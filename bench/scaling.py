@@ -35,7 +35,8 @@ import torch  # noqa: E402
 
 from tokenring.sim import candidates, get_topology, kernel_model, simulate  # noqa: E402
 from tokenring.sim.auto import node_sizes  # noqa: E402
-from tokenring.sim.simulator import shapes_for  # noqa: E402
+from tokenring.sim.simulator import compile_schedule, shapes_for  # noqa: E402
+from tokenring.strategies.base import _cached_schedule  # noqa: E402
 from tokenring.strategies import HIERARCHICAL, get  # noqa: E402
 from tokenring.tools.simulate import HARDWARE_PRESETS, save_figure  # noqa: E402
 
@@ -63,7 +64,7 @@ def strategies(topo, H: int, Hkv: int, P: int) -> list[str]:
     return flat + [h for h in hier if get(h).check(H, Hkv, P) is None]
 
 
-def run(presets, seqs, Ps, log=print) -> list[dict]:
+def run(presets, seqs, Ps, log=print, partial: str | None = None) -> list[dict]:
     rows = []
     for P in Ps:
         t0 = time.time()
@@ -81,6 +82,7 @@ def run(presets, seqs, Ps, log=print) -> list[dict]:
                         t1 = one_gpu(km, S, H, Hkv, backward)
                         for name in strategies(topo, H, Hkv, P):
                             r = simulate(name, sh, topo, km, causal=True, backward=backward)
+                            _cached_schedule.cache_clear()  # compiled arrays are kept; 1M-block objects are not
                             rows.append(dict(preset=preset, topology=topo.describe(), S=S, P=P, heads=label,
                                              pass_=pname, strategy=name, variant=r.strategy,
                                              hierarchical=get(name).hierarchical, time_s=r.time,
@@ -89,6 +91,10 @@ def run(presets, seqs, Ps, log=print) -> list[dict]:
                                              compute_share=r.compute / r.time,
                                              bytes_per_rank=sum(p.bytes_per_rank for p in r.passes)))
         log(f"P={P}: {time.time() - t0:.1f} s")
+        compile_schedule.cache_clear()
+        if partial:  # a crash (memory, time) keeps the groups done so far
+            with open(partial, "w") as f:
+                json.dump(rows, f)
     return rows
 
 
@@ -190,8 +196,11 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", nargs="+", default=[p for p in HARDWARE_PRESETS if p != "ib-2x8"])
     ap.add_argument("--max-P", type=int, default=1024)
     a = ap.parse_args(argv)
-    rows = run(a.presets, SEQS, [p for p in PS if p <= a.max_P])
+    os.makedirs(a.out, exist_ok=True)
+    rows = run(a.presets, SEQS, [p for p in PS if p <= a.max_P],
+               partial=os.path.join(a.out, "scaling_study.partial.json"))
     write(rows, a.out)
+    os.remove(os.path.join(a.out, "scaling_study.partial.json"))
     print(f"wrote {a.out}/scaling_study.{{json,md,png}} ({len(rows)} predictions)")
     return 0
 
