@@ -173,8 +173,10 @@ def _plot(table, path, what):
                 continue
             for hier, color, name in ((False, "tab:blue", "best flat"), (True, "tab:red", "best hierarchical")):
                 pts = [(P, best(byP[P], hier)) for P in Ps if best(byP[P], hier)]
-                ax.plot([p for p, _ in pts], [r["time_s"] * 1e3 for _, r in pts], "o-", ms=3, color=color,
-                        label=name)
+                ax.plot([p for p, _ in pts], [r["time_s"] * 1e3 for _, r in pts], "-", color=color, label=name)
+                for P, r in pts:  # filled where compute-bound, hollow where comm-bound (save_figure's legend)
+                    ax.plot(P, r["time_s"] * 1e3, "o", ms=3, color=color,
+                            mfc=color if r["regime"] == "compute-bound" else "white")
             ax.plot(Ps, [byP[P][0]["one_gpu_s"] / P * 1e3 for P in Ps], "k--", lw=1, label="compute floor T1/P")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
