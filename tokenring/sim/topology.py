@@ -530,7 +530,8 @@ PRESETS = {
     "cluster": _testbed_cluster,
     "loopback": _loopback,
 }
-_DEFAULT_P = {"a10-pcie-4": 4, "h100-nvswitch-8": 8, "h200-nvswitch-8": 8, "ascend910b-mesh-8": 8, "mi300x-mesh-8": 8, "ib-2x8": 16}
+_DEFAULT_P = {"a10-pcie-4": 4, "h100-nvswitch-8": 8, "h200-nvswitch-8": 8, "ascend910b-mesh-8": 8, "mi300x-mesh-8": 8,
+              "ib-2x8": 16}
 
 
 def preset_names() -> list[str]:
