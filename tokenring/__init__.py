@@ -15,9 +15,7 @@ from .layouts import gather, local_positions, shard
 
 __version__ = "0.1.0"
 __all__ = ["attention", "decode_attention", "shard", "gather", "local_positions", "choose_strategy", "explain",
-           "set_topology",
-           "get_current_topology", "set_timeout", "get_timeout",
-           "STRATEGY_NAMES", "__version__"]
+           "set_topology", "get_current_topology", "set_timeout", "get_timeout", "STRATEGY_NAMES", "__version__"]
 
 _LAZY = {"explain", "set_topology", "get_current_topology"}  # from tokenring.sim.auto, imported when first used
 

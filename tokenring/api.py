@@ -265,7 +265,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
         return resolve(strategy, q.shape, k.shape, P, dtype=q.dtype, causal=causal, layout=layout,
-                       backward=backward, device_type=q.device.type, mask=mask, inner_size=n)
+                       backward=backward, device_type=q.device.type, mask=mask, inner_size=n or None)
 
     describe = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}, " \
                f"strategy={strategy!r}" + (f", {mask.describe()}" if mask is not None else "")

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from .api import attention
-from .strategies import get as get_strategy
+from .strategies import get as get_strategy, node_size
 from .layouts import check_layout, gather, group_info, local_positions, shard
 
 try:
@@ -93,8 +93,8 @@ def configure(strategy: str | None = None, layout: str | None = None, group=None
     layer of models with ``attn_implementation="tokenring"``; ``inner_size``: ranks per node for the
     hierarchical strategies (``"usp"``, ``"double_ring"``, ``"token_ring_2d"``; default ``$LOCAL_WORLD_SIZE``).
     Arguments left ``None`` keep their value."""
-    if inner_size is not None and int(inner_size) < 1:
-        raise ValueError(f"inner_size must be a positive number of ranks per node, got {inner_size}")
+    if inner_size is not None:
+        node_size(inner_size)  # a positive number of ranks per node, or a ValueError saying so
     if strategy is not None:
         if strategy != "auto":
             get_strategy(strategy)  # unknown names and malformed variants fail here, with what is accepted

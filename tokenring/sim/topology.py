@@ -500,7 +500,7 @@ def _testbed_cluster(P=4, node=2, intra="400mbit", inter="100mbit", efficiency=T
     a mesh at ``intra``, each node's inter-node traffic through one NIC link at ``inter`` per direction."""
     n = int(node)
     mesh = MeshTopology(f"mesh:{intra}", n, link_bw=parse_rate(intra) * efficiency, latency=TESTBED_LATENCY,
-                        device="cpu", cpu_per_byte=host_cpu_per_byte(P))
+                        device="cpu")  # (the cluster's cpu_per_byte is the one the simulator charges)
     return ClusterTopology(
         f"cluster:{n}:{intra}:{inter}", P, device="cpu", node=mesh, nic_bw=parse_rate(inter) * efficiency,
         nic_latency=TESTBED_LATENCY, nics_per_node=1, cpu_per_byte=host_cpu_per_byte(P),

@@ -74,7 +74,7 @@ def from_code(values) -> Strategy:
 def node_size(inner_size: int | None = None) -> int:
     """Ranks per node for the hierarchical strategies: ``inner_size``, else ``$LOCAL_WORLD_SIZE`` (torchrun
     sets it), else 0 (unknown)."""
-    if inner_size:
+    if inner_size is not None:
         if int(inner_size) < 1:
             raise ValueError(f"inner_size must be a positive number of ranks per node, got {inner_size}")
         return int(inner_size)

@@ -171,6 +171,11 @@ class Config:
     expand_kv: bool | None = None  # repeat K/V heads once per stored block (None: where the kernel needs it)
     mask: object = None            # tokenring.masks.Mask: packed documents / sliding window, or None
 
+    @property
+    def documents(self):
+        """The documents' bounds when the layout shards by document (``zigzag_docs``: positions need them)."""
+        return self.mask.bounds if self.layout == "zigzag_docs" else None
+
     def held(self, what: str) -> list | None:
         if self.held_log is None:
             return None

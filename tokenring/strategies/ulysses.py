@@ -44,8 +44,7 @@ class _UlyssesOps:
         self.got: dict[int, list[torch.Tensor]] = {}
         S = sh.s * sh.P
         # Positions of the rank-ordered concatenation; argsort restores natural order for the causal mask.
-        docs = cfg.mask.bounds if cfg.layout == "zigzag_docs" else None
-        self.order = global_order(S, sh.P, cfg.layout, device=device, cu_seqlens=docs)
+        self.order = global_order(S, sh.P, cfg.layout, device=device, cu_seqlens=cfg.documents)
         self.inverse = torch.argsort(self.order)
         self.result: list[torch.Tensor] | None = None
 

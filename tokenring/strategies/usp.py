@@ -105,7 +105,7 @@ class _UspOps:
         self.got: dict[int, list[torch.Tensor]] = {}
         self.make_ring, self.ring = make_ring, None
         S = sh.s * sh.P
-        docs = cfg.mask.bounds if cfg.layout == "zigzag_docs" else None
+        docs = cfg.documents
         pos = torch.cat([local_positions(S, sh.P, self.node * n + j, cfg.layout, device, docs) for j in range(n)])
         self.order = torch.argsort(pos)     # node's concatenation -> global order
         self.inverse = torch.argsort(self.order)
