@@ -13,6 +13,9 @@
    Hkv=2), causal (zigzag) and not, forward; causal forward+backward; every strategy side by side: ring,
    ring_bidir, ulysses, PyTorch's private ring, the paper's TokenRing (``token_ring_paper``), ``token_ring`` (the
    variant the cost model picks for the testbed), a fixed direct TokenRing, ``ring:auto`` and ``auto``.
+3b. The same strategies on unshaped local ranks (no namespaces, no shaping), per (heads, mask, pass): what each
+   costs on this host when links cost nothing but the CPU that moves their bytes. No strategy can run faster
+   on shaped links, so ``ring (shaped) / token_ring (unshaped)`` bounds what a ratio goal can reach here.
 4. A rate sweep (MHA forward, mesh) from 0.5x to 4x the comm-bound rate.
 4b. GQA at *its* comm-bound rate (K/V per step is Hkv/H of MHA's, so the rate scales by Hkv/H), mesh, forward,
    with explicit direct pass-KV variants (``--gqa-only`` reruns just this part into an existing result).
@@ -42,6 +45,10 @@ GQA_KV = 2
 GQA_STRATEGIES = ["ring", "ring_bidir", "ulysses", "pytorch_ring", "token_ring", "ring:direct,c=1,k=3",
                   "ring:direct,c=2,k=3", "ring:direct,c=2,k=1", "ring:auto", "auto"]
 TRACED = ("ring", "token_ring_paper", "token_ring", "ulysses")
+# Unshaped runs: every strategy above, and direct variants with one chunk and with four (the bounds need each
+# chunking's links-free time).
+UNSHAPED = list(dict.fromkeys(STRATEGIES + GQA_STRATEGIES + ["token_ring:direct,c=1,k=3", "token_ring:direct,c=4,k=3",
+                                                             "ring:direct,c=4,k=3"]))
 
 
 def ms(x) -> str:
@@ -70,6 +77,13 @@ def floor(Hkv: int, causal: bool, mode: str, repeats: int) -> dict:
                                         repeats=repeats, comm_only=False))
         runs.append(sum(ph["compute_total"] for ph in by_name(res)["ring"]["phases"].values()))
     return dict(floor=min(runs), runs=runs)
+
+
+def unshaped(Hkv: int, causal: bool, mode: str, repeats: int) -> dict:
+    """Every strategy of the grid on unshaped local ranks (the links-free time of each, on this host)."""
+    res = bench.run(bench.make_spec(P=P, S=S, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, strategies=UNSHAPED,
+                                    repeats=repeats, warmup=1, trace=False, comm_only=False))
+    return bench.strip_events(res)
 
 
 def predict(res: dict) -> dict:
@@ -158,6 +172,46 @@ def write(all_res: dict, outdir: str) -> None:
         rs = by_name(res)
         L.append(f"| {res['testbed']['topology']} | {shape_label(res['spec'])} | " +
                  " | ".join(rs[n].get("variant", "-") for n in ("token_ring", "ring:auto", "auto")) + " |")
+    free = all_res.get("unshaped", {})
+    if free:
+        cols = ["ring", "ulysses", "token_ring_paper", "token_ring:direct,c=1,k=3", FIXED_DIRECT,
+                "token_ring:direct,c=4,k=3", "ring:direct,c=1,k=3", "ring:direct,c=2,k=3", "ring:direct,c=4,k=3"]
+        L += ["", "## Links free: the same strategies unshaped, and the ratios this host allows", "",
+              "Unshaped local ranks (loopback, no namespaces), same shapes, one run per row. Moving a byte still "
+              "costs the two shared cores (kernel TCP stack, gloo), so a strategy's unshaped time bounds its time "
+              "over any shaped link here from below. Bound = ring on that topology at the comm-bound rate / the "
+              "fastest unshaped direct variant with c >= 2 chunks (TokenRing for MHA; pass-KV for the GQA row of "
+              "its own section). Why c >= 2: at the comm-bound rate one block's queries (half of ring's K/V "
+              "message) take one block's compute C to cross a link, so with c = 1 the first visiting block "
+              "arrives after C and the last partial needs C to return, 2C that the own block (C) cannot hide; "
+              "with c >= 2 they take C/c each and the split own block can hide both. The paper's relay is capped "
+              "at 2(P-1)/(P+1) = 1.2x by its P+1 phases.", "",
+              "| case | floor ms | " + " | ".join(cols) + " | best TokenRing c>=2 / floor | bound vs ring: mesh | "
+              "ring | switch |", "|" + "---|" * (len(cols) + 6)]
+
+        def best_free(rs: dict, family: str) -> float:
+            return min(r["time"] for n, r in rs.items() if n.startswith(family + ":direct")
+                       and int(n.split("c=")[1].split(",")[0]) >= 2)
+
+        for key, res in free.items():
+            rs = {n: r for n, r in by_name(res).items() if "time" in r}
+            tr = best_free(rs, "token_ring")
+            bounds = []
+            for topo in ("mesh", "ring", "switch"):
+                ring = [by_name(c)["ring"]["time"] for c in cases if c["testbed"]["topology"] == topo
+                        and f"{c['spec']['Hkv']}-{c['spec']['causal']}-{c['spec']['pass']}" == key]
+                bounds.append(f"{ring[0] / tr:.2f}x" if ring else "-")
+            L.append(f"| {shape_label(res['spec'])} | {ms(floors[key]['floor'])} | " +
+                     " | ".join(ms(rs[n]["time"]) if n in rs else "skip" for n in cols) +
+                     f" | {tr / floors[key]['floor']:.2f} | " + " | ".join(bounds) + " |")
+        for res in gqa:
+            key = f"{GQA_KV}-{res['spec']['causal']}-fwd"
+            if key in free:
+                rs = {n: r for n, r in by_name(free[key]).items() if "time" in r}
+                kv = best_free(rs, "ring")
+                L += ["", f"GQA section ({shape_label(res['spec'])}, mesh at {res['testbed']['rate_mbit']:g} Mbit/s): "
+                      f"ring {ms(by_name(res)['ring']['time'])} ms / fastest unshaped direct pass-KV with c >= 2 "
+                      f"{ms(kv)} ms = bound **{by_name(res)['ring']['time'] / kv:.2f}x**; floor {ms(floors[key]['floor'])} ms."]
     # model validation
     errs, rows, auto_ok, auto_n, auto_ours = [], [], 0, 0, 0
     for res in cases + sweep + gqa:
@@ -237,7 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--gqa-only", action="store_true", help="rerun only the GQA comm-bound part into the result")
-    ap.add_argument("--floors-only", action="store_true", help="remeasure only the compute floors into the result")
+    ap.add_argument("--floors-only", action="store_true",
+                    help="remeasure only the compute floors and the unshaped runs into the result")
     ap.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json, measuring nothing")
     ap.add_argument("--repredict", action="store_true",
                     help="with --report-only: predict the kept measurements again with the model as it is now")
@@ -275,8 +330,10 @@ def main(argv=None) -> int:
         if a.gqa_only:
             all_res["gqa"] = gqa_section(all_res["calibration"]["rate_mbit"], a.repeats, a.out)
         else:
-            all_res["floors"] = {key: floor(int(key.split("-")[0]), key.split("-")[1] == "True", key.split("-")[2],
-                                            a.repeats) for key in all_res["floors"]}
+            keys = {key: (int(key.split("-")[0]), key.split("-")[1] == "True", key.split("-")[2])
+                    for key in all_res["floors"]}
+            all_res["floors"] = {key: floor(*g, a.repeats) for key, g in keys.items()}
+            all_res["unshaped"] = {key: unshaped(*g, a.repeats) for key, g in keys.items()}
         with open(os.path.join(a.out, "token_ring_wins.json"), "w") as f:
             json.dump(all_res, f, indent=1)
         write(all_res, a.out)
@@ -290,6 +347,7 @@ def main(argv=None) -> int:
     if not a.quick:
         grid += [(Hkv, True, "both") for Hkv in (H, 2)]
     floors = {f"{Hkv}-{causal}-{mode}": floor(Hkv, causal, mode, a.repeats) for Hkv, causal, mode in grid}
+    free = {f"{Hkv}-{causal}-{mode}": unshaped(Hkv, causal, mode, a.repeats) for Hkv, causal, mode in grid}
     cases = []
     for topo in topos:
         for Hkv, causal, mode in grid:
@@ -304,7 +362,7 @@ def main(argv=None) -> int:
             sweep.append(run_case("sweep", "mesh", rate * f, H, False, "fwd", [n for n in STRATEGIES if n != "auto"],
                                   max(3, a.repeats - 2), a.out, False))
     gqa = [] if a.quick else gqa_section(rate, a.repeats, a.out)
-    all_res = dict(calibration=cal, floors=floors, cases=cases, sweep=sweep, gqa=gqa, machine=bench.machine(),
+    all_res = dict(calibration=cal, floors=floors, unshaped=free, cases=cases, sweep=sweep, gqa=gqa, machine=bench.machine(),
                    date=time.strftime("%Y-%m-%d"), command="sudo .venv/bin/python bench/token_ring_wins.py")
     with open(os.path.join(a.out, "token_ring_wins.json"), "w") as f:
         json.dump(all_res, f, indent=1)
