@@ -330,9 +330,10 @@ def test_cpu_calibration_small():
 
 @pytest.mark.parametrize("topo", ["switch:100mbit", "mesh:100mbit", "ring:100mbit"])
 def test_queued_variant_only_adds_waits(topo):
-    """simulate(queued=True) (messages also wait for resources busy with earlier steps' messages) is never
-    faster than the default model, and equals it for schedules whose messages all finish in their own step
-    (the classic ring on a switch: every message is due in the step that posts it)."""
+    """simulate's default, queued model (messages also wait for resources busy with earlier steps' messages)
+    is never faster than the plain one (``queued=False``), equals it for schedules whose messages all finish
+    in their own step (the classic ring on a switch: every message is due in the step that posts it), and
+    does not queue behind the host's shared backplane (the testbed topologies have one)."""
     import torch
     from tokenring.schedules import Shapes
     from tokenring.sim import get_topology
@@ -341,10 +342,12 @@ def test_queued_variant_only_adds_waits(topo):
     for name in ("token_ring:relay", "token_ring:direct,c=2,k=1", "token_ring:direct,c=4,k=2", "ring",
                  "ring:direct,c=1,k=3", "ulysses"):
         for causal in (False, True):
-            a = simulate(name, sh, t, flat_kernel(1e-3), causal=causal, backward=True).time
-            b = simulate(name, sh, t, flat_kernel(1e-3), causal=causal, backward=True, queued=True).time
+            a = simulate(name, sh, t, flat_kernel(1e-3), causal=causal, backward=True, queued=False).time
+            b = simulate(name, sh, t, flat_kernel(1e-3), causal=causal, backward=True).time
             assert b >= a * (1 - 1e-12), (name, causal, a, b)
             if name == "ring" and topo.startswith("switch"):
                 assert b == pytest.approx(a), (name, causal, a, b)
             if name == "token_ring:direct,c=4,k=2" and topo.startswith("switch"):
                 assert b > 1.2 * a, (name, causal, a, b)  # its prefetches share the port with later steps'
+            if topo.startswith("mesh"):  # a link per pair: queueing happens only on the backplane, exempt
+                assert b == pytest.approx(a), (name, causal, a, b)

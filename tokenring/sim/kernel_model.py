@@ -156,8 +156,9 @@ DEVICES = {
 
 
 # CPU, analytic (for ``auto``, deterministic): one x86 core (AVX-512) running the CPU flash forward at ~80
-# GFLOP/s (causal diagonal blocks ~65), the chunked math backward ~50 (causal ~22) per 2.5x-counted FLOP, merges
-# ~0.75 ns per output element: calibrate_cpu's fit on the development machine (1 thread, float32), frozen so
+# GFLOP/s (causal diagonal blocks ~65), the fused CPU flash backward ~80 (causal ~63, with a ~1 ms fixed cost)
+# per 2.5x-counted FLOP, merges ~0.75 ns per output element: calibrate_cpu's fit on the development machine
+# (1 thread, float32; the backward refitted when the fused kernel replaced the math one), frozen so
 # that every rank computes the same choice. ``threads`` multiplies the rates; ``share`` (< 1) models ranks
 # that share cores (P ranks x threads > cores). Host time per step 2 ms at a full core (the executor's loop and
 # posting a step's sends, which on a CPU host writes the bytes through the kernel's network stack): fitted on
@@ -166,7 +167,7 @@ DEVICES = {
 def _cpu_analytic(threads: int = 1, share: float = 1.0) -> KernelModel:
     g = 1e9 * threads * share
     return KernelModel(f"cpu-analytic-{threads}t" + (f"-share{share:.2g}" if share < 1 else ""),
-                       (170e-6, 80 * g), (400e-6, 65 * g), (170e-6, 50 * g), (600e-6, 22 * g),
+                       (170e-6, 80 * g), (400e-6, 65 * g), (220e-6, 80 * g), (1000e-6, 63 * g),
                        mem_bw=10e9 * share, merge=(50e-6, 0.75e-9 / share), add=(12e-6, 0.19e-9 / share),
                        source="analytic CPU model (a measured x86 core, frozen), not calibrated here",
                        step=2e-3 / share)

@@ -193,10 +193,10 @@ def _in_order(pair: np.ndarray, nbytes: np.ndarray, dur: np.ndarray) -> np.ndarr
 
 def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelModel,
                   queued: bool = False) -> PassResult:
-    """One pass of ``cs``. ``queued``: a variant of the model (the default on clusters only: ``Topology.queued``)
-    in which a message also waits for the links/ports it uses to be free of messages posted in *earlier*
-    steps and still in flight (prefetches, partials due later); by default only messages posted in the same
-    step share a resource."""
+    """One pass of ``cs``. ``queued`` (``simulate``'s default, ``Topology.queued``): a message also waits for
+    the links/ports/NICs it uses to be free of messages posted in *earlier* steps and still in flight
+    (prefetches, partials due later; :meth:`Topology.queue_routes`); ``False``: only messages posted in the
+    same step share a resource (the older, plain model)."""
     P = cs.P
     res_free = np.zeros(0) if queued else None  # per resource id: when its last message finishes
     comp_cost = _compute_costs(cs, sh, km)
@@ -230,7 +230,7 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
             if pair_free is not None:
                 dur = _in_order(pair, b, dur)
             if res_free is not None:  # wait for the resources still busy with earlier steps' messages
-                fi, ri = topo._routes(ms, md)
+                fi, ri = topo.queue_routes(ms, md)
                 if ri.size and ri.max() >= res_free.size:
                     res_free = np.concatenate([res_free, np.zeros(int(ri.max()) + 1 - res_free.size)])
                 busy_until = np.zeros(ms.size)
@@ -308,7 +308,7 @@ def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelMo
     (resized to ``shapes.P`` ranks if needed). ``mask``: a :class:`tokenring.masks.Mask` (packed documents,
     a window; see :func:`tokenring.masks.make_mask`) whose empty blocks the schedules skip. ``queued``: the
     model variant of :func:`simulate_pass` (messages queue behind earlier steps' on shared resources);
-    ``None``: the topology's default (on for clusters)."""
+    ``None``: the topology's default (on)."""
     layout = layout or default_layout(causal)
     st = get_strategy(strategy)
     zigzag = causal and layout == "zigzag"

@@ -78,10 +78,11 @@ class Topology:
     # (GPUs); on CPU hosts the kernel's TCP stack and gloo copy every byte on the cores that also compute.
     cpu_per_byte: float = 0.0
     preset_kw: dict = field(default_factory=dict)
-    # Whether the simulator lets a message wait for links/NICs still busy with earlier steps' messages
-    # (``simulate(queued=...)``): on for clusters, whose NICs carry prefetches and late partials of several
-    # steps at once (validated on the two-level testbed, bench/results/hierarchical.md), off elsewhere.
-    queued: bool = False
+    # Whether the simulator lets a message wait for links/ports/NICs still busy with earlier steps' messages
+    # (``simulate(queued=...)``; a shared backplane is exempt, see queue_routes): direct schedules keep
+    # prefetches and late partials of several steps in flight, and on a switch port, a ring link or a NIC they
+    # queue. Validated on the testbeds (bench/results/evidence.md, token_ring_wins.md, hierarchical.md).
+    queued: bool = True
 
     # --- what subclasses provide -------------------------------------------------------------------------
     def _routes(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -100,6 +101,21 @@ class Topology:
 
     def _latency(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         raise NotImplementedError
+
+    def _backplane(self) -> int:
+        """Index of the resource capping all traffic together (a CPU host's loopback), or -1."""
+        return -1
+
+    def queue_routes(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The resources a message queues on behind earlier steps' messages (``simulate``'s queued variant):
+        its links, ports, uplinks and NICs, which move one message after another, but not a shared backplane,
+        whose spare capacity lets a later message through while earlier ones still flow elsewhere."""
+        fi, ri = self._routes(src, dst)
+        bp = self._backplane()
+        if bp < 0:
+            return fi, ri
+        keep = ri != bp
+        return fi[keep], ri[keep]
 
     def with_P(self, P: int) -> "Topology":
         """The same kind of interconnect with ``P`` ranks (presets grow by adding nodes)."""
@@ -164,6 +180,9 @@ class SwitchTopology(Topology):
     def _latency(self, src, dst):
         return np.full(src.size, self.latency)
 
+    def _backplane(self) -> int:
+        return 2 * self.P + 2 * self._ngroups() if self.backplane_bw < INF else -1
+
 
 @dataclass
 class MeshTopology(Topology):
@@ -199,6 +218,9 @@ class MeshTopology(Topology):
 
     def _latency(self, src, dst):
         return np.full(src.size, self.latency)
+
+    def _backplane(self) -> int:
+        return self.P * self.P + 2 * self.P if self.backplane_bw < INF else -1
 
 
 @dataclass
@@ -287,7 +309,6 @@ class ClusterTopology(Topology):
     nic_bw: float = 50e9
     nic_latency: float = 15e-6
     nics_per_node: int = 0  # 0: one per rank
-    queued: bool = True
 
     def _nn(self) -> int:
         return -(-self.P // self.node.P)
