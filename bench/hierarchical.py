@@ -15,7 +15,10 @@ inter-node rate, and one NIC link per node (shared by its ranks) to a switch.
    K/V per step is that much smaller); both again at half the rate, causal forward+backward. Each run
    measures every flat strategy (ring, ring_bidir, ulysses, the TokenRing variant the cost model picks,
    ``ring:auto``) and every hierarchical one (usp, double_ring, token_ring_2d's picked variant) and ``auto``,
-   with ``$LOCAL_WORLD_SIZE`` = 2 as torchrun would set it.
+   with ``$LOCAL_WORLD_SIZE`` = 2 as torchrun would set it; forward+backward cases also run the two-level
+   strategies with ``keep`` (forward's inter-node K/V reused in backward). Each case also measures its compute
+   floor: ring's computes on unshaped local ranks (the sum of the slowest rank's per step), so
+   ``best flat / floor`` bounds the ratio any schedule could reach against the best flat one.
 3. The simulator's prediction of every measured variant on the same two-level topology (model as committed,
    its CPU kernel model calibrated on this machine after the measurements, as ``bench/evidence.py`` does).
 No number in the outputs is typed by hand; every repeat is kept in the JSON.
@@ -38,7 +41,8 @@ from tokenring.tools import bench, testbed  # noqa: E402
 S, H, D, NODE, RATIO, INTRA, GQA_KV = 4096, 8, 64, 2, 3.0, 4.0, 2
 FLAT = ["ring", "ring_bidir", "ulysses", "token_ring", "ring:auto"]
 HIER = ["usp", "double_ring", "token_ring_2d", "double_ring:direct,c=1,k=1"]
-STRATEGIES = FLAT + HIER + ["auto"]
+KEEP = ["double_ring:keep", "token_ring_2d:keep", "double_ring:direct,c=1,k=1,keep"]  # forward+backward only
+STRATEGIES = FLAT + HIER + KEEP + ["auto"]
 
 
 def ms(x) -> str:
@@ -77,11 +81,15 @@ def predict(res: dict) -> dict:
 
 def run_case(tag: str, P: int, rate: float, Hkv: int, causal: bool, mode: str, repeats: int, node: int = NODE,
              intra: float = INTRA, d: int = D, dtype: str = "float32", s: int = S // 4) -> dict:
+    names = [n for n in STRATEGIES if mode != "fwd" or n not in KEEP]  # keep changes backward only
     spec = bench.make_spec(P=P, S=s * P, H=H, Hkv=Hkv, d=d, causal=causal, mode=mode, dtype=dtype,
-                           strategies=STRATEGIES, repeats=repeats, warmup=1, trace=True, comm_only=False)
+                           strategies=names, repeats=repeats, warmup=1, trace=True, comm_only=False)
     with testbed.Testbed(P, "cluster", rate, node=node, intra_mbit=intra * rate) as tb:
         res = bench.run(spec, **tb.launch_kwargs())
         res["testbed"] = tb.describe()
+    floor = bench.run(bench.make_spec(P=P, S=s * P, H=H, Hkv=Hkv, d=d, causal=causal, mode=mode, dtype=dtype,
+                                      strategies=["ring"], repeats=repeats, comm_only=False))  # unshaped, local
+    res["floor"] = sum(ph["compute_total"] for ph in by_name(floor)["ring"]["phases"].values())
     res["case"] = tag
     res = bench.strip_events(res)
     for r in res["results"]:
@@ -107,12 +115,14 @@ def summary(runs: list[dict]) -> tuple[list[str], dict]:
     for res in runs:
         rs = {n: r for n, r in by_name(res).items() if "time" in r}
         flat = min((n for n in rs if n in FLAT), key=lambda n: rs[n]["time"])
-        hier = min((n for n in rs if n in HIER), key=lambda n: rs[n]["time"])
+        hier = min((n for n in rs if n in HIER + KEEP), key=lambda n: rs[n]["time"])
         ratio = rs[flat]["time"] / rs[hier]["time"]
         wins.append(ratio)
-        cells = [f"{ms(rs[n]['time'])} [{ms(rs[n]['time_min'])}-{ms(rs[n]['time_max'])}]" if n in rs else "skip"
+        cells = [f"{ms(rs[n]['time'])} [{ms(rs[n]['time_min'])}-{ms(rs[n]['time_max'])}]" if n in rs else "-"
                  for n in STRATEGIES]
-        rows.append(f"| {label(res)} | " + " | ".join(cells) + f" | {flat} | {hier} | **{ratio:.2f}x** |")
+        fl = res.get("floor")
+        rows.append(f"| {label(res)} | {ms(fl)} | " + " | ".join(cells) + f" | {flat} | {hier} | **{ratio:.2f}x** | "
+                    + (f"{rs[flat]['time'] / fl:.2f}x |" if fl else "- |"))
         for n, r in rs.items():
             p = res["predicted"].get(n)
             if p is not None:
@@ -195,9 +205,13 @@ def main(argv=None) -> int:
          f"(intra-node {INTRA * cal['rate_mbit']:g}).", "",
          "Each cell: median ms per call (slowest rank) [min-max] over the repeats (all in the JSON). Family names "
          "ran the variant the cost model picked for the testbed (`variant` in the JSON); the hierarchical ones "
-         "took the node size from `$LOCAL_WORLD_SIZE`.", "",
-         "| case | " + " | ".join(STRATEGIES) + " | best flat | best hierarchical | flat / hierarchical |",
-         "|" + "---|" * (len(STRATEGIES) + 4)] + rows
+         "took the node size from `$LOCAL_WORLD_SIZE`; `,keep` variants (forward+backward only) reuse forward's "
+         "inter-node K/V in backward. Floor: ring's computes on unshaped local ranks, same shapes (sum over steps "
+         "of the slowest rank's); `best flat / floor` is the most any schedule could gain over the best flat one "
+         "if it hid every byte.", "",
+         "| case | floor | " + " | ".join(STRATEGIES) + " | best flat | best hierarchical | flat / hierarchical | "
+         "best flat / floor |",
+         "|" + "---|" * (len(STRATEGIES) + 6)] + rows
     L += ["", f"Best hierarchical vs best flat: {', '.join(f'{x:.2f}x' for x in stats['ratios'])}.", "",
           "## Simulator against these measurements", "",
           (f"Predictions re-made from the kept measurements by `{data['predicted_by']}` (the model as committed "

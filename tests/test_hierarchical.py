@@ -8,6 +8,7 @@ every attended pair computed exactly once (tests/test_units.py covers them too),
 """
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,10 +29,16 @@ def specs(n: int) -> list[str]:
     return out
 
 
-def grid(P: int, n: int, dtypes=("float64",)) -> list[dict]:
+def keep_specs(n: int) -> list[str]:
+    """Two-level strategies that keep forward's inter-node K/V for backward (a ring and a direct inner)."""
+    return [f"double_ring:n={n},keep", f"token_ring_2d:relay,n={n},keep",
+            f"token_ring_2d:direct,c=2,k={max(1, n - 1)},n={n},keep", f"double_ring:direct,c=1,k=1,n={n},keep"]
+
+
+def grid(P: int, n: int, dtypes=("float64",), names=specs) -> list[dict]:
     out = []
     for i, (spec, (causal, layout), (H, Hkv), dtype) in enumerate(itertools.product(
-            specs(n), LAYOUTS, HEADS, dtypes)):
+            names(n), LAYOUTS, HEADS, dtypes)):
         s = 10 + 2 * (i % 3)  # even (zigzag), at least the pieces a direct inner schedule cuts
         if why_not(spec, H, Hkv, P, s, causal and layout == "zigzag"):
             continue
@@ -45,6 +52,29 @@ def test_match_reference(pools, P, n):
     todo = grid(P, n)
     assert len(todo) > 40
     assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
+@pytest.mark.parametrize("P,n", [(4, 2), (6, 2), (6, 3)])
+def test_keep_matches_reference(pools, P, n):
+    """``keep``: backward reuses the K/V that crossed nodes in forward (kept pieces travel with autograd's saved
+    tensors); exact forward and backward on every grid, ring and direct inner schedules."""
+    todo = [c for c in grid(P, n, names=keep_specs) if c["seed"] % 2 == 0]
+    assert len(todo) > 12
+    assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
+def test_keep_specs():
+    assert get("double_ring:keep").name == "double_ring:keep" and get("double_ring:keep").keep
+    assert get("double_ring:n=2,keep").name == "double_ring:n=2,keep"
+    assert get("token_ring_2d:direct,c=2,k=1,n=4,keep").keep
+    assert all(v.keep for v in get("token_ring_2d:n=4,keep").variants(8))
+    from tokenring.strategies import code, from_code, with_node_size
+    for spec in ("double_ring:n=2,keep", "token_ring_2d:direct,c=2,k=1,n=4,keep", "usp:n=2", "ring"):
+        assert from_code(code(get(spec))) is get(spec)
+    assert with_node_size(get("double_ring:keep"), 4).name == "double_ring:n=4,keep"
+    for bad in ("ring:keep", "usp:n=2,keep", "ulysses:keep", "token_ring:direct,c=1,k=1,keep"):
+        with pytest.raises(ValueError):
+            get(bad)
 
 
 @pytest.mark.parametrize("P,n", [(4, 1), (4, 4)])
@@ -113,13 +143,18 @@ def test_two_level_schedules_cover_each_pair_once(P, n, causal, layout):
     from tokenring.schedules import covers, part_slice
     s = 12
     pos, need = _attended(s * P, P, layout, causal)
-    for spec in specs(n)[1:]:  # usp's ring runs over node rows: covered by the correctness tests
+    for spec in specs(n)[1:] + keep_specs(n):  # usp's ring runs over node rows: covered by the correctness tests
         if why_not(spec, 4, 4, P, s, causal and layout == "zigzag"):
             continue
         st = get(spec)
         for sched in (st.forward_schedule(P, layout, causal), st.backward_schedule(P, layout, causal)):
             seen = []
             have = {(r, kind, r): [("all", -1)] for r in range(P) for kind in ("q", "qgrad", "kv")}
+            if sched.backward:  # what keep brought from forward (nothing without keep)
+                for r in range(P):
+                    cfg = SimpleNamespace(rank=r, P=P, layout=layout, causal=causal, mask=None)
+                    for owner, part in st.kept_pieces(cfg):
+                        have.setdefault((r, "kv", owner), []).append((part, -1))
             for t, step in enumerate(sched.steps):
                 for c in step.computes:
                     for kind, owner, part in ((sched.q_kind, c.q_owner, c.q_part), ("kv", c.kv_owner, c.kv_part)):
@@ -134,16 +169,20 @@ def test_two_level_schedules_cover_each_pair_once(P, n, causal, layout):
             assert set(seen) == need, spec
 
 
-@pytest.mark.parametrize("spec", ["double_ring", "token_ring_2d:relay", "token_ring_2d:direct,c=2,k=1", "usp"])
+@pytest.mark.parametrize("spec", ["double_ring", "token_ring_2d:relay", "token_ring_2d:direct,c=2,k=1", "usp",
+                                  "double_ring:keep", "token_ring_2d:direct,c=2,k=1,keep"])
 def test_inter_node_bytes(spec):
     """Non-causal, P = 8 as 2 nodes x 4: what each rank sends to another node, against the hand count.
     Forward: one K/V block per round after the first for the K/V-ring strategies (m - 1 = 1 block), and for
     usp the K/V of its head group over the node's rows (the same bytes); flat ring: the ranks at a node's
-    edge send all P - 1 blocks across. Backward adds the dK/dV (float32 accumulators) going home."""
+    edge send all P - 1 blocks across. Backward adds the dK/dV (float32 accumulators) going home; with
+    ``keep`` backward sends only those (forward's K/V are reused)."""
     P, n, m = 8, 4, 2
     sh = Shapes(1, 64, 8, 4, 16, torch.bfloat16, P)
     kv_block = 2 * sh.B * sh.s * sh.Hkv * sh.d * 2
-    st = get(f"{spec}{',' if ':' in spec else ':'}n={n}")
+    family, _, rest = spec.partition(":")
+    st = get(f"{family}:" + ",".join(x for x in (rest.replace(",keep", "").replace("keep", ""), f"n={n}",
+                                                 "keep" if "keep" in spec else "") if x))
     for backward in (False, True):
         sched = st.schedule(P, "contiguous", False, backward)
         across = [0] * P
@@ -151,7 +190,8 @@ def test_inter_node_bytes(spec):
             for msg in step.messages:
                 if msg.src // n != msg.dst // n:
                     across[msg.src] += message_bytes(msg, sh, st.payload)
-        want = (m - 1) * kv_block * (1 + (2 if backward else 0))  # + dK/dV in float32 = 2x the bf16 K/V bytes
+        kv_again = 0 if st.keep else 1
+        want = (m - 1) * kv_block * (1 if not backward else kv_again + 2)  # dK/dV in float32: 2x the bf16 K/V
         assert across == [want] * P, (spec, backward, across, want)
     flat = get("ring").schedule(P, "contiguous", False, False)
     edge = sum(message_bytes(x, sh) for st_ in flat.steps for x in st_.messages if x.src == n - 1)

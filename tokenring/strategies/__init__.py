@@ -6,7 +6,9 @@ parameters: ``token_ring:relay`` (alias ``token_ring_paper``, the paper's schedu
 cost model picks the variant (see :func:`tokenring.api.attention`). Hierarchical families run over nodes of
 ``n`` ranks: ``usp:n=8``, ``double_ring:n=8`` (``double_ring:direct,c=1,k=7,n=8``), ``token_ring_2d:n=8`` (a
 family choice; ``token_ring_2d:relay,n=8``, ``token_ring_2d:direct,c=2,k=1,n=8``); without ``n=`` the node
-size comes from ``inner_size=`` / ``$LOCAL_WORLD_SIZE``. A new strategy is one new module with a
+size comes from ``inner_size=`` / ``$LOCAL_WORLD_SIZE``. ``keep`` (``double_ring:n=8,keep``,
+``token_ring_2d:keep``): a two-level strategy keeps the K/V that crossed nodes in forward for its backward
+(memory for inter-node bytes; ``auto`` never adds it). A new strategy is one new module with a
 ``STRATEGY`` object, listed in ``_MODULES``; everything else (the public API, ``auto``, the simulator, the
 benchmark, the demo, the tests) reads this registry.
 """
@@ -42,33 +44,37 @@ def get(spec: str) -> Strategy:
     if not params:
         return STRATEGIES[family]
     items = params.split(",")
-    mode = "" if "=" in items[0] else items.pop(0)
+    mode = "" if "=" in items[0] or items[0] == "keep" else items.pop(0)
     if mode not in _MODES:
         raise ValueError(f"strategy={spec!r}: unknown mode {mode!r}; modes are relay, direct and auto")
     args = {}
     for item in items:
+        if item == "keep":
+            args["keep"] = True
+            continue
         key, _, value = item.partition("=")
         if key not in _PARAMS or not value.isdigit():
             raise ValueError(f"strategy={spec!r}: parameters are c=<chunks>, k=<lookahead blocks> and, for the "
-                             f"hierarchical strategies, n=<ranks per node>; e.g. '{family}:direct,c=2,k=1'")
+                             f"hierarchical strategies, n=<ranks per node> and keep; e.g. "
+                             f"'{family}:direct,c=2,k=1'")
         args[_PARAMS[key]] = int(value)
     st = STRATEGIES[family].make(mode, **args)
     return st if st.name == spec else get(st.name)  # one object per canonical spec (schedules cache on it)
 
 
-CODE_LEN = 5
+CODE_LEN = 6
 
 
 def code(st: Strategy) -> list[float]:
-    """``st`` as five numbers (family, mode, chunks, lookahead, ranks per node), to travel with the cross-rank
-    signature."""
+    """``st`` as six numbers (family, mode, chunks, lookahead, ranks per node, keep), to travel with the
+    cross-rank signature."""
     return [float(FAMILIES.index(st.family or st.name)), float(_MODES.index(st.mode)), float(st.chunks),
-            float(st.lookahead), float(st.inner)]
+            float(st.lookahead), float(st.inner), float(st.keep)]
 
 
 def from_code(values) -> Strategy:
-    fam, mode, c, k, n = (int(x) for x in values)
-    return get(STRATEGIES[FAMILIES[fam]].make(_MODES[mode], c, k, n).name)
+    fam, mode, c, k, n, keep = (int(x) for x in values)
+    return get(STRATEGIES[FAMILIES[fam]].make(_MODES[mode], c, k, n, bool(keep)).name)
 
 
 def node_size(inner_size: int | None = None) -> int:

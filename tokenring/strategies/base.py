@@ -61,10 +61,12 @@ class Strategy:
 
     inner: int = 0            # ranks per node, for hierarchical strategies (0: flat, or not chosen yet)
     hierarchical: bool = False
+    keep: bool = False        # keep the K/V that crossed nodes in forward for backward (two-level strategies)
 
-    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0) -> "Strategy":
+    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0,
+             keep: bool = False) -> "Strategy":
         """The member of this family with these parameters (registry use: :func:`tokenring.strategies.get`)."""
-        if mode or (chunks, lookahead, inner) != (1, 1, 0):
+        if mode or (chunks, lookahead, inner, keep) != (1, 1, 0, False):
             raise ValueError(f"strategy {self.name!r} takes no parameters")
         return self
 
@@ -306,8 +308,8 @@ class _OpsBase:
     def block_forward(self, q, k, v, diag: bool):
         return block_forward(q, k, v, diag, self.cfg.scale)
 
-    def block_backward(self, dout, q, k, v, lse, delta, diag: bool):
-        return block_backward(dout, q, k, v, lse, delta, diag, self.cfg.scale, self.cfg.backward_kernel)
+    def block_backward(self, dout, q, k, v, lse, delta, diag: bool, out=None):
+        return block_backward(dout, q, k, v, lse, delta, diag, self.cfg.scale, self.cfg.backward_kernel, out=out)
 
     def tiles(self, c: Compute):
         """A masked compute's tiles and the function that builds a tile's mask (:mod:`tokenring.masks`)."""
@@ -321,15 +323,22 @@ class _OpsBase:
             return self.block_forward(q, k, v, c.diag)
         return tiled_forward(q, k, v, *self.tiles(c), self.cfg.scale)
 
-    def attend_backward(self, c: Compute, dout, q, k, v, lse, delta):
+    def attend_backward(self, c: Compute, dout, q, k, v, lse, delta, out=None):
+        """Backward of compute ``c``; ``out``: the final output of those query rows, if at hand (fused kernels
+        take it instead of forming an equivalent from ``delta``)."""
         if self.cfg.mask is None:
-            return self.block_backward(dout, q, k, v, lse, delta, c.diag)
-        return tiled_backward(dout, q, k, v, lse, delta, *self.tiles(c), self.cfg.scale, self.cfg.backward_kernel)
+            return self.block_backward(dout, q, k, v, lse, delta, c.diag, out)
+        return tiled_backward(dout, q, k, v, lse, delta, *self.tiles(c), self.cfg.scale, self.cfg.backward_kernel,
+                              out=out)
 
 
 class ForwardOps(_OpsBase):
-    def __init__(self, q, k, v, sh: Shapes, cfg: Config):
+    """``keep``: owners whose K/V pieces arriving here are also kept (in ``kept``, by ``(owner, rows)``) beyond
+    their last read, for the backward pass to reuse instead of receiving them again."""
+
+    def __init__(self, q, k, v, sh: Shapes, cfg: Config, keep: frozenset = frozenset()):
         super().__init__(sh, cfg, q.device)
+        self.keep, self.kept = keep, {}
         self.store.put("q", self.me, "all", [q])
         self.store.put("kv", self.me, "all", [k, v])
         self.o, self.lse = new_accumulator(sh.B, sh.s, sh.H, sh.d, q.dtype, q.device)
@@ -354,13 +363,23 @@ class ForwardOps(_OpsBase):
             self._merge(m.part, m.heads, *tensors)
         elif action == "store":
             self.store.put(m.kind, m.owner, m.part, tensors, m.heads)
+            if m.kind == "kv" and m.owner in self.keep:
+                self.kept[m.owner, m.part] = tensors
         else:
             raise ValueError(f"forward cannot receive a {m.kind!r} message ({action})")
 
+    def held_bytes(self) -> int:
+        stored = {id(t) for pieces in self.store.entries.values() for _, _, ts in pieces for t in ts}
+        return super().held_bytes() + sum(t.numel() * t.element_size() for ts in self.kept.values() for t in ts
+                                          if id(t) not in stored)
+
 
 class BackwardOps(_OpsBase):
-    def __init__(self, q, k, v, dout, lse, delta, sh: Shapes, cfg: Config):
+    """``out``: this rank's final output (B, s, H, d), if kept, for the fused kernels of its own queries."""
+
+    def __init__(self, q, k, v, dout, lse, delta, sh: Shapes, cfg: Config, out: torch.Tensor | None = None):
         super().__init__(sh, cfg, q.device)
+        self.out = out
         self.store.put("qgrad", self.me, "all", [q, dout, lse, delta])
         self.store.put("kv", self.me, "all", [k, v])
         acc = acc_dtype(q.dtype)
@@ -396,7 +415,10 @@ class BackwardOps(_OpsBase):
     def compute(self, c: Compute) -> None:
         q, dout, lse, delta = self.store.take("qgrad", c.q_owner, c.q_part, c.heads)
         k, v = self.store.take_kv(c.kv_owner, c.kv_part, c.heads, self.g)
-        dq, dk, dv = self.attend_backward(c, dout, q, k, v, lse, delta)
+        out = None
+        if c.q_owner == self.me and self.out is not None:
+            out = self.out[:, self.rows(c.q_part), head_slice(c.heads, self.sh.H)]
+        dq, dk, dv = self.attend_backward(c, dout, q, k, v, lse, delta, out)
         if self.g > 1:  # gradients of repeated K/V heads: sum each group back onto its K/V head
             dk, dv = (t.unflatten(2, (-1, self.g)).sum(3) for t in (dk, dv))
         if c.q_owner == self.me:
@@ -432,17 +454,25 @@ class ScheduledStrategy(Strategy):
     """A strategy run by :class:`ForwardOps` / :class:`BackwardOps`: merge partials of my queries, ship others'
     home, accumulate dK/dV. Subclasses only give ``build_schedule`` (and ``check`` where heads constrain)."""
 
+    def kept_pieces(self, cfg: Config) -> list[tuple[int, str]]:
+        """``(owner, rows)`` of the K/V pieces this rank receives in forward and keeps for backward (whose
+        schedule then does not send them again); none unless the strategy keeps K/V."""
+        return []
+
     def forward(self, q, k, v, cfg: Config):
-        """Returns ``out`` (B, s, H, d) and the tensors backward needs."""
-        ops = ForwardOps(q, k, v, shapes_of(q, k, cfg.P), cfg)
+        """Returns ``out`` (B, s, H, d) and the tensors backward needs (with the kept K/V pieces, if any)."""
+        pieces = self.kept_pieces(cfg)
+        ops = ForwardOps(q, k, v, shapes_of(q, k, cfg.P), cfg, frozenset(o for o, _ in pieces))
         execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask), cfg.comm(f"{self.name} forward"), ops,
                 cfg.held("forward"))
         out = ops.o.to(q.dtype)
-        return out, (q, k, v, out, ops.lse)
+        return out, (q, k, v, out, ops.lse, *(t for key in pieces for t in ops.kept[key]))
 
     def backward(self, dout, saved, cfg: Config):
-        q, k, v, out, lse = saved
-        ops = BackwardOps(q, k, v, dout, lse, row_delta(dout, out), shapes_of(q, k, cfg.P), cfg)
+        q, k, v, out, lse, *kept = saved
+        ops = BackwardOps(q, k, v, dout, lse, row_delta(dout, out), shapes_of(q, k, cfg.P), cfg, out)
+        for i, (owner, rows) in enumerate(self.kept_pieces(cfg)):
+            ops.store.put("kv", owner, rows, kept[2 * i:2 * i + 2])
         execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask), cfg.comm(f"{self.name} backward"), ops,
                 cfg.held("backward"))
         return ops.dq.to(q.dtype), ops.dk.to(k.dtype), ops.dv.to(v.dtype)
@@ -466,10 +496,11 @@ class RelayOrDirect(ScheduledStrategy):
         self.mode, self.chunks, self.lookahead = mode, int(chunks), int(lookahead)
         self.name = spec_name(self.family, mode, self.chunks, self.lookahead, self.default_mode)
 
-    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0) -> Strategy:
-        if inner:
-            raise ValueError(f"strategy {self.family!r} is flat and takes no node size (n=); the hierarchical "
-                             f"ones are double_ring, token_ring_2d and usp")
+    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0,
+             keep: bool = False) -> Strategy:
+        if inner or keep:
+            raise ValueError(f"strategy {self.family!r} is flat and takes no node size (n=) or keep; the "
+                             f"hierarchical ones are double_ring, token_ring_2d and usp")
         return type(self)(mode or None, chunks, lookahead)
 
     def variants(self, P: int) -> list[Strategy]:

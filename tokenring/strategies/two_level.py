@@ -13,6 +13,11 @@ between nodes only once per *round* and runs a whole flat schedule inside each n
       meanwhile: (a, l) sends the K/V it holds to (a + 1, l), due by the end of round o (overlapped)
       backward: the dK/dV the node made for (a - o, l) gathers on (a, l) and goes home, due one round later
 
+``keep`` (``double_ring:n=8,keep``): every rank keeps the K/V blocks the outer ring brought it in forward, and
+the backward schedule has no outer ring of K/V: only dK/dV cross the nodes in backward. It costs ``m - 1``
+visiting K/V blocks per rank held from forward to backward, and saves the inter-node link a K/V block per
+rank per round in backward (half of its backward bytes).
+
 Each round's inner schedule is built for that round's blocks (zigzag halves, masks), so only rows some query
 sees travel. Memory per rank: the inner schedule's, plus the K/V held for the round and the next round's in
 flight (two blocks), plus in backward one dK/dV block travelling home.
@@ -45,9 +50,10 @@ def inner_size_error(name: str, P: int, n: int) -> str | None:
     return None
 
 
-def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bool, mask, inner) -> Schedule:
+def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bool, mask, inner,
+              keep: bool = False) -> Schedule:
     """Compose ``inner(pair) -> list[Step]`` (a flat schedule over ``n`` local ranks) with a ring of K/V between
-    the ``P / n`` nodes, as the module docstring draws it."""
+    the ``P / n`` nodes, as the module docstring draws it (``keep``: none in backward, forward's is reused)."""
     m = P // n
 
     def g(a: int, l: int) -> int:
@@ -97,8 +103,8 @@ def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
     for t, msg in home:  # due a round later (or at the end): the holder computes on meanwhile
         at(t).messages.append(replace(msg, due=min(t + stride, end - 1)))
     held = {id(steps): _held_rows(steps, n) for steps in built.values()}
-    for b in range(m):  # the outer ring: each K/V block visits the nodes after its own, one round each
-        for l in range(n):
+    for b in range(m if not (backward and keep) else 0):  # the outer ring: each K/V block visits the nodes
+        for l in range(n):                                  # after its own, one round each
             path = [g(b + o, l) for o in range(1, m)]
             needs = [held[id(rounds[o, (b + o) % m])][l] for o in range(1, m)]
             for i, msg in relay(g(b, l), path, needs, "kv"):
@@ -128,28 +134,42 @@ class TwoLevel(RelayOrDirect):
     yet (``tokenring.attention`` takes it from ``inner_size=`` or ``$LOCAL_WORLD_SIZE``)."""
     hierarchical = True
 
-    def __init__(self, mode: str | None = None, chunks: int = 1, lookahead: int = 1, inner: int = 0):
+    def __init__(self, mode: str | None = None, chunks: int = 1, lookahead: int = 1, inner: int = 0,
+                 keep: bool = False):
         super().__init__(mode, chunks, lookahead)
-        self.inner = int(inner)
+        self.inner, self.keep = int(inner), bool(keep)
         if self.inner < 0:
             raise ValueError(f"{self.family}: the node size n= must be positive, got {inner}")
-        if self.inner:
-            self.name += ("," if ":" in self.name else ":") + f"n={self.inner}"
+        for flag, on in ((f"n={self.inner}", self.inner), ("keep", self.keep)):
+            if on:
+                self.name += ("," if ":" in self.name else ":") + flag
 
-    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0) -> "TwoLevel":
-        return type(self)(mode or None, chunks, lookahead, inner or self.inner)
+    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0,
+             keep: bool = False) -> "TwoLevel":
+        return type(self)(mode or None, chunks, lookahead, inner or self.inner, keep or self.keep)
 
     def with_inner(self, n: int) -> "TwoLevel":
         from . import get
-        return get(type(self)(self.mode, self.chunks, self.lookahead, n).name)
+        return get(type(self)(self.mode, self.chunks, self.lookahead, n, self.keep).name)
 
     def variants(self, P: int) -> list["TwoLevel"]:
         if self.mode != "auto":
             return [self]
-        n, cls = self.inner, type(self)
+        n, cls, keep = self.inner, type(self), self.keep
         # as for flat families, fewer candidates on large groups (each is a simulation of ~P^2 blocks)
         ks = lookaheads(n) if P <= 64 else sorted({1, max(1, n - 1)})
-        return [cls("relay", inner=n)] + [cls("direct", c, k, n) for c in chunk_choices(P) for k in ks]
+        return [cls("relay", inner=n, keep=keep)] + [cls("direct", c, k, n, keep) for c in chunk_choices(P)
+                                                     for k in ks]
+
+    def kept_pieces(self, cfg) -> list[tuple[int, str]]:
+        """With ``keep``: the K/V pieces the outer ring brings this rank in forward (owners in other nodes, at
+        this rank's place in them), in schedule order."""
+        if not self.keep:
+            return []
+        n, me = self.inner, cfg.rank
+        sched = self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask)
+        return [(x.owner, x.part) for st in sched.steps for x in st.messages
+                if x.dst == me and x.kind == "kv" and x.owner % n == me % n and x.owner // n != me // n]
 
     def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
         why = inner_size_error(self.name, P, self.inner) or super().check(H, Hkv, self.inner, s, zigzag)
@@ -177,4 +197,4 @@ class TwoLevel(RelayOrDirect):
                 return direct_steps(n, pair, causal, backward, self.mover, self.chunks, self.lookahead, s)
             return (pass_kv_steps if self.mover == "kv" else pass_q_steps)(n, pair, backward)
 
-        return two_level(self.name, P, n, layout, causal, backward, mask, inner)
+        return two_level(self.name, P, n, layout, causal, backward, mask, inner, self.keep)

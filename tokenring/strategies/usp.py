@@ -13,7 +13,8 @@ So the inter-node link carries K/V of ``1/n`` of the heads for ``n`` times the r
 ring over nodes, but in ``m`` steps instead of ``P``, each with ``n^2`` times the compute to hide them behind.
 Needs ``H % n == 0``; K/V heads are repeated (differentiably) to ``Hkv'``, the fewest that split over ``n``.
 ``usp:n=8`` names the node size; ``tokenring.attention(strategy="usp", inner_size=8)`` or
-``$LOCAL_WORLD_SIZE`` give it otherwise.
+``$LOCAL_WORLD_SIZE`` give it otherwise. Ulysses (:mod:`.ulysses`) is the case of one node of all ``P`` ranks:
+the ring phase is then a single compute over the whole sequence.
 """
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ class _NodeForward(_NodeTiles, ForwardOps):
 class _NodeBackward(_NodeTiles, BackwardOps):
     """The ring phase's backward; ``result()``: dQ, dK, dV of node rows of one head group."""
 
-    def __init__(self, n: int, q, k, v, dout, lse, delta, sh: Shapes, cfg: Config):
-        super().__init__(q, k, v, dout, lse, delta, sh, cfg)
+    def __init__(self, n: int, q, k, v, dout, lse, delta, sh: Shapes, cfg: Config, out=None):
+        super().__init__(q, k, v, dout, lse, delta, sh, cfg, out)
         self.n, self.dtypes = n, (q.dtype, k.dtype, v.dtype)
 
     def result(self) -> list[torch.Tensor]:
@@ -172,6 +173,7 @@ class _UspOps:
 
 
 class Usp(Strategy):
+    """Ulysses over the ``node_size(P)`` ranks of each node, a ring over the nodes."""
     name = family = "usp"
     hierarchical = True
 
@@ -181,10 +183,14 @@ class Usp(Strategy):
             raise ValueError(f"usp: the node size n= must be positive, got {inner}")
         self.name = f"usp:n={self.inner}" if self.inner else "usp"
 
-    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0) -> "Usp":
-        if mode or (chunks, lookahead) != (1, 1):
+    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0, keep: bool = False) -> "Usp":
+        if mode or (chunks, lookahead, keep) != (1, 1, False):
             raise ValueError("strategy 'usp' takes only the node size, e.g. 'usp:n=8'")
         return Usp(inner or self.inner)
+
+    def node_size(self, P: int) -> int:
+        """Ranks that exchange head groups (Ulysses: all ``P``)."""
+        return self.inner
 
     def with_inner(self, n: int) -> "Usp":
         from . import get
@@ -200,27 +206,29 @@ class Usp(Strategy):
         return None
 
     def prepare(self, q, k, v, P: int):
-        rep = ulysses_kv_heads(q.shape[2], k.shape[2], self.inner) // k.shape[2]
+        rep = ulysses_kv_heads(q.shape[2], k.shape[2], self.node_size(P)) // k.shape[2]
         if rep > 1:  # replicate K/V heads so they split evenly over the node (autograd sums their gradients back)
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         return q, k, v
 
     def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
-        why = inner_size_error(self.name, P, self.inner)
+        why = inner_size_error(self.name, P, self.node_size(P))
         if why:
             raise ValueError(why)
-        return _schedule(self.name, P, self.inner, layout, causal, backward, mask)
+        return _schedule(self.name, P, self.node_size(P), layout, causal, backward, mask)
 
     def payload(self, kind: str, part: str, sh: Shapes, heads: str = "all"):
         """All-to-all messages are Ulysses' over the node; ring messages carry node rows of a head group."""
+        n = self.node_size(sh.P)
         if kind in _A2A:
-            return flat_payload(kind, part, replace(sh, P=self.inner), heads)
-        return flat_payload(kind, part, node_shapes(sh, self.inner), heads)
+            return flat_payload(kind, part, replace(sh, P=n), heads)
+        return flat_payload(kind, part, node_shapes(sh, n), heads)
 
     def block_dims(self, c: Compute, sh: Shapes, mask=None, layout: str = "contiguous") -> BlockDims:
         """A block of node rows over one head group; the rank's first block also pays for the all-to-alls'
         reshuffles (cat + reorder of Q/K/V, and of the result)."""
-        n, ns = self.inner, node_shapes(sh, self.inner)
+        n = self.node_size(sh.P)
+        ns = node_shapes(sh, n)
         e = sh.dtype.itemsize
         copies = ()
         if c.q_owner == c.kv_owner:
@@ -233,10 +241,10 @@ class Usp(Strategy):
         return replace(dims, tiles=tile_dims(ts, sh.B))
 
     def _node_cfg(self, cfg: Config) -> Config:
-        return replace(cfg, P=cfg.P // self.inner)
+        return replace(cfg, P=cfg.P // self.node_size(cfg.P))
 
     def forward(self, q, k, v, cfg: Config):
-        n = self.inner
+        n = self.node_size(cfg.P)
         sh = Shapes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, cfg.P)
 
         def ring(ops: _UspOps) -> _NodeForward:
@@ -250,7 +258,7 @@ class Usp(Strategy):
         return out, (qn, kn, vn, ops.ring.o.to(q.dtype), ops.ring.lse)
 
     def backward(self, dout, saved, cfg: Config):
-        n = self.inner
+        n = self.node_size(cfg.P)
         qn, kn, vn, on, lsen = saved
         B, ns_rows, hq, d = qn.shape
         sh = Shapes(B, ns_rows // n, hq * n, kn.shape[2] * n, d, qn.dtype, cfg.P)
@@ -258,7 +266,7 @@ class Usp(Strategy):
         def ring(ops: _UspOps) -> _NodeBackward:
             (doutn,) = ops.gathered("u_dout")
             return _NodeBackward(n, qn, kn, vn, doutn, lsen, row_delta(doutn, on), node_shapes(sh, n),
-                                 self._node_cfg(cfg))
+                                 self._node_cfg(cfg), on)
 
         ops = _UspOps(sh, cfg, n, dout.device, {"u_dout": [dout]}, ring)
         execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask), cfg.comm(f"{self.name} backward"),
