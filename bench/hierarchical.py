@@ -87,7 +87,7 @@ def run_case(tag: str, P: int, rate: float, Hkv: int, causal: bool, mode: str, r
     with testbed.Testbed(P, "cluster", rate, node=node, intra_mbit=intra * rate) as tb:
         # the whole run's watchdog: ~14 strategies x 4 calls, GQA token_ring at a quarter rate takes ~13 s a call
         res = bench.run(spec, timeout=1800, **tb.launch_kwargs())
-        res["testbed"] = tb.describe()
+        res["testbed"] = dict(tb.describe(), dropped=tb.dropped())
     floor = bench.run(bench.make_spec(P=P, S=s * P, H=H, Hkv=Hkv, d=d, causal=causal, mode=mode, dtype=dtype,
                                       strategies=["ring"], repeats=repeats, comm_only=False))  # unshaped, local
     res["floor"] = sum(ph["compute_total"] for ph in by_name(floor)["ring"]["phases"].values())

@@ -114,7 +114,7 @@ def run_case(tag: str, topo: str, rate: float, Hkv: int, causal: bool, mode: str
                            repeats=repeats, warmup=1, trace=traces)
     with testbed.Testbed(P, topo, rate) as tb:
         res = bench.run(spec, **tb.launch_kwargs())
-        res["testbed"] = tb.describe()
+        res["testbed"] = dict(tb.describe(), dropped=tb.dropped())
     res["case"] = tag
     if traces:
         for r in res["results"]:

@@ -60,6 +60,20 @@ def test_bench_runs_inside_the_testbed():
 
 
 @needs_root
+def test_links_do_not_drop():
+    """Four ranks pushing several MB at once through one slow NIC link (the two-level testbed at 20 Mbit/s):
+    the default queue holds it all (an interconnect is lossless; a drop would cost TCP a 200 ms timeout)."""
+    prefix = f"trtest-{os.getpid()}-drop"
+    spec = bench.make_spec(P=4, S=4096, H=2, Hkv=2, d=64, strategies=["ring:direct,c=1,k=3"], repeats=1, warmup=0,
+                           comm_only=False, trace=False, timeout=120)
+    with TB(4, "cluster", rate_mbit=20, node=2, prefix=prefix) as tb:
+        res = bench.run(spec, **tb.launch_kwargs())
+        assert tb.dropped() == 0
+    assert all(r["check"]["ok"] for r in res["results"])
+    assert _ours(prefix) == []
+
+
+@needs_root
 def test_failing_rank_still_tears_down():
     before = _host_state()
     prefix = f"trtest-{os.getpid()}-fail"

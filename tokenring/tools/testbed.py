@@ -33,6 +33,7 @@ import atexit
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -56,6 +57,7 @@ def available() -> str | None:
 
 
 MTU = 65535  # veth's largest
+QUEUE_BYTES = 64 << 20  # per shaped link direction: more than the TCP send buffers of all flows that share it
 
 
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -73,7 +75,8 @@ class Testbed:
     """
 
     def __init__(self, P: int, topology: str, rate_mbit: float, delay_ms: float = 0.0,
-                 queue_ms: float = 100.0, prefix: str | None = None, node: int = 0, intra_mbit: float | None = None):
+                 queue_ms: float | None = None, prefix: str | None = None, node: int = 0,
+                 intra_mbit: float | None = None):
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology {topology!r} is unknown; choose one of {TOPOLOGIES}")
         if topology == "cluster" and (node < 1 or P % node or node == P):
@@ -138,7 +141,12 @@ class Testbed:
         # is what an idle link may send at line rate: keep it to about one frame so that small messages do not
         # travel faster than the rate after a pause (a 256 KB bucket made 256 KB chunks nearly free at 70 Mbit/s).
         burst = max(MTU + 4096, int(rate_bytes * 0.002))
-        tbf = ["tbf", "rate", f"{rate}mbit", "burst", str(burst), "latency", f"{self.queue_ms}ms"]
+        # The queue: by default big enough never to drop (QUEUE_BYTES). Interconnects are lossless (credit flow
+        # control); a tbf that drops makes TCP retransmit, and a lost tail costs a 200 ms timeout: with a 100 ms
+        # queue, links at ~50 Mbit/s shared by several flows dropped hundreds of packets per run and some calls
+        # measured 1.5x slower than their siblings. ``queue_ms`` sets a time-bounded (dropping) queue instead.
+        queue = ["latency", f"{self.queue_ms}ms"] if self.queue_ms else ["limit", str(QUEUE_BYTES)]
+        tbf = ["tbf", "rate", f"{rate}mbit", "burst", str(burst), *queue]
         if self.delay_ms > 0:
             self._in(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
                      f"{self.delay_ms}ms")
@@ -314,9 +322,18 @@ class Testbed:
             return f"cluster:{self.node}:{self.intra:g}mbit:{self.rate:g}mbit"
         return f"{self.topology}:{self.rate:g}mbit"
 
+    def dropped(self) -> int:
+        """Packets the shaped links have dropped so far (0 with the default lossless queue)."""
+        total = 0
+        for ns, dev in self.links:
+            out = self._in(ns, "tc", "-s", "qdisc", "show", "dev", dev).stdout
+            total += sum(int(x) for x in re.findall(r"dropped (\d+)", out))
+        return total
+
     def describe(self) -> dict:
         out = dict(topology=self.topology, P=self.P, rate_mbit=self.rate, rate_MBps=self.rate / 8,
-                   delay_ms=self.delay_ms, shaping="tc tbf per direction (full duplex), veth",
+                   delay_ms=self.delay_ms, shaping="tc tbf per direction (full duplex), veth, " +
+                   (f"{self.queue_ms:g} ms queue" if self.queue_ms else "lossless queue"),
                    links=len(self.links), spec=self.spec())
         if self.node:
             out.update(node=self.node, intra_mbit=self.intra)
