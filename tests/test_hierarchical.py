@@ -91,9 +91,9 @@ def test_low_precision(pools):
 
 def test_documents_and_windows(pools):
     """Packed documents, sliding windows (blocks nobody sees are skipped: the rounds are cut for the mask) and
-    zigzag_docs, on every hierarchical strategy."""
+    zigzag_docs, on every hierarchical strategy (and with keep: the kept pieces follow the masked schedule)."""
     P, n, rng, todo = 4, 2, random.Random(4), []
-    for i, spec in enumerate(specs(n)):
+    for i, spec in enumerate(specs(n) + keep_specs(n)[::2]):
         for causal, window, layout in ((True, None, "zigzag"), (False, (5, 3), "contiguous"), (True, (9, 0), "zigzag"),
                                        (True, None, "zigzag_docs")):
             s = 12
