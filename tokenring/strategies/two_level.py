@@ -26,6 +26,7 @@ The executor and the simulator run the result like any flat schedule (the ranks 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from ..schedules import (Compute, Message, Schedule, Step, block_pair, chunk, direct_steps, drop_empty_tail,
                          own_pieces, part_rows, part_union, relay)
@@ -113,6 +114,15 @@ def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
     return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(out), mask)
 
 
+@lru_cache(maxsize=1024)
+def _kept(st: "TwoLevel", P: int, layout: str, causal: bool, mask, me: int) -> list[tuple[int, str]]:
+    """Once per call shape and rank (a schedule has ~P^2 messages): the forward's outer-ring K/V for ``me``."""
+    n = st.inner
+    sched = st.schedule(P, layout, causal, False, mask)
+    return [(x.owner, x.part) for step in sched.steps for x in step.messages
+            if x.dst == me and x.kind == "kv" and x.owner % n == me % n and x.owner // n != me // n]
+
+
 def _held_rows(steps: list[Step], n: int) -> list[str | None]:
     """Per local rank of an inner schedule: the rows of the K/V block it holds that it reads (computes against
     or sends on), i.e. what the outer ring must have brought it."""
@@ -164,12 +174,7 @@ class TwoLevel(RelayOrDirect):
     def kept_pieces(self, cfg) -> list[tuple[int, str]]:
         """With ``keep``: the K/V pieces the outer ring brings this rank in forward (owners in other nodes, at
         this rank's place in them), in schedule order."""
-        if not self.keep:
-            return []
-        n, me = self.inner, cfg.rank
-        sched = self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask)
-        return [(x.owner, x.part) for st in sched.steps for x in st.messages
-                if x.dst == me and x.kind == "kv" and x.owner % n == me % n and x.owner // n != me // n]
+        return _kept(self, cfg.P, cfg.layout, cfg.causal, cfg.mask, cfg.rank) if self.keep else []
 
     def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
         why = inner_size_error(self.name, P, self.inner) or super().check(H, Hkv, self.inner, s, zigzag)
