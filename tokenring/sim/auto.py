@@ -133,7 +133,7 @@ def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: in
     sh = Shapes(B, s, H, ks[2], d, dtype, P)
     out = io.StringIO()
     if P < 2:
-        print(f"tokenring.auto: one rank: plain single-device attention, no strategy needed.", file=out)
+        print("tokenring.auto: one rank: plain single-device attention, no strategy needed.", file=out)
     else:
         name, results, topo, origin = choose(sh, causal, layout, backward, device_type, topology, strategy)
         best = min(r.time for r in results)

@@ -44,7 +44,7 @@ def pass_kv_steps(P: int, pair, backward: bool, lanes=ONE_WAY) -> list[Step]:
                 steps[t].messages.append(m)
             if backward:
                 # The dK/dV accumulator of K/V_i goes from each contributor to the next one, then home to i.
-                acc_part, holder = None, None
+                acc_part, holder, t_held = None, None, 0
                 for t, (r, got) in enumerate(zip(path, pairs), start=1):
                     if got is None:
                         continue

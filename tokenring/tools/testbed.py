@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import itertools
-import json
 import os
 import re
 import shutil
