@@ -82,15 +82,13 @@ def predict(res: dict) -> dict:
 def run_case(tag: str, P: int, rate: float, Hkv: int, causal: bool, mode: str, repeats: int, node: int = NODE,
              intra: float = INTRA, d: int = D, dtype: str = "float32", s: int = S // 4) -> dict:
     names = [n for n in STRATEGIES if mode != "fwd" or n not in KEEP]  # keep changes backward only
-    spec = bench.make_spec(P=P, S=s * P, H=H, Hkv=Hkv, d=d, causal=causal, mode=mode, dtype=dtype,
-                           strategies=names, repeats=repeats, warmup=1, trace=True, comm_only=False)
+    shape = dict(P=P, S=s * P, H=H, Hkv=Hkv, d=d, causal=causal, mode=mode, dtype=dtype, repeats=repeats)
+    spec = bench.make_spec(**shape, strategies=names, warmup=1, trace=True, comm_only=False)
     with testbed.Testbed(P, "cluster", rate, node=node, intra_mbit=intra * rate) as tb:
         # the whole run's watchdog: ~14 strategies x 4 calls, GQA token_ring at a quarter rate takes ~13 s a call
         res = bench.run(spec, timeout=1800, **tb.launch_kwargs())
         res["testbed"] = dict(tb.describe(), dropped=tb.dropped())
-    floor = bench.run(bench.make_spec(P=P, S=s * P, H=H, Hkv=Hkv, d=d, causal=causal, mode=mode, dtype=dtype,
-                                      strategies=["ring"], repeats=repeats, comm_only=False))  # unshaped, local
-    res["floor"] = sum(ph["compute_total"] for ph in by_name(floor)["ring"]["phases"].values())
+    res["floor"] = bench.compute_floor(**shape)  # unshaped local ranks, same shapes
     res["case"] = tag
     res = bench.strip_events(res)
     for r in res["results"]:

@@ -71,11 +71,8 @@ def calibrate(repeats: int) -> dict:
 def floor(Hkv: int, causal: bool, mode: str, repeats: int) -> dict:
     """P blocks of compute (ring's computes, slowest rank per step, summed) on unshaped local ranks: the lower
     of two runs (``floor``; both in ``runs``), since a floor is a bound and the shared cores only add time."""
-    runs = []
-    for _ in range(2):
-        res = bench.run(bench.make_spec(P=P, S=S, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, strategies=["ring"],
-                                        repeats=repeats, comm_only=False))
-        runs.append(sum(ph["compute_total"] for ph in by_name(res)["ring"]["phases"].values()))
+    runs = [bench.compute_floor(P=P, S=S, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, repeats=repeats)
+            for _ in range(2)]
     return dict(floor=min(runs), runs=runs)
 
 

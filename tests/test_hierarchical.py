@@ -15,7 +15,7 @@ import torch
 
 import cases
 from tokenring.schedules import Shapes, message_bytes
-from tokenring.strategies import get, why_not
+from tokenring.strategies import get, why_not, with_node_size
 
 HEADS = [(4, 4), (4, 2), (6, 1)]
 LAYOUTS = [(False, "contiguous"), (True, "contiguous"), (True, "zigzag"), (False, "zigzag")]
@@ -68,7 +68,7 @@ def test_keep_specs():
     assert get("double_ring:n=2,keep").name == "double_ring:n=2,keep"
     assert get("token_ring_2d:direct,c=2,k=1,n=4,keep").keep
     assert all(v.keep for v in get("token_ring_2d:n=4,keep").variants(8))
-    from tokenring.strategies import code, from_code, with_node_size
+    from tokenring.strategies import code, from_code
     for spec in ("double_ring:n=2,keep", "token_ring_2d:direct,c=2,k=1,n=4,keep", "usp:n=2", "ring"):
         assert from_code(code(get(spec))) is get(spec)
     assert with_node_size(get("double_ring:keep"), 4).name == "double_ring:n=4,keep"
@@ -180,9 +180,7 @@ def test_inter_node_bytes(spec):
     P, n, m = 8, 4, 2
     sh = Shapes(1, 64, 8, 4, 16, torch.bfloat16, P)
     kv_block = 2 * sh.B * sh.s * sh.Hkv * sh.d * 2
-    family, _, rest = spec.partition(":")
-    st = get(f"{family}:" + ",".join(x for x in (rest.replace(",keep", "").replace("keep", ""), f"n={n}",
-                                                 "keep" if "keep" in spec else "") if x))
+    st = with_node_size(get(spec), n)
     for backward in (False, True):
         sched = st.schedule(P, "contiguous", False, backward)
         across = [0] * P

@@ -703,6 +703,15 @@ def write_traces(result: dict, trace_dir: str, tag: str = "") -> list[str]:
     return files
 
 
+def compute_floor(**shape) -> float:
+    """Seconds of ring's computes per call on unshaped local ranks (the slowest rank's per step, summed): ``P``
+    blocks of attention with nothing else, the floor any schedule of these shapes is measured against.
+    ``shape``: :func:`make_spec` arguments (``P``, ``S``, ``H``, ``Hkv``, ``causal``, ``mode``, ``repeats``...)."""
+    res = run(make_spec(**dict(shape, strategies=["ring"], comm_only=False, trace=True)))
+    ring = next(r for r in res["results"] if r["strategy"] == "ring")
+    return sum(ph["compute_total"] for ph in ring["phases"].values())
+
+
 def strip_events(result: dict) -> dict:
     """A copy without the raw trace events (for compact JSON)."""
     out = dict(result)
