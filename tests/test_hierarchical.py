@@ -26,13 +26,14 @@ def specs(n: int) -> list[str]:
     out = [f"usp:n={n}", f"double_ring:n={n}", f"token_ring_2d:relay,n={n}"]
     for c, k in ((1, 1), (2, max(1, n - 1))):
         out += [f"token_ring_2d:direct,c={c},k={k},n={n}", f"double_ring:direct,c={c},k={k},n={n}"]
-    return out
+    return out + [f"token_ring_2d:relay,n={n},o=2"]  # visiting rounds in two sub-rounds
 
 
 def keep_specs(n: int) -> list[str]:
     """Two-level strategies that keep forward's inter-node K/V for backward (a ring and a direct inner)."""
     return [f"double_ring:n={n},keep", f"token_ring_2d:relay,n={n},keep",
-            f"token_ring_2d:direct,c=2,k={max(1, n - 1)},n={n},keep", f"double_ring:direct,c=1,k=1,n={n},keep"]
+            f"token_ring_2d:direct,c=2,k={max(1, n - 1)},n={n},keep", f"double_ring:direct,c=1,k=1,n={n},keep",
+            f"double_ring:direct,c=2,k=1,n={n},keep,o=2"]  # outer chunks, each cut again by the inner pass-KV
 
 
 def grid(P: int, n: int, dtypes=("float64",), names=specs) -> list[dict]:
@@ -170,7 +171,8 @@ def test_two_level_schedules_cover_each_pair_once(P, n, causal, layout):
 
 
 @pytest.mark.parametrize("spec", ["double_ring", "token_ring_2d:relay", "token_ring_2d:direct,c=2,k=1", "usp",
-                                  "double_ring:keep", "token_ring_2d:direct,c=2,k=1,keep"])
+                                  "double_ring:keep", "token_ring_2d:direct,c=2,k=1,keep", "double_ring:o=2",
+                                  "token_ring_2d:direct,c=2,k=1,keep,o=4"])
 def test_inter_node_bytes(spec):
     """Non-causal, P = 8 as 2 nodes x 4: what each rank sends to another node, against the hand count.
     Forward: one K/V block per round after the first for the K/V-ring strategies (m - 1 = 1 block), and for
@@ -194,3 +196,64 @@ def test_inter_node_bytes(spec):
     flat = get("ring").schedule(P, "contiguous", False, False)
     edge = sum(message_bytes(x, sh) for st_ in flat.steps for x in st_.messages if x.src == n - 1)
     assert edge == (P - 1) * kv_block
+
+
+@pytest.mark.parametrize("m,n,o", [(2, 2, 2), (3, 2, 2), (2, 3, 4), (4, 2, 2)])
+def test_outer_chunks_and_keep_order(m, n, o):
+    """``o=``: a visiting round runs as ``o`` sub-rounds over row chunks of the K/V block that crossed nodes, and
+    each chunk crosses in its own message, due just before its sub-round (so compute starts on the first rows
+    while the rest is on the wire). With ``keep`` backward runs the visiting rounds first and its own round last,
+    every dK/dV leaving for another node while that round still computes."""
+    from tokenring.schedules import chunk
+    P = m * n
+    st = get(f"double_ring:n={n},keep,o={o}")
+    fwd = st.forward_schedule(P, "contiguous", False)
+    crossing = [(t, x) for t, step in enumerate(fwd.steps) for x in step.messages if x.src // n != x.dst // n]
+    assert sorted(x.part for _, x in crossing if x.dst == 0) == sorted([chunk("all", i, o) for i in range(o)] * (m - 1))
+    first_use = {}
+    for t, step in enumerate(fwd.steps):
+        for c in step.computes:
+            first_use.setdefault((c.rank, c.kv_owner, c.kv_part), t)
+    for t, x in crossing:  # each chunk is due right before the first compute on it, and the first one is used
+        assert x.due == first_use[x.dst, x.owner, x.part] - 1  # before the whole block could have arrived
+    assert min(first_use[x.dst, x.owner, x.part] for _, x in crossing if x.part == chunk("all", 0, o)) < \
+        max(first_use[x.dst, x.owner, x.part] for _, x in crossing)
+    bwd = st.backward_schedule(P, "contiguous", True)
+    own_start = min(t for t, step in enumerate(bwd.steps) for c in step.computes if c.kv_owner // n == c.rank // n)
+    last_visit = max(t for t, step in enumerate(bwd.steps) for c in step.computes if c.kv_owner // n != c.rank // n)
+    assert last_visit < own_start
+    own_end = max(t for t, step in enumerate(bwd.steps) for c in step.computes)
+    home = [t for t, step in enumerate(bwd.steps) for x in step.messages if x.kind == "dkv" and x.src // n != x.dst // n]
+    assert home and max(home) <= own_end and not any(x.kind == "kv" for step in bwd.steps for x in step.messages
+                                                       if x.src // n != x.dst // n)
+
+
+def test_outer_chunks_of_masked_blocks_do_not_overlap():
+    """With a mask the pairs of one K/V block meet different rows of it; the sub-rounds cut one grid per block
+    (the rows the round needs), so no row crosses twice and no dK/dV row is sent home from two sub-rounds."""
+    from tokenring.masks import make_mask
+    from tokenring.schedules import overlaps, part_intersection
+    assert part_intersection("lo", "1:3/4") == "1:2/4" and part_intersection("lo", "hi") is None
+    P, n = 4, 2
+    mask = make_mask(12 * P, [0, 4, 7, 46, 48], (9, 0), True)
+    for backward in (False, True):
+        sched = get(f"double_ring:n={n},o=2").schedule(P, "zigzag", True, backward, mask)
+        kinds = ("dkv",) if backward else ("kv",)
+        pieces: dict = {}
+        for step in sched.steps:
+            for x in step.messages:
+                if x.kind in kinds and x.src // n != x.dst // n:
+                    pieces.setdefault((x.src, x.dst, x.owner), []).append(x.part)
+        assert pieces
+        for parts in pieces.values():
+            assert not any(overlaps(a, b) for i, a in enumerate(parts) for b in parts[i + 1:]), parts
+
+
+def test_outer_chunks_refused_when_rows_run_out():
+    assert "o=" in why_not("double_ring:n=2,o=4", 4, 4, 4, s=6, zigzag=True)  # halves of 3 rows in 4 pieces
+    assert why_not("double_ring:n=2,o=2", 4, 4, 4, s=6, zigzag=True) is None
+    assert why_not("double_ring:direct,c=2,k=1,n=2,o=2", 4, 4, 4, s=6) is None  # 6 rows in 2 x 2 pieces
+    assert "o=" in why_not("double_ring:direct,c=2,k=1,n=2,o=2", 4, 4, 4, s=6, zigzag=True)  # 3 rows in 4
+    for bad in ("ring:o=2", "usp:n=2,o=2", "double_ring:o=0"):
+        with pytest.raises(ValueError):
+            get(bad)

@@ -32,7 +32,7 @@ from .merge import acc_dtype
 from .messages import kind as message_kind
 
 __all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
-           "part_slice", "part_union", "covers", "overlaps", "part_rows", "chunk", "rows", "direct", "direct_steps",
+           "part_slice", "part_union", "part_intersection", "covers", "overlaps", "part_rows", "chunk", "rows", "direct", "direct_steps",
            "own_pieces", "pairings", "pairing",
            "drop_empty_tail", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
 
@@ -100,6 +100,14 @@ def part_union(a: str | None, b: str | None) -> str | None:
     (a0, a1, an), (b0, b1, bn) = _frac(a), _frac(b)
     n = an * bn // gcd(an, bn)
     return rows(min(a0 * (n // an), b0 * (n // bn)), max(a1 * (n // an), b1 * (n // bn)), n)
+
+
+def part_intersection(a: str, b: str) -> str | None:
+    """The rows in both (``None``: none, for any local length)."""
+    (a0, a1, an), (b0, b1, bn) = _frac(a), _frac(b)
+    n = an * bn // gcd(an, bn)
+    lo, hi = max(a0 * (n // an), b0 * (n // bn)), min(a1 * (n // an), b1 * (n // bn))
+    return rows(lo, hi, n) if lo < hi else None
 
 
 def overlaps(a: str, b: str) -> bool:

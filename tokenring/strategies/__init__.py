@@ -8,7 +8,8 @@ cost model picks the variant (see :func:`tokenring.api.attention`). Hierarchical
 family choice; ``token_ring_2d:relay,n=8``, ``token_ring_2d:direct,c=2,k=1,n=8``); without ``n=`` the node
 size comes from ``inner_size=`` / ``$LOCAL_WORLD_SIZE``. ``keep`` (``double_ring:n=8,keep``,
 ``token_ring_2d:keep``): a two-level strategy keeps the K/V that crossed nodes in forward for its backward
-(memory for inter-node bytes; ``auto`` never adds it). A new strategy is one new module with a
+(memory for inter-node bytes; ``auto`` never adds it). ``o=2`` (``double_ring:n=8,o=2``): each visiting round
+runs as 2 sub-rounds over the K/V block's row halves, so compute starts on the first rows to cross. A new strategy is one new module with a
 ``STRATEGY`` object, listed in ``_MODULES``; everything else (the public API, ``auto``, the simulator, the
 benchmark, the demo, the tests) reads this registry.
 """
@@ -28,7 +29,7 @@ STRATEGIES: dict[str, Strategy] = {m.STRATEGY.family or m.STRATEGY.name: m.STRAT
 FAMILIES = tuple(STRATEGIES)
 ALIASES = {"token_ring_paper": "token_ring:relay"}
 _MODES = ("", "auto", "relay", "direct")
-_PARAMS = {"c": "chunks", "k": "lookahead", "n": "inner"}
+_PARAMS = {"c": "chunks", "k": "lookahead", "n": "inner", "o": "outer"}
 HIERARCHICAL = tuple(name for name, st in STRATEGIES.items() if st.hierarchical)
 
 
@@ -55,26 +56,26 @@ def get(spec: str) -> Strategy:
         key, _, value = item.partition("=")
         if key not in _PARAMS or not value.isdigit():
             raise ValueError(f"strategy={spec!r}: parameters are c=<chunks>, k=<lookahead blocks> and, for the "
-                             f"hierarchical strategies, n=<ranks per node> and keep; e.g. "
+                             f"hierarchical strategies, n=<ranks per node>, keep and o=<outer chunks>; e.g. "
                              f"'{family}:direct,c=2,k=1'")
         args[_PARAMS[key]] = int(value)
     st = STRATEGIES[family].make(mode, **args)
     return st if st.name == spec else get(st.name)  # one object per canonical spec (schedules cache on it)
 
 
-CODE_LEN = 6
+CODE_LEN = 7
 
 
 def code(st: Strategy) -> list[float]:
-    """``st`` as six numbers (family, mode, chunks, lookahead, ranks per node, keep), to travel with the
-    cross-rank signature."""
+    """``st`` as seven numbers (family, mode, chunks, lookahead, ranks per node, keep, outer chunks), to travel
+    with the cross-rank signature."""
     return [float(FAMILIES.index(st.family or st.name)), float(_MODES.index(st.mode)), float(st.chunks),
-            float(st.lookahead), float(st.inner), float(st.keep)]
+            float(st.lookahead), float(st.inner), float(st.keep), float(st.outer)]
 
 
 def from_code(values) -> Strategy:
-    fam, mode, c, k, n, keep = (int(x) for x in values)
-    return get(STRATEGIES[FAMILIES[fam]].make(_MODES[mode], c, k, n, bool(keep)).name)
+    fam, mode, c, k, n, keep, outer = (int(x) for x in values)
+    return get(STRATEGIES[FAMILIES[fam]].make(_MODES[mode], c, k, n, bool(keep), outer).name)
 
 
 def node_size(inner_size: int | None = None) -> int:

@@ -62,11 +62,12 @@ class Strategy:
     inner: int = 0            # ranks per node, for hierarchical strategies (0: flat, or not chosen yet)
     hierarchical: bool = False
     keep: bool = False        # keep the K/V that crossed nodes in forward for backward (two-level strategies)
+    outer: int = 1            # sub-rounds per visiting round, K/V rows cut that many ways (two-level strategies)
 
     def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0,
-             keep: bool = False) -> "Strategy":
+             keep: bool = False, outer: int = 1) -> "Strategy":
         """The member of this family with these parameters (registry use: :func:`tokenring.strategies.get`)."""
-        if mode or (chunks, lookahead, inner, keep) != (1, 1, 0, False):
+        if mode or (chunks, lookahead, inner, keep, outer) != (1, 1, 0, False, 1):
             raise ValueError(f"strategy {self.name!r} takes no parameters")
         return self
 
@@ -123,6 +124,13 @@ class Strategy:
 # direct schedule has about P*P*c computes, so large groups try fewer).
 def chunk_choices(P: int) -> tuple[int, ...]:
     return (1, 2, 4) if P <= 16 else (1, 2) if P <= 64 else (1,)
+
+
+def outer_choices(m: int) -> tuple[int, ...]:
+    """Sub-rounds per visiting round that a cost model tries for a two-level schedule over ``m`` nodes: cutting
+    the K/V block that crosses nodes lets compute start on its first rows (and, in backward, their dK/dV
+    leave) while the rest is on the wire, which matters when a call has few rounds."""
+    return (1, 2, 4) if m <= 2 else (1, 2) if m <= 4 else (1,)
 
 
 def lookaheads(P: int) -> list[int]:
@@ -497,9 +505,9 @@ class RelayOrDirect(ScheduledStrategy):
         self.name = spec_name(self.family, mode, self.chunks, self.lookahead, self.default_mode)
 
     def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0,
-             keep: bool = False) -> Strategy:
-        if inner or keep:
-            raise ValueError(f"strategy {self.family!r} is flat and takes no node size (n=) or keep; the "
+             keep: bool = False, outer: int = 1) -> Strategy:
+        if inner or keep or outer != 1:
+            raise ValueError(f"strategy {self.family!r} is flat and takes no node size (n=), keep or o=; the "
                              f"hierarchical ones are double_ring, token_ring_2d and usp")
         return type(self)(mode or None, chunks, lookahead)
 

@@ -25,12 +25,13 @@ The executor and the simulator run the result like any flat schedule (the ranks 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from functools import lru_cache
 
 from ..schedules import (Compute, Message, Schedule, Step, block_pair, chunk, direct_steps, drop_empty_tail,
-                         own_pieces, part_rows, part_union, relay)
-from .base import RelayOrDirect, chunk_choices, lookaheads
+                         own_pieces, part_intersection, part_rows, part_union, relay)
+from .base import RelayOrDirect, chunk_choices, lookaheads, outer_choices
 from .ring import pass_kv_steps
 from .token_ring import pass_q_steps
 
@@ -52,23 +53,47 @@ def inner_size_error(name: str, P: int, n: int) -> str | None:
 
 
 def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bool, mask, inner,
-              keep: bool = False) -> Schedule:
+              keep: bool = False, outer: int = 1) -> Schedule:
     """Compose ``inner(pair) -> list[Step]`` (a flat schedule over ``n`` local ranks) with a ring of K/V between
-    the ``P / n`` nodes, as the module docstring draws it (``keep``: none in backward, forward's is reused)."""
+    the ``P / n`` nodes, as the module docstring draws it (``keep``: none in backward, forward's is reused;
+    ``outer``: each visiting round cut into that many sub-rounds by K/V rows)."""
     m = P // n
+    s = None if mask is None else mask.S // P
 
     def g(a: int, l: int) -> int:
         return (a % m) * n + l
 
+    def cut(pairs: tuple, i: int) -> tuple:
+        """Sub-round ``i`` of a visiting round: each pair's K/V rows within chunk ``i`` of ``outer`` of the rows
+        the round needs of that K/V block (one grid per block, so the sub-rounds' pieces of it never overlap)."""
+        hull = [None] * n
+        for x, got in enumerate(pairs):
+            if got is not None:
+                hull[x % n] = part_union(hull[x % n], got[1])
+        out = []
+        for x, got in enumerate(pairs):
+            kv = None if got is None else part_intersection(got[1], chunk(hull[x % n], i, outer))
+            out.append(None if kv is None or (s is not None and not part_rows(kv, s)) else (got[0], kv, got[2]))
+        return tuple(out)
+
+    # Slots, in time order: the own round (o = 0) whole, each visiting round o as `outer` sub-rounds (o, i).
+    # With keep, backward holds every K/V block from the start, so the visiting rounds go first and the own
+    # round last: its compute then hides the trip home of the last visitor's dK/dV.
+    visits = [(o, i) for o in range(1, m) for i in range(outer)]
+    late = backward and keep
+    order = visits + [(0, 0)] if late else [(0, 0)] + visits
+    slot = {key: x for x, key in enumerate(order)}
     rounds, built = {}, {}
-    for o in range(m):
+    for o, i in order:
         for a in range(m):
             b = a - o
             pairs = tuple(block_pair(g(a, j), g(b, l), P, layout, causal, mask) for j in range(n) for l in range(n))
+            if o and outer > 1:
+                pairs = cut(pairs, i)
             if pairs not in built:  # rounds whose blocks meet alike share one inner schedule (most of them)
                 built[pairs] = inner(lambda j, l, pairs=pairs: pairs[j * n + l])
-            rounds[o, a] = built[pairs]
-    stride = max(1 + max((t for t, st in enumerate(s) if st.computes), default=0) for s in rounds.values())
+            rounds[o, i, a] = built[pairs]
+    stride = max(1 + max((t for t, st in enumerate(sch) if st.computes), default=0) for sch in rounds.values())
     out: list[Step] = []
 
     def at(t: int) -> Step:
@@ -77,8 +102,8 @@ def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
         return out[t]
 
     home: list[tuple[int, Message]] = []  # (step to post, message): dK/dV a node made for another node's K/V
-    for (o, a), steps in rounds.items():
-        b, base = a - o, o * stride
+    for (o, i, a), steps in rounds.items():
+        b, base = a - o, slot[o, i] * stride
         last_add: dict[int, int] = {}   # local K/V owner -> last step its dK/dV grows on its holder this round
         part: dict[int, str | None] = {}  # local K/V owner -> rows this node computed against
         qa, kb = a % m * n, b % m * n  # node a's first rank (queries), node b's (K/V)
@@ -102,14 +127,16 @@ def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
                 home.append((base + last_add.get(l, 0) + 1, Message(g(a, l), g(b, l), "dkv", g(b, l), rows_)))
     end = max(len(out), max((t for t, _ in home), default=0) + 1)
     for t, msg in home:  # due a round later (or at the end): the holder computes on meanwhile
-        at(t).messages.append(replace(msg, due=min(t + stride, end - 1)))
+        at(t).messages.append(replace(msg, due=min(t + outer * stride, end - 1)))
     held = {id(steps): _held_rows(steps, n) for steps in built.values()}
-    for b in range(m if not (backward and keep) else 0):  # the outer ring: each K/V block visits the nodes
-        for l in range(n):                                  # after its own, one round each
+    for b in range(m if not late else 0):  # the outer ring: each K/V block visits the nodes after its own,
+        for l, i in itertools.product(range(n), range(outer)):  # one round each, sub-round by sub-round
             path = [g(b + o, l) for o in range(1, m)]
-            needs = [held[id(rounds[o, (b + o) % m])][l] for o in range(1, m)]
-            for i, msg in relay(g(b, l), path, needs, "kv"):
-                at(i * stride).messages.append(replace(msg, due=(i + 1) * stride - 1))
+            needs = [held[id(rounds[o, i, (b + o) % m])][l] for o in range(1, m)]
+            for h, msg in relay(g(b, l), path, needs, "kv"):
+                # posted a round before the sub-round that reads it (the first hop: at once), due just before
+                need = slot[h + 1, i]
+                at(max(0, need - outer) * stride).messages.append(replace(msg, due=need * stride - 1))
     q_kind = "qgrad" if backward else "q"
     return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(out), mask)
 
@@ -145,22 +172,25 @@ class TwoLevel(RelayOrDirect):
     hierarchical = True
 
     def __init__(self, mode: str | None = None, chunks: int = 1, lookahead: int = 1, inner: int = 0,
-                 keep: bool = False):
+                 keep: bool = False, outer: int = 1):
         super().__init__(mode, chunks, lookahead)
-        self.inner, self.keep = int(inner), bool(keep)
+        self.inner, self.keep, self.outer = int(inner), bool(keep), int(outer)
         if self.inner < 0:
             raise ValueError(f"{self.family}: the node size n= must be positive, got {inner}")
-        for flag, on in ((f"n={self.inner}", self.inner), ("keep", self.keep)):
+        if self.outer < 1:
+            raise ValueError(f"{self.family}: the outer chunks o= must be at least 1, got {outer}")
+        for flag, on in ((f"n={self.inner}", self.inner), ("keep", self.keep), (f"o={self.outer}", self.outer > 1)):
             if on:
                 self.name += ("," if ":" in self.name else ":") + flag
 
     def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0,
-             keep: bool = False) -> "TwoLevel":
-        return type(self)(mode or None, chunks, lookahead, inner or self.inner, keep or self.keep)
+             keep: bool = False, outer: int = 1) -> "TwoLevel":
+        return type(self)(mode or None, chunks, lookahead, inner or self.inner, keep or self.keep,
+                          outer if outer != 1 else self.outer)
 
     def with_inner(self, n: int) -> "TwoLevel":
         from . import get
-        return get(type(self)(self.mode, self.chunks, self.lookahead, n, self.keep).name)
+        return get(type(self)(self.mode, self.chunks, self.lookahead, n, self.keep, self.outer).name)
 
     def variants(self, P: int) -> list["TwoLevel"]:
         if self.mode != "auto":
@@ -168,8 +198,9 @@ class TwoLevel(RelayOrDirect):
         n, cls, keep = self.inner, type(self), self.keep
         # as for flat families, fewer candidates on large groups (each is a simulation of ~P^2 blocks)
         ks = lookaheads(n) if P <= 64 else sorted({1, max(1, n - 1)})
-        return [cls("relay", inner=n, keep=keep)] + [cls("direct", c, k, n, keep) for c in chunk_choices(P)
-                                                     for k in ks]
+        os_ = sorted({1, self.outer} | set(outer_choices(P // n if n else 1)))
+        return [cls("relay", inner=n, keep=keep, outer=o) for o in os_] + \
+            [cls("direct", c, k, n, keep, o) for c in chunk_choices(P) for k in ks for o in os_]
 
     def kept_pieces(self, cfg) -> list[tuple[int, str]]:
         """With ``keep``: the K/V pieces the outer ring brings this rank in forward (owners in other nodes, at
@@ -178,12 +209,20 @@ class TwoLevel(RelayOrDirect):
 
     def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
         why = inner_size_error(self.name, P, self.inner) or super().check(H, Hkv, self.inner, s, zigzag)
-        if why or self.mode != "direct" or s is None:
+        if why or s is None:
             return why
+        halves = ("lo", "hi") if zigzag else ("all",)
+        # outer chunks of a visiting K/V block (half of one, zigzag), each cut again into c by a direct pass-KV
+        pieces = self.outer * (self.chunks if self.mover == "kv" and self.mode == "direct" else 1)
+        if any(part_rows(chunk(h, i, pieces), s) == 0 for h in halves for i in range(pieces)):
+            return (f"{self.name}: a visiting K/V block is cut into {pieces} row pieces but this rank has {s} rows"
+                    f"{' (halves of it)' if zigzag else ''}; use fewer outer chunks (o=), chunks (c=) or a longer "
+                    f"sequence")
+        if self.mode != "direct":
+            return None
         # A visiting K/V block at a rank's own place (rounds after the first) may meet half of its queries,
         # and that half is cut into as many pieces as the own block: none may be empty.
         own = own_pieces(self.chunks, self.inner)
-        halves = ("lo", "hi") if zigzag else ("all",)
         if any(part_rows(chunk(h, a, n, b), s) == 0 for h in halves for a, b, n in own):
             return (f"{self.name}: the inner schedule cuts a rank's {'half ' if zigzag else ''}block into "
                     f"{len(own)} pieces but this rank has {s} rows; use fewer chunks (c=) or a longer sequence")
@@ -202,4 +241,4 @@ class TwoLevel(RelayOrDirect):
                 return direct_steps(n, pair, causal, backward, self.mover, self.chunks, self.lookahead, s)
             return (pass_kv_steps if self.mover == "kv" else pass_q_steps)(n, pair, backward)
 
-        return two_level(self.name, P, n, layout, causal, backward, mask, inner, self.keep)
+        return two_level(self.name, P, n, layout, causal, backward, mask, inner, self.keep, self.outer)

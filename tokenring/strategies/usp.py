@@ -183,8 +183,9 @@ class Usp(Strategy):
             raise ValueError(f"usp: the node size n= must be positive, got {inner}")
         self.name = f"usp:n={self.inner}" if self.inner else "usp"
 
-    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0, keep: bool = False) -> "Usp":
-        if mode or (chunks, lookahead, keep) != (1, 1, False):
+    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0, keep: bool = False,
+             outer: int = 1) -> "Usp":
+        if mode or (chunks, lookahead, keep, outer) != (1, 1, False, 1):
             raise ValueError("strategy 'usp' takes only the node size, e.g. 'usp:n=8'")
         return Usp(inner or self.inner)
 
