@@ -14,10 +14,11 @@ inter-node rate, and one NIC link per node (shared by its ranks) to a switch.
    forward+backward, non-causal forward, at the comm-bound rate (GQA at its own: the rate times Hkv/H, as its
    K/V per step is that much smaller); both again at half the rate, causal forward+backward. Each run
    measures every flat strategy (ring, ring_bidir, ulysses, the TokenRing variant the cost model picks,
-   ``ring:auto``) and every hierarchical one (usp, double_ring, token_ring_2d's picked variant) and ``auto``,
+   ``ring:auto``) and every hierarchical one (usp, double_ring, token_ring_2d's picked variant, a direct
+   double ring whole and in outer chunks ``o=4``) and ``auto``,
    with ``$LOCAL_WORLD_SIZE`` = 2 as torchrun would set it; forward+backward cases also run the two-level
-   strategies with ``keep`` (forward's inter-node K/V reused in backward). Each case also measures its compute
-   floor: ring's computes on unshaped local ranks (the sum of the slowest rank's per step), so
+   strategies with ``keep`` (forward's inter-node K/V reused in backward; the direct one with o = 1, 2, 4).
+   Each case also measures its compute floor: ring's computes on unshaped local ranks (the sum of the slowest rank's per step), so
    ``best flat / floor`` bounds the ratio any schedule could reach against the best flat one.
 3. The simulator's prediction of every measured variant on the same two-level topology (model as committed,
    its CPU kernel model calibrated on this machine after the measurements, as ``bench/evidence.py`` does).
@@ -40,8 +41,9 @@ from tokenring.tools import bench, testbed  # noqa: E402
 
 S, H, D, NODE, RATIO, INTRA, GQA_KV = 4096, 8, 64, 2, 3.0, 4.0, 2
 FLAT = ["ring", "ring_bidir", "ulysses", "token_ring", "ring:auto"]
-HIER = ["usp", "double_ring", "token_ring_2d", "double_ring:direct,c=1,k=1"]
-KEEP = ["double_ring:keep", "token_ring_2d:keep", "double_ring:direct,c=1,k=1,keep"]  # forward+backward only
+HIER = ["usp", "double_ring", "token_ring_2d", "double_ring:direct,c=1,k=1", "double_ring:direct,c=1,k=1,o=4"]
+KEEP = ["double_ring:keep", "token_ring_2d:keep", "double_ring:direct,c=1,k=1,keep",  # forward+backward only
+        "double_ring:direct,c=1,k=1,keep,o=2", "double_ring:direct,c=1,k=1,keep,o=4"]
 STRATEGIES = FLAT + HIER + KEEP + ["auto"]
 
 
@@ -85,7 +87,7 @@ def run_case(tag: str, P: int, rate: float, Hkv: int, causal: bool, mode: str, r
     shape = dict(P=P, S=s * P, H=H, Hkv=Hkv, d=d, causal=causal, mode=mode, dtype=dtype, repeats=repeats)
     spec = bench.make_spec(**shape, strategies=names, warmup=1, trace=True, comm_only=False)
     with testbed.Testbed(P, "cluster", rate, node=node, intra_mbit=intra * rate) as tb:
-        # the whole run's watchdog: ~14 strategies x 4 calls, GQA token_ring at a quarter rate takes ~13 s a call
+        # the whole run's watchdog: ~17 strategies x 4 calls, GQA token_ring at a quarter rate takes ~13 s a call
         res = bench.run(spec, timeout=1800, **tb.launch_kwargs())
         res["testbed"] = dict(tb.describe(), dropped=tb.dropped())
     res["floor"] = bench.compute_floor(**shape)  # unshaped local ranks, same shapes
