@@ -18,8 +18,8 @@ inter-node rate, and one NIC link per node (shared by its ranks) to a switch.
    double ring whole and in outer chunks ``o=4``) and ``auto``,
    with ``$LOCAL_WORLD_SIZE`` = 2 as torchrun would set it; forward+backward cases also run the two-level
    strategies with ``keep`` (forward's inter-node K/V reused in backward; the direct one with o = 1, 2, 4).
-   Each case also measures its compute floor: ring's computes on unshaped local ranks (the sum of the slowest rank's per step), so
-   ``best flat / floor`` bounds the ratio any schedule could reach against the best flat one.
+   Each case also measures its compute floor: ring's computes on unshaped local ranks (the sum of the slowest
+   rank's per step), so ``best flat / floor`` bounds the ratio any schedule could reach against the best flat one.
 3. The simulator's prediction of every measured variant on the same two-level topology (model as committed,
    its CPU kernel model calibrated on this machine after the measurements, as ``bench/evidence.py`` does).
 No number in the outputs is typed by hand; every repeat is kept in the JSON.
