@@ -290,14 +290,23 @@ class _Coalesced:
 
 
 def coalesced_case(rank: int, P: int, case: dict) -> dict:
-    """``check_case`` with ``batch_isend_irecv`` returning one coalesced work per step (NCCL's behaviour)."""
+    """``check_case`` with ``batch_isend_irecv`` returning one coalesced work per step (NCCL's behaviour), and,
+    as on NCCL, every receive posted at its message's step (no early receives: a coalesced work would wait for
+    a receive whose send comes steps later)."""
     import torch.distributed as dist
-    real = dist.batch_isend_irecv
+    from tokenring.comm import Comm
+    real, init = dist.batch_isend_irecv, Comm.__init__
+
+    def nccl_like(self, *args, **kw):
+        init(self, *args, **kw)
+        self.early_receives = False
+
     dist.batch_isend_irecv = lambda ops: [_Coalesced(real(ops))]
+    Comm.__init__ = nccl_like
     try:
         return check_case(rank, P, case)
     finally:
-        dist.batch_isend_irecv = real
+        dist.batch_isend_irecv, Comm.__init__ = real, init
 
 
 def staged_case(rank: int, P: int, case: dict) -> tuple[dict, list]:

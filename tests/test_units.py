@@ -267,3 +267,29 @@ def test_compiled_merge_matches_eager():
         merge_(big_o[:, n:, 2:], big_l[:, 2:, n:], o, lse, compiled=True)
         assert torch.allclose(big_o, want_o, rtol=1e-6, atol=1e-6) and torch.allclose(big_l, want_l, rtol=1e-6)
         assert not torch.isnan(big_o).any()
+
+
+@pytest.mark.parametrize("name", ["token_ring:direct,c=2,k=2", "ring:direct,c=1,k=3", "double_ring:direct,c=2,k=1,n=2"])
+def test_early_receives_keep_tags_and_pair_order(name):
+    """``Schedule.postings``: a returning partial (``ready``) is received from the step its rows left, with
+    the tag key ``(step posted, n)`` both ends derive alike; without early receives (NCCL, which matches a
+    pair's operations in posting order) every receive is posted at its message's step, in the sender's order."""
+    from tokenring.strategies import get
+    P = 4
+    for backward in (False, True):
+        sched = get(name).schedule(P, "zigzag", True, backward)
+        sent = {r: [(m, at) for step in sched.postings(r) for m, *at in step[1]] for r in range(P)}
+        for early in (True, False):
+            got = {r: [(m, at, t) for t, step in enumerate(sched.postings(r, early)) for m, *at in step[2]]
+                   for r in range(P)}
+            for r in range(P):
+                for p in range(P):
+                    keys_sent = [tuple(at) for m, at in sent[p] if m.dst == r]
+                    keys_got = [tuple(at) for m, at, _ in got[r] if m.src == p]
+                    assert sorted(keys_sent) == sorted(keys_got) and len(set(keys_got)) == len(keys_got)
+                    if not early:
+                        assert keys_got == keys_sent  # same order on both ends
+                for m, (posted, _), t in got[r]:
+                    assert t == (min(m.ready, posted) if early and m.ready >= 0 else posted)
+        rets = [m for st in sched.steps for m in st.messages if m.kind in ("out", "dq", "dkv") and m.ready >= 0]
+        assert rets or (not name.startswith("token_ring") and not backward)  # pass-KV forward returns nothing

@@ -2,7 +2,9 @@
 
 Rules that keep point-to-point traffic correct on every backend:
 - every rank posts the same global list of messages in the same order, receives first, then sends: no
-  deadlock by construction, and gloo does not serialise transfers to different peers;
+  deadlock by construction, and gloo does not serialise transfers to different peers (on gloo a receive may
+  be posted earlier, at its message's ``ready`` step: gloo matches by tag, and holds a send until the
+  receiver's notice that it is ready, which must not queue behind bulk data going the other way);
 - a message travels as **one** buffer: a message of several tensors (a ``qgrad`` block is Q, dO, lse and
   delta) is packed into one flat byte buffer (:func:`buffers` makes receive buffers that are views of one),
   so each message is one point-to-point operation and one tag;
@@ -242,6 +244,11 @@ class Comm:
         self.world = dist.get_world_size(group)
         backend = dist.get_backend(group)
         self.bounded = backend != "nccl"
+        # Receives may be posted before their message's step (Message.ready) only where operations between two
+        # ranks are matched by tag and complete one by one: gloo. NCCL matches a pair's operations in posting
+        # order (and may complete a step's batch as one work), so there every receive is posted at its
+        # message's step, in the order the sender posts.
+        self.early_receives = backend == "gloo"
         self.stage = backend == "gloo" if stage is None else stage
         self.timeout = _TIMEOUT_S if timeout is None else timeout
         self.trace = trace
@@ -285,10 +292,12 @@ class Comm:
         """Whether ``t`` travels through host memory."""
         return self.stage == "always" or (bool(self.stage) and t.device.type != "cpu")
 
-    def start(self, step: int, sends: list[tuple[Message, list[torch.Tensor]]],
-              recvs: list[tuple[Message, list[torch.Tensor]]]) -> list[_Pending]:
+    def start(self, step: int, sends: list[tuple[Message, list[torch.Tensor], tuple[int, int]]],
+              recvs: list[tuple[Message, list[torch.Tensor], tuple[int, int]]]) -> list[_Pending]:
         """Post ``recvs`` (into the given buffers) then ``sends``; returns one handle per due step (a message's
-        ``due``, else this step) whose ``wait()`` completes those operations.
+        ``due``, else this step) whose ``wait()`` completes those operations. Each message comes with
+        ``(step it is posted by its sender, n)`` (:meth:`Schedule.postings`): its tag, the same on both ends
+        even when the receiver posts early.
 
         All of a step's operations go into one ``batch_isend_irecv``, every receive before every send: on NCCL
         that is one group call, so ranks that all receive from one neighbour and send to another cannot
@@ -301,14 +310,12 @@ class Comm:
         groups: dict[int, tuple[list, list, list, list]] = {}  # due -> (op indices, records, received, copies)
         for direction, items in (("recv", recvs), ("send", sends)):
             fn = dist.irecv if direction == "recv" else dist.isend
-            seen: dict[int, int] = {}
-            for m, tensors in items:
-                due = step if m.due < 0 else m.due
+            for m, tensors, (posted, nth) in items:
+                due = posted if m.due < 0 else m.due
                 idx, records, got, copies = groups.setdefault(due, ([], [], [], []))
                 peer = _peer(direction, m)
                 kind = message_kind(m.kind).tag * len(HEADS) + HEADS.index(m.heads)
-                nth = seen[peer] = seen.get(peer, -1) + 1  # same order on both ends: the schedule's order
-                tag = (step * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + kind
+                tag = (posted * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + kind
                 staged = False
                 if direction == "send":
                     buf = pack(tensors)

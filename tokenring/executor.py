@@ -27,22 +27,23 @@ class Ops(Protocol):
 
 
 @lru_cache(maxsize=512)
-def _rank_plan(sched: Schedule, rank: int):
-    """This rank's per-step (computes, sends, receives) and every read of a stored entry."""
-    return sched.for_rank(rank), sched.reads(rank)
+def _rank_plan(sched: Schedule, rank: int, early: bool):
+    """This rank's per-step (computes, sends, receives to post) and every read of a stored entry."""
+    return sched.postings(rank, early), sched.reads(rank)
 
 
 def execute(sched: Schedule, comm: Comm, ops: Ops, held: list | None = None) -> None:
     """Run this rank's part of ``sched``. ``held``, if given, receives per step the bytes of visiting data this
     rank holds after the step (stored pieces of other ranks plus receive buffers in flight): the memory a
     schedule costs beyond a rank's own tensors."""
-    plan, reads = _rank_plan(sched, comm.rank)
+    plan, reads = _rank_plan(sched, comm.rank, comm.early_receives)
     trace = comm.trace
     if trace is not None:
         trace.use(getattr(ops, "device", "cpu"))
     inflight: dict[int, list] = {}  # due step -> posted operations to complete at its end
     for t, (computes, sends, recvs) in enumerate(plan):
-        for pending in comm.start(t, [(m, ops.payload(m)) for m in sends], [(m, ops.empty(m)) for m in recvs]):
+        for pending in comm.start(t, [(m, ops.payload(m), at) for m, *at in sends],
+                                  [(m, ops.empty(m), at) for m, *at in recvs]):
             inflight.setdefault(pending.due, []).append(pending)
         for c in computes:
             t0 = trace.now() if trace is not None else None

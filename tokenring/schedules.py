@@ -136,7 +136,11 @@ class Compute:
 @dataclass(frozen=True)
 class Message:
     """``due``: the step by whose end it must have arrived (``-1``: the step it is posted in); the receiver
-    handles it then, so steps in between run while it is in flight."""
+    handles it then, so steps in between run while it is in flight. ``ready``: the step at which the receiver
+    posts its receive (``-1``: the step it is posted in; never later): a partial coming home is expected from
+    the moment its queries leave, and a receiver that says so early lets the transfer start the moment the
+    sender posts it (gloo's TCP transport holds a send until the receiver's "ready" notice arrives, and that
+    notice queues behind whatever bulk data the receiver is itself sending the other way on the connection)."""
     src: int
     dst: int
     kind: str
@@ -144,6 +148,7 @@ class Message:
     part: str = "all"
     heads: str = "all"
     due: int = -1
+    ready: int = -1
 
 
 @dataclass
@@ -170,6 +175,23 @@ class Schedule:
         return [([c for c in st.computes if c.rank == r],
                  [m for m in st.messages if m.src == r],
                  [m for m in st.messages if m.dst == r]) for st in self.steps]
+
+    def postings(self, r: int, early: bool = True) -> list[tuple[list[Compute], list[tuple[Message, int, int]],
+                                                                 list[tuple[Message, int, int]]]]:
+        """What rank ``r`` does at each step: its computes, the sends it posts and the receives it posts (at a
+        message's ``ready`` step when it has one and ``early``), each as ``(message, step posted by the sender,
+        n)`` where ``n`` counts the earlier messages between the same two ranks posted in that step: both ends
+        derive the message's tag from that pair, whenever each of them posts it."""
+        out = [([c for c in st.computes if c.rank == r], [], []) for st in self.steps]
+        for t, st in enumerate(self.steps):
+            seen: dict = {}
+            for m in st.messages:
+                n = seen[m.src, m.dst] = seen.get((m.src, m.dst), -1) + 1
+                if m.src == r:
+                    out[t][1].append((m, t, n))
+                if m.dst == r:
+                    out[t if m.ready < 0 or not early else min(m.ready, t)][2].append((m, t, n))
+        return out
 
     def reads(self, r: int) -> dict[tuple[str, int], list[tuple[int, str, int]]]:
         """``(kind, owner)`` -> ``(step, rows, since)`` of every read on rank ``r``: a compute's queries or K/V,
@@ -369,8 +391,8 @@ def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: 
     partial is posted at ``x + 1`` and due by step ``x + k*c`` (the receiver merges it then), so up to ``k``
     blocks of partials travel at once, to different owners over different links.
     Memory, whatever ``P``: at most ``k`` blocks of visiting rows in flight plus the chunk being computed (each
-    chunk is freed once computed), and at most ``2k`` blocks of partials (its own travelling home, others'
-    arriving).
+    chunk is freed once computed), and at most ``3k`` blocks of partials: ``k`` it made travelling home, and
+    ``2k`` of receive buffers for its own rows' partials, each posted when its chunk leaves (``ready``).
     """
     steps = direct_steps(P, pairing(P, layout, causal, mask), causal, backward, mover, chunks, lookahead,
                          None if mask is None else mask.S // P)
@@ -420,9 +442,10 @@ def direct_steps(P: int, pair, causal: bool, backward: bool, mover: str, chunks:
                 steps[x].computes.append(Compute(r, j, part, r, kv_part))
             else:
                 steps[x].computes.append(Compute(r, r, q_part, j, part))
-            steps[max(0, x - k * c)].messages.append(Message(j, r, carry, j, part, due=x - 1))
-            if ret is not None:
-                steps[x + 1].messages.append(Message(r, j, ret, j, part, due=min(x + k * c, last)))
+            sent = max(0, x - k * c)
+            steps[sent].messages.append(Message(j, r, carry, j, part, due=x - 1))
+            if ret is not None:  # expected home from the moment the chunk leaves (see Message.ready)
+                steps[x + 1].messages.append(Message(r, j, ret, j, part, due=min(x + k * c, last), ready=sent))
         x += 1
     return steps
 

@@ -119,7 +119,8 @@ def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
             for x in st.messages:
                 step.messages.append(Message(qa + x.src, qa + x.dst, x.kind,
                                              (kb if x.kind in _KV_SIDE else qa) + x.owner, x.part, x.heads,
-                                             x.due + base if x.due >= 0 else -1))
+                                             x.due + base if x.due >= 0 else -1,
+                                             x.ready + base if x.ready >= 0 else -1))
                 if x.kind == "dkv" and x.dst == x.owner:
                     last_add[x.owner] = max(last_add.get(x.owner, 0), max(t, x.due))
         if backward and o:
