@@ -3,7 +3,9 @@
 Per step: allocate receive buffers, post the step's messages (they progress in the background), run the
 step's computes meanwhile, wait for the messages due at this step (posted now or earlier: a message may be
 given until a later step, so a prefetch does not hold up the steps in between), hand the received payloads to
-the strategy's ``Ops``, and free what no later step reads. What a compute or a received message *means* is the ``Ops``' business.
+the strategy's ``Ops``, and free what no later step reads. What a compute or a received message *means* is
+the ``Ops``' business. A receive is posted at its message's ``ready`` step where the backend allows it
+(:attr:`Comm.early_receives`, gloo), else with the message.
 """
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ from .merge import acc_dtype
 from .messages import kind as message_kind
 
 __all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
-           "part_slice", "part_union", "part_intersection", "covers", "overlaps", "part_rows", "chunk", "rows", "direct", "direct_steps",
-           "own_pieces", "pairings", "pairing",
+           "part_slice", "part_union", "part_intersection", "covers", "overlaps", "part_rows", "chunk", "rows",
+           "direct", "direct_steps", "own_pieces", "pairings", "pairing",
            "drop_empty_tail", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
 
 PARTS = ("all", "lo", "hi")

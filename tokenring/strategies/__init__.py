@@ -9,9 +9,9 @@ family choice; ``token_ring_2d:relay,n=8``, ``token_ring_2d:direct,c=2,k=1,n=8``
 size comes from ``inner_size=`` / ``$LOCAL_WORLD_SIZE``. ``keep`` (``double_ring:n=8,keep``,
 ``token_ring_2d:keep``): a two-level strategy keeps the K/V that crossed nodes in forward for its backward
 (memory for inter-node bytes; ``auto`` never adds it). ``o=2`` (``double_ring:n=8,o=2``): each visiting round
-runs as 2 sub-rounds over the K/V block's row halves, so compute starts on the first rows to cross. A new strategy is one new module with a
-``STRATEGY`` object, listed in ``_MODULES``; everything else (the public API, ``auto``, the simulator, the
-benchmark, the demo, the tests) reads this registry.
+runs as 2 sub-rounds over the K/V block's row halves, so compute starts on the first rows to cross. A new
+strategy is one new module with a ``STRATEGY`` object, listed in ``_MODULES``; everything else (the public
+API, ``auto``, the simulator, the benchmark, the demo, the tests) reads this registry.
 """
 from __future__ import annotations
 
