@@ -26,7 +26,6 @@ import datetime
 import math
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
