@@ -181,6 +181,20 @@ def test_message_waits_for_both_ends_to_post():
     assert r.time == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize("notice", [False, True])
+@pytest.mark.parametrize("ready", [0, 1])
+def test_ready_notice_queues_behind_reverse_traffic(notice, ready):
+    """Step 0: rank 1 sends 0 a message due at step 1 (1 s on link 1->0). Step 1: rank 0 sends 1 a message
+    whose receive rank 1 posts at step ``ready``. Where the transport waits for the receiver's ready notice
+    (gloo over TCP) and rank 1 posts at step 1, the notice crosses link 1->0 behind the first message, so the
+    second starts at 1 s; posted at step 0 (before the first message), or without notices, it starts at 0."""
+    cs = _hand([([], [], [1], [0], [0], [1], [0]), ([], [], [0], [1], [0], [1], [ready])])
+    topo = MeshTopology("m", 2, link_bw=1e6, latency=0, ready_notice=notice)
+    r = simulate_pass(cs, SH, topo, flat_kernel(), queued=True)
+    assert r.time == pytest.approx(2.0 if notice and ready == 1 else 1.0)
+    assert simulate_pass(cs, SH, topo, flat_kernel(), queued=False).time == pytest.approx(1.0)  # plain: no queues
+
+
 def test_receive_handling_after_wait():
     cs = _hand([([], [], [0], [1], [0])], msg_classes=(("out", "all", "all"),))
     sh = Shapes(1, 1000, 1, 1, 250, torch.float32, 2)
@@ -200,10 +214,11 @@ def test_compiled_schedule_is_the_executors(name, causal, backward):
     sched = (st.backward_schedule if backward else st.forward_schedule)(P, layout, causal)
     cs = compile_schedule(name, P, layout, causal, backward)
     assert len(cs.steps) == len(sched.steps)
-    for t, (step, (cr, ck, ms, md, mk, du)) in enumerate(zip(sched.steps, cs.steps)):
+    for t, (step, (cr, ck, ms, md, mk, du, rd)) in enumerate(zip(sched.steps, cs.steps)):
         assert list(cr) == [c.rank for c in step.computes]
-        assert [(m.src, m.dst, m.kind, m.part, m.heads, max(m.due, t)) for m in step.messages] == \
-               [(int(s), int(d), *cs.msg_classes[k], int(u)) for s, d, k, u in zip(ms, md, mk, du)]
+        assert [(m.src, m.dst, m.kind, m.part, m.heads, max(m.due, t), t if m.ready < 0 else min(m.ready, t))
+                for m in step.messages] == \
+               [(int(s), int(d), *cs.msg_classes[k], int(u), int(r)) for s, d, k, u, r in zip(ms, md, mk, du, rd)]
     # bytes a rank sends in the simulation = the schedule's message bytes
     sh = Shapes(1, 64, 8, 2, 16, torch.float32, P)
     r = simulate(name, sh, MeshTopology("m", P, link_bw=1e9), flat_kernel(), causal=causal, backward=backward)
@@ -333,18 +348,24 @@ def test_queued_variant_only_adds_waits(topo):
     """simulate's default, queued model (messages also wait for resources busy with earlier steps' messages)
     is never faster than the plain one (``queued=False``), equals it for schedules whose messages all finish
     in their own step (the classic ring on a switch: every message is due in the step that posts it), and
-    does not queue behind the host's shared backplane (the testbed topologies have one)."""
+    does not queue behind the host's shared backplane (the testbed topologies have one). The testbeds' ready
+    notices (``ready_notice``, on by default there) only add to that."""
+    from dataclasses import replace
+
     import torch
     from tokenring.schedules import Shapes
     from tokenring.sim import get_topology
     sh = Shapes(1, 1024, 8, 8, 64, torch.float32, 4)
-    t = get_topology(topo, 4)
+    with_notice = get_topology(topo, 4)
+    assert with_notice.ready_notice
+    t = replace(with_notice, ready_notice=False)
     for name in ("token_ring:relay", "token_ring:direct,c=2,k=1", "token_ring:direct,c=4,k=2", "ring",
                  "ring:direct,c=1,k=3", "ulysses"):
         for causal in (False, True):
             a = simulate(name, sh, t, flat_kernel(1e-3), causal=causal, backward=True, queued=False).time
             b = simulate(name, sh, t, flat_kernel(1e-3), causal=causal, backward=True).time
-            assert b >= a * (1 - 1e-12), (name, causal, a, b)
+            c = simulate(name, sh, with_notice, flat_kernel(1e-3), causal=causal, backward=True).time
+            assert c >= b * (1 - 1e-12) and b >= a * (1 - 1e-12), (name, causal, a, b, c)
             if name == "ring" and topo.startswith("switch"):
                 assert b == pytest.approx(a), (name, causal, a, b)
             if name == "token_ring:direct,c=4,k=2" and topo.startswith("switch"):

@@ -46,7 +46,7 @@ class CompiledSchedule:
     backward: bool
     comp_classes: list      # Compute objects with rank 0 / owners canonicalised: (own queries?, the compute)
     msg_classes: list       # (kind, part, heads)
-    steps: list             # per step: (comp_rank, comp_cls, msg_src, msg_dst, msg_cls, msg_due) int arrays
+    steps: list             # per step: (comp_rank, comp_cls, msg_src, msg_dst, msg_cls, msg_due, msg_ready) arrays
     deferred: bool = False  # some message is due after the step that posts it
     mask: object = None     # the schedule's tokenring.masks.Mask (documents / window), or None
 
@@ -71,7 +71,10 @@ def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward:
         mk = np.fromiter((mc.setdefault((m.kind, m.part, m.heads), len(mc)) for m in step.messages), np.int64,
                          len(step.messages))
         du = np.fromiter((len(steps) if m.due < 0 else m.due for m in step.messages), np.int64, len(step.messages))
-        steps.append((cr, ck, ms, md, mk, du))
+        # the step at which the receiver posts its receive where the backend allows it early (Message.ready)
+        rd = np.fromiter((len(steps) if m.ready < 0 else min(m.ready, len(steps)) for m in step.messages), np.int64,
+                         len(step.messages))
+        steps.append((cr, ck, ms, md, mk, du, rd))
     deferred = any(bool((st[5] > t).any()) for t, st in enumerate(steps))
     return CompiledSchedule(strategy, P, layout, causal, backward, list(cc), list(mc), steps, deferred, mask)
 
@@ -191,6 +194,37 @@ def _in_order(pair: np.ndarray, nbytes: np.ndarray, dur: np.ndarray) -> np.ndarr
     return out
 
 
+def _notice_plan(cs: CompiledSchedule) -> tuple[dict, list]:
+    """Per step ``s``: the messages (step, indices) whose receives are posted at ``s``; and per step an array
+    for the arrival time of each message's ready notice at its sender."""
+    posts: dict = {}
+    arrive = []
+    for t, st in enumerate(cs.steps):
+        rd = st[6] if len(st) > 6 else np.full(st[2].size, t)
+        for s in np.unique(rd):
+            posts.setdefault(int(s), []).append((t, np.nonzero(rd == s)[0]))
+        arrive.append(np.zeros(st[2].size))
+    return posts, arrive
+
+
+def _post_notices(notice: tuple[dict, list], s: int, cs: CompiledSchedule, topo: Topology, T: np.ndarray,
+                  res_free: np.ndarray) -> np.ndarray:
+    """Receives posted at step ``s`` (before the step's sends, as the executor posts them): each sends the
+    sender its ready notice, which crosses the reverse route (receiver -> sender) after the data already queued
+    on it (``res_free``: when each resource's last message finishes), so a transfer starts no earlier than the
+    notice's arrival. Returns ``res_free``, grown to the resources named."""
+    posts, arrive = notice
+    for t, idx in posts.get(s, []):
+        src, dst = cs.steps[t][2][idx], cs.steps[t][3][idx]
+        fi, ri = topo.queue_routes(dst, src)
+        if ri.size and ri.max() >= res_free.size:
+            res_free = np.concatenate([res_free, np.zeros(int(ri.max()) + 1 - res_free.size)])
+        at = T[dst].copy()
+        np.maximum.at(at, fi, res_free[ri])
+        arrive[t][idx] = at + topo._latency(dst, src)
+    return res_free
+
+
 def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelModel,
                   queued: bool = False) -> PassResult:
     """One pass of ``cs``. ``queued`` (``simulate``'s default, ``Topology.queued``): a message also waits for
@@ -210,9 +244,12 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
     # same two ranks go one after the other (one connection), so a later one starts when the earlier is done.
     due_later: dict[int, list] = {}
     pair_free = np.zeros(P * P) if cs.deferred else None
+    notice = _notice_plan(cs) if queued and topo.ready_notice else None
     for t, st in enumerate(cs.steps):
         cr, ck, ms, md, mk = st[:5]
         du = st[5] if len(st) > 5 else np.full(ms.size, t)
+        if notice is not None:  # receives posted now send their ready notices behind what already queues
+            res_free = _post_notices(notice, t, cs, topo, T, res_free)
         comp = np.bincount(cr, weights=comp_cost[ck], minlength=P) if cr.size else np.zeros(P)
         if km.step:  # host time of the step on every rank that computes or posts something in it
             active = np.bincount(cr, minlength=P) + np.bincount(ms, minlength=P) + np.bincount(md, minlength=P)
@@ -223,7 +260,8 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
         if ms.size:
             b = nbytes[mk]
             dur = topo.flow_times(ms, md, b)
-            start = np.maximum(T[ms], T[md])
+            # both ends have posted; where the transport waits for the receiver's notice, from when it arrives
+            start = np.maximum(T[ms], T[md]) if notice is None else np.maximum(T[ms], notice[1][t])
             if pair_free is not None:
                 pair = ms * P + md
                 start = np.maximum(start, pair_free[pair])
