@@ -195,6 +195,19 @@ def test_ready_notice_queues_behind_reverse_traffic(notice, ready):
     assert simulate_pass(cs, SH, topo, flat_kernel(), queued=False).time == pytest.approx(1.0)  # plain: no queues
 
 
+@pytest.mark.parametrize("fair", [False, True])
+def test_fair_share_between_connections(fair):
+    """Rank 0's switch port (1 MB/s): step 0 posts 1 MB from rank 1, due at step 1; step 1 posts 0.5 MB from
+    rank 2. FIFO (the default): the second waits for the first, done at 1.5 s. Fair sharing (TCP, the testbeds):
+    they share the port at once and the second is done at 1.0 s, as is the first in the model."""
+    cs = _hand([([], [], [1], [0], [0], [1]), ([], [], [2], [0], [1], [1])], P=3,
+               msg_classes=(("q", "all", "all"), ("q", "lo", "all")))
+    topo = SwitchTopology("s", 3, port_bw=1e6, latency=0, fair_share=fair)
+    sh = Shapes(1, 1000, 1, 1, 250, torch.float32, 3)
+    assert simulate_pass(cs, sh, topo, flat_kernel(), queued=True).time == pytest.approx(1.0 if fair else 1.5)
+    assert simulate_pass(cs, sh, topo, flat_kernel(), queued=False).time == pytest.approx(1.0)
+
+
 def test_receive_handling_after_wait():
     cs = _hand([([], [], [0], [1], [0])], msg_classes=(("out", "all", "all"),))
     sh = Shapes(1, 1000, 1, 1, 250, torch.float32, 2)

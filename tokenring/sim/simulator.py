@@ -53,8 +53,9 @@ class CompiledSchedule:
 
 @lru_cache(maxsize=48)
 def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward: bool,
-                     mask=None) -> CompiledSchedule:
-    """The strategy's schedule (exactly what the executor runs) as per-step arrays."""
+                     mask=None, early: bool = True) -> CompiledSchedule:
+    """The strategy's schedule (exactly what the executor runs) as per-step arrays. ``early=False``: every
+    receive posted with its message, ignoring ``Message.ready`` (as the executor does on NCCL)."""
     sched = get_strategy(strategy).schedule(P, layout, causal, backward, mask)
     cc: dict = {}
     mc: dict = {}
@@ -72,8 +73,8 @@ def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward:
                          len(step.messages))
         du = np.fromiter((len(steps) if m.due < 0 else m.due for m in step.messages), np.int64, len(step.messages))
         # the step at which the receiver posts its receive where the backend allows it early (Message.ready)
-        rd = np.fromiter((len(steps) if m.ready < 0 else min(m.ready, len(steps)) for m in step.messages), np.int64,
-                         len(step.messages))
+        rd = np.fromiter((len(steps) if m.ready < 0 or not early else min(m.ready, len(steps))
+                          for m in step.messages), np.int64, len(step.messages))
         steps.append((cr, ck, ms, md, mk, du, rd))
     deferred = any(bool((st[5] > t).any()) for t, st in enumerate(steps))
     return CompiledSchedule(strategy, P, layout, causal, backward, list(cc), list(mc), steps, deferred, mask)
@@ -194,6 +195,57 @@ def _in_order(pair: np.ndarray, nbytes: np.ndarray, dur: np.ndarray) -> np.ndarr
     return out
 
 
+class _Shared:
+    """Messages in flight per resource, for topologies whose resources are shared fairly between connections
+    (``Topology.fair_share``: TCP). A message posted while others of *other* connections still cross one of its
+    resources shares it with them: it is delayed by min(its bytes, their remaining bytes) of each (processor
+    sharing), not by all of their bytes as in a FIFO queue; a message of the same connection still waits for
+    the earlier ones (``pair_free``). Costs O(messages in flight) per message: meant for testbeds."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self.flows: dict = {}  # resource -> [(start, fin, bytes, pair)]
+
+    def delay(self, fi: np.ndarray, ri: np.ndarray, start: np.ndarray, nbytes: np.ndarray,
+              pair: np.ndarray) -> np.ndarray:
+        """Seconds each message (``fi`` -> resources ``ri``) waits for other connections' earlier messages."""
+        extra = np.zeros(start.size)
+        cap = self.topo._cap(ri) if ri.size else ri
+        for k in range(fi.size):
+            i, r = fi[k], ri[k]
+            fl = self.flows.get(int(r))
+            if not fl:
+                continue
+            s, x = start[i], nbytes[i]
+            fins = sorted(f for (s0, f, b0, p) in fl if f > s and p != pair[i])
+            if not fins:
+                continue
+            # remaining bytes of each, draining fairly from s: the j-th to finish has what the earlier ones had
+            # plus its share of the gaps
+            n, rem, prev, tot = len(fins), 0.0, s, 0.0
+            for j, f in enumerate(fins):
+                rem += (f - prev) * cap[k] / (n - j)
+                prev = f
+                tot += min(x, rem)
+            extra[i] = max(extra[i], tot / cap[k])
+        return extra
+
+    def prune(self, t0: float) -> None:
+        """Forget messages done by ``t0`` (no later message starts before it)."""
+        for r in list(self.flows):
+            fl = [x for x in self.flows[r] if x[1] > t0]
+            if fl:
+                self.flows[r] = fl
+            else:
+                del self.flows[r]
+
+    def add(self, fi: np.ndarray, ri: np.ndarray, start: np.ndarray, fin: np.ndarray, nbytes: np.ndarray,
+            pair: np.ndarray) -> None:
+        for k in range(fi.size):
+            i = fi[k]
+            self.flows.setdefault(int(ri[k]), []).append((start[i], fin[i], nbytes[i], pair[i]))
+
+
 def _notice_plan(cs: CompiledSchedule) -> tuple[dict, list]:
     """Per step ``s``: the messages (step, indices) whose receives are posted at ``s``; and per step an array
     for the arrival time of each message's ready notice at its sender."""
@@ -245,9 +297,12 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
     due_later: dict[int, list] = {}
     pair_free = np.zeros(P * P) if cs.deferred else None
     notice = _notice_plan(cs) if queued and topo.ready_notice else None
+    shared = _Shared(topo) if queued and topo.fair_share else None
     for t, st in enumerate(cs.steps):
         cr, ck, ms, md, mk = st[:5]
         du = st[5] if len(st) > 5 else np.full(ms.size, t)
+        if shared is not None:
+            shared.prune(float(T.min()))
         if notice is not None:  # receives posted now send their ready notices behind what already queues
             res_free = _post_notices(notice, t, cs, topo, T, res_free)
         comp = np.bincount(cr, weights=comp_cost[ck], minlength=P) if cr.size else np.zeros(P)
@@ -267,14 +322,18 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
                 start = np.maximum(start, pair_free[pair])
             if pair_free is not None:
                 dur = _in_order(pair, b, dur)
-            if res_free is not None:  # wait for the resources still busy with earlier steps' messages
+            if res_free is not None:  # the resources still busy with earlier steps' messages
                 fi, ri = topo.queue_routes(ms, md)
                 if ri.size and ri.max() >= res_free.size:
                     res_free = np.concatenate([res_free, np.zeros(int(ri.max()) + 1 - res_free.size)])
-                busy_until = np.zeros(ms.size)
-                np.maximum.at(busy_until, fi, res_free[ri])
-                start = np.maximum(start, busy_until)
+                if shared is None:  # FIFO: wait until they are through
+                    busy_until = np.zeros(ms.size)
+                    np.maximum.at(busy_until, fi, res_free[ri])
+                    start = np.maximum(start, busy_until)
             fin = start + dur
+            if shared is not None:  # shared fairly with them instead
+                fin = fin + shared.delay(fi, ri, start, b, ms * P + md)
+                shared.add(fi, ri, start, fin, b, ms * P + md)
             if res_free is not None:
                 np.maximum.at(res_free, ri, fin[fi])
             if pair_free is not None:
@@ -341,12 +400,13 @@ def fastest(results: list[SimResult]) -> SimResult:
 
 def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelModel | None = None, *,
              causal: bool = False, layout: str | None = None, backward: bool = False, mask=None,
-             queued: bool | None = None) -> SimResult:
+             queued: bool | None = None, early: bool = True) -> SimResult:
     """Predict one attention call (``backward=True``: forward + backward) of ``strategy`` on ``topology``
     (resized to ``shapes.P`` ranks if needed). ``mask``: a :class:`tokenring.masks.Mask` (packed documents,
     a window; see :func:`tokenring.masks.make_mask`) whose empty blocks the schedules skip. ``queued``: the
     model variant of :func:`simulate_pass` (messages queue behind earlier steps' on shared resources);
-    ``None``: the topology's default (on)."""
+    ``None``: the topology's default (on). ``early=False``: receives posted with their messages, not at their
+    ``ready`` step (what the executor does on NCCL; on gloo it posts early)."""
     layout = layout or default_layout(causal)
     st = get_strategy(strategy)
     zigzag = causal and layout == "zigzag"
@@ -355,17 +415,14 @@ def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelMo
         raise ValueError(why)
     if st.mode == "auto":  # a family choice: its fastest variant (what tokenring.attention would run)
         return fastest([simulate(n, shapes, topology, kernel, causal=causal, layout=layout, backward=backward,
-                                 mask=mask, queued=queued)
+                                 mask=mask, queued=queued, early=early)
                         for n in variant_candidates(strategy, shapes, causal, layout)])
     if topology.P != shapes.P:
         topology = topology.with_P(shapes.P)
     queued = topology.queued if queued is None else queued
     km = kernel or kernel_model(topology.device)
-    passes = [simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, False, mask), shapes, topology, km,
-                            queued)]
-    if backward:
-        passes.append(simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, True, mask), shapes,
-                                    topology, km, queued))
+    passes = [simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, bwd, mask, early), shapes, topology,
+                            km, queued) for bwd in ((False, True) if backward else (False,))]
     return SimResult(strategy, topology.name, shapes, causal, layout, passes)
 
 

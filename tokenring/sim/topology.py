@@ -88,6 +88,10 @@ class Topology:
     # same connection, and on a switch the same port queues). The testbeds; not GPU interconnects, whose
     # credits do not wait behind bulk data.
     ready_notice: bool = False
+    # How a link / port / NIC is shared between messages of different connections posted in different steps
+    # (the queued model): in posting order (FIFO, the default), or fairly (TCP on the testbeds: a message
+    # posted later takes its share at once; bench/results/token_ring_wins.md, evidence.md).
+    fair_share: bool = False
 
     # --- what subclasses provide -------------------------------------------------------------------------
     def _routes(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -243,6 +247,9 @@ class RingTopology(Topology):
         ccw = (src - dst) % P
         forward = cw <= ccw
         return forward, np.where(forward, cw, ccw)
+
+    def _capacity(self):
+        return np.full(2 * self.P, self.link_bw)
 
     def _latency(self, src, dst):
         return self._ways(src, dst)[1] * self.latency
@@ -511,7 +518,7 @@ def _testbed(kind: str, rate=200e6 / 8, P=4, efficiency=TESTBED_EFFICIENCY):
            f"shares the host's loopback capacity ({LOOPBACK_BW / 1e9} GB/s) and costs the ranks' cores CPU time "
            f"per byte moved.")
     common = dict(device="cpu", latency=TESTBED_LATENCY, backplane_bw=LOOPBACK_BW, source=src,
-                  cpu_per_byte=host_cpu_per_byte(P), ready_notice=True)
+                  cpu_per_byte=host_cpu_per_byte(P), ready_notice=True, fair_share=True)
     if kind == "switch":  # every byte crosses two veth pairs and the bridge: twice the host's work per byte
         return SwitchTopology(f"switch:{rate}", P, port_bw=bw, **dict(common, cpu_per_byte=2 * host_cpu_per_byte(P)))
     if kind == "mesh":
@@ -530,6 +537,7 @@ def _testbed_cluster(P=4, node=2, intra="400mbit", inter="100mbit", efficiency=T
     return ClusterTopology(
         f"cluster:{n}:{intra}:{inter}", P, device="cpu", node=mesh, nic_bw=parse_rate(inter) * efficiency,
         nic_latency=TESTBED_LATENCY, nics_per_node=1, cpu_per_byte=host_cpu_per_byte(P), ready_notice=True,
+        fair_share=True,
         source=f"TokenRing two-level CPU testbed: nodes of {n} ranks (one namespace each) joined by a mesh of veth "
                f"links shaped at {intra} per direction; each node's inter-node traffic leaves through one NIC "
                f"(a router namespace) whose link to a switch is shaped at {inter} per direction. Ranks' cores "
@@ -539,6 +547,7 @@ def _testbed_cluster(P=4, node=2, intra="400mbit", inter="100mbit", efficiency=T
 def _loopback(P=4):
     return SwitchTopology("loopback", P, device="cpu", port_bw=LOOPBACK_BW, latency=100e-6,
                           backplane_bw=LOOPBACK_BW, cpu_per_byte=host_cpu_per_byte(P), ready_notice=True,
+                          fair_share=True,
                           source="Local gloo ranks on one CPU host (docs/DESIGN.md: ~1.4 GB/s through loopback in "
                                  "total, sending both ways at once gives no more).")
 
