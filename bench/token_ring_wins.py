@@ -42,8 +42,14 @@ FIXED_DIRECT = "token_ring:direct,c=2,k=3"
 STRATEGIES = ["ring", "ring_bidir", "ulysses", "pytorch_ring", "token_ring_paper", "token_ring", FIXED_DIRECT,
               "ring:auto", "auto"]
 GQA_KV = 2
-GQA_STRATEGIES = ["ring", "ring_bidir", "ulysses", "pytorch_ring", "token_ring", "ring:direct,c=1,k=3",
-                  "ring:direct,c=2,k=3", "ring:direct,c=2,k=1", "ring:auto", "auto"]
+GQA_STRATEGIES = ["ring", "ring_bidir", "ulysses", "pytorch_ring", "token_ring", "token_ring:direct,c=4,k=3",
+                  "ring:direct,c=1,k=3", "ring:direct,c=2,k=3", "ring:direct,c=2,k=1", "ring:auto", "auto"]
+# Whose prediction the report shows with and without the model's ready notices (see notice_rows)
+NOTICE_CASE = ("token_ring:direct,c=4,k=3", True)
+# Odd P: a bye round per chunk sweep in the direct schedules; H divisible by P for Ulysses
+ODD_P, ODD_H = 5, 10
+ODD_STRATEGIES = ["ring", "ring_bidir", "ulysses", "token_ring_paper", "token_ring", "token_ring:direct,c=2,k=4",
+                  "ring:auto", "auto"]
 TRACED = ("ring", "token_ring_paper", "token_ring", "ulysses")
 # Unshaped runs: every strategy above, and direct variants with one chunk and with four (the bounds need each
 # chunking's links-free time).
@@ -59,8 +65,10 @@ def by_name(res: dict) -> dict:
     return {r["strategy"]: r for r in res["results"]}
 
 
-def calibrate(repeats: int) -> dict:
-    """Forward block compute on unshaped local ranks and the rate at which ring's K/V per step takes 2x it."""
+def calibrate(repeats: int, P: int = P, H: int = H) -> dict:
+    """Forward block compute on unshaped local ranks and the rate at which ring's K/V per step takes 2x it
+    (``S // P`` = 1024 rows per rank at every ``P``)."""
+    S = 1024 * P
     res = bench.run(bench.make_spec(P=P, S=S, H=H, d=D, strategies=["ring"], repeats=repeats, comm_only=False))
     c = by_name(res)["ring"]["compute_per_step"]
     kv = 2 * (S // P) * H * D * 4
@@ -68,10 +76,10 @@ def calibrate(repeats: int) -> dict:
     return dict(block_compute_s=c, kv_bytes_per_step=kv, exact_rate_mbit=rate, rate_mbit=max(10, round(rate / 10) * 10))
 
 
-def floor(Hkv: int, causal: bool, mode: str, repeats: int) -> dict:
+def floor(Hkv: int, causal: bool, mode: str, repeats: int, P: int = P, H: int = H) -> dict:
     """P blocks of compute (ring's computes, slowest rank per step, summed) on unshaped local ranks: the lower
     of two runs (``floor``; both in ``runs``), since a floor is a bound and the shared cores only add time."""
-    runs = [bench.compute_floor(P=P, S=S, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, repeats=repeats)
+    runs = [bench.compute_floor(P=P, S=1024 * P, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, repeats=repeats)
             for _ in range(2)]
     return dict(floor=min(runs), runs=runs)
 
@@ -85,6 +93,8 @@ def unshaped(Hkv: int, causal: bool, mode: str, repeats: int) -> dict:
 
 def predict(res: dict) -> dict:
     """The frozen model's prediction per measured strategy (its resolved variant) and what auto would pick."""
+    from dataclasses import replace
+
     import torch
     from tokenring.schedules import Shapes
     from tokenring.sim import get_topology, simulate
@@ -95,19 +105,30 @@ def predict(res: dict) -> dict:
     torch.set_num_threads(sp["threads"])
     km = _kernel(topo, sp["P"])
     backward = sp["pass"] != "fwd"
-    out = {}
+    out, fifo = {}, {}
+    kw = dict(causal=sp["causal"], layout=sp["layout"], backward=backward)
     for r in res["results"]:
         name = r.get("variant")
         if "time" in r and name:
-            out[r["strategy"]] = simulate(name, sh, topo, km, causal=sp["causal"], layout=sp["layout"],
-                                          backward=backward).time
+            out[r["strategy"]] = simulate(name, sh, topo, km, **kw).time
+            # the model with FIFO sharing between connections (as before fair_share), for the comparison
+            fifo[r["strategy"]] = simulate(name, sh, replace(topo, fair_share=False), km, **kw).time
+    out["fifo"] = fifo
     out["auto_pick"] = choose(sh, sp["causal"], sp["layout"], backward, "cpu", topo)[0]
+    name, causal = NOTICE_CASE
+    if sp["causal"] == causal and sp["Hkv"] != sp["H"] and any(r.get("variant") == name for r in res["results"]):
+        # the same variant, the model without ready notices, and with them but every receive posted with its
+        # message (what the executor did before early receives)
+        out["notice"] = dict(variant=name, model=out.get(next(r["strategy"] for r in res["results"]
+                                                              if r.get("variant") == name)),
+                             no_notice=simulate(name, sh, replace(topo, ready_notice=False), km, **kw).time,
+                             late_receives=simulate(name, sh, topo, km, early=False, **kw).time)
     return out
 
 
 def run_case(tag: str, topo: str, rate: float, Hkv: int, causal: bool, mode: str, strategies, repeats: int,
-             outdir: str, traces: bool) -> dict:
-    spec = bench.make_spec(P=P, S=S, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, strategies=strategies,
+             outdir: str, traces: bool, P: int = P, H: int = H) -> dict:
+    spec = bench.make_spec(P=P, S=1024 * P, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, strategies=strategies,
                            repeats=repeats, warmup=1, trace=traces)
     with testbed.Testbed(P, topo, rate) as tb:
         res = bench.run(spec, **tb.launch_kwargs())
@@ -121,6 +142,10 @@ def run_case(tag: str, topo: str, rate: float, Hkv: int, causal: bool, mode: str
     res = bench.strip_events(res)
     res["predicted"] = predict(res)
     return res
+
+
+def odd_cases(all_res: dict) -> list[dict]:
+    return (all_res.get("odd") or {}).get("cases", [])
 
 
 def shape_label(sp: dict) -> str:
@@ -141,7 +166,10 @@ def write(all_res: dict, outdir: str) -> None:
          f"{cal['kv_bytes_per_step'] / 1e6:.2f} MB, which takes 2x a block at {cal['exact_rate_mbit']:.0f} Mbit/s: "
          f"**comm-bound rate {cal['rate_mbit']:g} Mbit/s** per link direction.", "",
          "Each cell: median ms per call over the repeats (slowest rank) and [min-max] over them (every repeat "
-         "is in the JSON), ratio = ring / strategy (higher is faster than ring). Floor = P blocks of compute on "
+         "is in the JSON"
+         + (f"; {all_res['repeats']} repeats per cell, {all_res['switch_repeats']} on the switch, whose cells "
+            f"spread the most" if "repeats" in all_res else "")
+         + "), ratio = ring / strategy (higher is faster than ring). Floor = P blocks of compute on "
          "unshaped links (same shapes, same run; the lower of two runs, both in the JSON). "
          "`token_ring` = the variant the cost model picks for the testbed (named below the table).", ""]
     names = [n for n in STRATEGIES]
@@ -210,8 +238,8 @@ def write(all_res: dict, outdir: str) -> None:
                       f"ring {ms(by_name(res)['ring']['time'])} ms / fastest unshaped direct pass-KV with c >= 2 "
                       f"{ms(kv)} ms = bound **{by_name(res)['ring']['time'] / kv:.2f}x**; floor {ms(floors[key]['floor'])} ms."]
     # model validation
-    errs, rows, auto_ok, auto_n, auto_ours = [], [], 0, 0, 0
-    for res in cases + sweep + gqa:
+    errs, rows, auto_ok, auto_n, auto_ours, fifo_errs = [], [], 0, 0, 0, []
+    for res in cases + sweep + gqa + odd_cases(all_res):
         rs, pred = by_name(res), res["predicted"]
         timed = {n: r["time"] for n, r in rs.items() if "time" in r}
         best = min(timed.values())
@@ -219,8 +247,11 @@ def write(all_res: dict, outdir: str) -> None:
             if n in pred:
                 e = pred[n] / t - 1
                 errs.append(abs(e))
+                ef = pred["fifo"][n] / t - 1 if n in pred.get("fifo", {}) else None
+                if ef is not None:
+                    fifo_errs.append(abs(ef))
                 rows.append((res["testbed"]["topology"], res["testbed"]["rate_mbit"], shape_label(res["spec"]),
-                             rs[n].get("variant", n), t, pred[n], e))
+                             rs[n].get("variant", n), t, pred[n], e, ef, res["spec"]["P"]))
         pick = pred["auto_pick"]
         got = [r["time"] for r in rs.values() if r.get("variant") == pick and "time" in r]
         ours = min(t for n, t in timed.items() if not n.startswith("pytorch"))  # what auto can choose from
@@ -237,10 +268,16 @@ def write(all_res: dict, outdir: str) -> None:
           f"{100 * errs[-1]:.1f}%. `auto`'s pick measured within 5% of the best measured strategy in "
           f"{auto_ok}/{auto_n} cases (cases where the picked variant was among those measured), and within 5% of "
           f"the best of this library's strategies (what `auto` chooses from; PyTorch's private ring is a peer) in "
-          f"{auto_ours}/{auto_n}.", "",
-          "| topology | Mbit/s | case | variant | measured ms | predicted ms | error |", "|---|---|---|---|---|---|---|"]
-    for t, rate, case, v, meas, pr, e in rows:
-        L.append(f"| {t} | {rate:g} | {case} | {v} | {ms(meas)} | {ms(pr)} | {100 * e:+.1f}% |")
+          f"{auto_ours}/{auto_n}."
+          + (f" The same model with FIFO sharing between connections (before `Topology.fair_share`): median "
+             f"{100 * median(fifo_errs):.1f}%, 90th percentile "
+             f"{100 * sorted(fifo_errs)[int(0.9 * (len(fifo_errs) - 1))]:.1f}%, worst {100 * max(fifo_errs):.1f}% "
+             f"over {len(fifo_errs)} predictions." if fifo_errs else ""), "",
+          "| P | topology | Mbit/s | case | variant | measured ms | predicted ms | error | error with FIFO sharing |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for t, rate, case, v, meas, pr, e, ef, p in rows:
+        L.append(f"| {p} | {t} | {rate:g} | {case} | {v} | {ms(meas)} | {ms(pr)} | {100 * e:+.1f}% | "
+                 + ("-" if ef is None else f"{100 * ef:+.1f}%") + " |")
     if sweep:
         L += ["", "## Rate sweep (mesh, MHA forward, non-causal)", "",
               "| Mbit/s | " + " | ".join(n for n in STRATEGIES if n != "auto") + " | ring / token_ring |",
@@ -266,10 +303,73 @@ def write(all_res: dict, outdir: str) -> None:
                      " | ".join(f"{ms(rs[n]['time'])} [{ms(rs[n]['time_min'])}-{ms(rs[n]['time_max'])}]"
                                 if n in timed else "skip" for n in GQA_STRATEGIES) +
                      f" | {min(timed, key=timed.get)} | {timed['ring'] / best_direct:.2f}x |")
+    L += notice_rows(gqa) + odd_rows(all_res.get("odd"))
     L += ["", "Timelines (`tr_<case>_<topology>_timeline.png` beside this file): ring, the paper's TokenRing, the "
           "chosen TokenRing variant and Ulysses on the same time axis; Chrome traces alongside."]
     with open(os.path.join(outdir, "token_ring_wins.md"), "w") as f:
         f.write("\n".join(L) + "\n")
+
+
+def odd_section(repeats: int, outdir: str) -> dict:
+    """P = 5 (H = 10, 1024 rows per rank): its own calibration and floors; MHA non-causal and causal forward,
+    causal forward+backward, on the mesh, the ring of links and the switch."""
+    cal = calibrate(repeats, P=ODD_P, H=ODD_H)
+    rate = cal["rate_mbit"]
+    print(f"[odd P={ODD_P}] block {cal['block_compute_s'] * 1e3:.1f} ms -> {rate} Mbit/s", flush=True)
+    grid = [(False, "fwd"), (True, "fwd"), (True, "both")]
+    floors = {f"{ODD_H}-{c}-{m}": floor(ODD_H, c, m, repeats, P=ODD_P, H=ODD_H) for c, m in grid}
+    cases = []
+    for topo in ("mesh", "ring", "switch"):
+        for causal, mode in grid:
+            print(f"[odd P={ODD_P}] {topo} causal={causal} {mode}", flush=True)
+            cases.append(run_case(f"odd_{'causal' if causal else 'full'}_{mode}", topo, rate, ODD_H, causal, mode,
+                                  ODD_STRATEGIES, repeats, outdir, False, P=ODD_P, H=ODD_H))
+    return dict(calibration=cal, floors=floors, cases=cases)
+
+
+def notice_rows(gqa: list[dict]) -> list[str]:
+    """The model with and without gloo's ready notices for NOTICE_CASE, against its measurement."""
+    for res in gqa:
+        nt = res.get("predicted", {}).get("notice")
+        if not nt:
+            continue
+        meas = min(r["time"] for r in res["results"] if r.get("variant") == nt["variant"] and "time" in r)
+        return ["", "## Ready notices in the model", "",
+                f"gloo's TCP transport sends a message only after the receiver's ready notice, which travels behind "
+                f"the data already queued from receiver to sender; the direct schedules therefore post a returning "
+                f"partial's receive when its rows leave (`Message.ready`), and the simulator models the notice on the "
+                f"testbeds (`Topology.ready_notice`). `{nt['variant']}`, {shape_label(res['spec'])}, mesh at "
+                f"{res['testbed']['rate_mbit']:g} Mbit/s: measured {ms(meas)} ms; predicted {ms(nt['model'])} ms "
+                f"(the model), {ms(nt['no_notice'])} ms without notices, and {ms(nt['late_receives'])} ms with "
+                f"notices but every receive posted with its message (what the executor did before early receives: "
+                f"the notice then waits behind the queries the owner sent meanwhile)."]
+    return []
+
+
+def odd_rows(odd: dict | None) -> list[str]:
+    """The P = 5 section of the report."""
+    if not odd:
+        return []
+    cal, L = odd["calibration"], []
+    sp0 = odd["cases"][0]["spec"]
+    L += ["", f"## Odd P: {sp0['P']} ranks", "",
+          f"P={sp0['P']}, S={sp0['S']} (1024 rows per rank), H={sp0['H']} (divisible by P, for Ulysses), d={D}, "
+          f"float32, B=1; the direct schedules give each rank one bye round per chunk sweep (its own rows). Own "
+          f"calibration: one forward block = {ms(cal['block_compute_s'])} ms (five ranks share the two cores), "
+          f"comm-bound rate **{cal['rate_mbit']:g} Mbit/s**; floors measured like the P={P} ones.", "",
+          "| topology | case | floor ms | " + " | ".join(ODD_STRATEGIES) + " | best | token_ring ran | "
+          "token_ring vs ring | token_ring vs ulysses | token_ring / floor |", "|" + "---|" * (len(ODD_STRATEGIES) + 8)]
+    for res in odd["cases"]:
+        sp, rs = res["spec"], by_name(res)
+        fl = odd["floors"][f"{sp['Hkv']}-{sp['causal']}-{sp['pass']}"]["floor"]
+        timed = {n: r["time"] for n, r in rs.items() if "time" in r}
+        tr, ring, uly = timed.get("token_ring"), timed.get("ring"), timed.get("ulysses")
+        L.append(f"| {res['testbed']['topology']} | {shape_label(sp)} | {ms(fl)} | " +
+                 " | ".join(f"{ms(rs[n]['time'])} [{ms(rs[n]['time_min'])}-{ms(rs[n]['time_max'])}]"
+                            if n in timed else "skip" for n in ODD_STRATEGIES) +
+                 f" | {min(timed, key=timed.get)} | {rs['token_ring'].get('variant', '-')} | {ring / tr:.2f}x | "
+                 + (f"{uly / tr:.2f}x" if uly else "-") + f" | {tr / fl:.2f} |")
+    return L
 
 
 def gqa_section(rate: float, repeats: int, outdir: str) -> list[dict]:
@@ -285,9 +385,12 @@ def gqa_section(rate: float, repeats: int, outdir: str) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--switch-repeats", type=int, default=11,
+                    help="repeats of the switch cells (the testbed's widest run-to-run spread)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--gqa-only", action="store_true", help="rerun only the GQA comm-bound part into the result")
+    ap.add_argument("--odd-only", action="store_true", help=f"rerun only the P={ODD_P} part into the result")
     ap.add_argument("--floors-only", action="store_true",
                     help="remeasure only the compute floors and the unshaped runs into the result")
     ap.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json, measuring nothing")
@@ -306,7 +409,7 @@ def main(argv=None) -> int:
         with open(path) as f:
             all_res = json.load(f)
         if a.repredict:  # measurements kept, the model's predictions redone (and said so in the report)
-            for res in all_res["cases"] + all_res["sweep"] + all_res.get("gqa", []):
+            for res in all_res["cases"] + all_res["sweep"] + all_res.get("gqa", []) + odd_cases(all_res):
                 res["predicted"] = predict(res)
             all_res["date_predicted"] = time.strftime("%Y-%m-%d")
             all_res["predicted_by"] = "sudo .venv/bin/python bench/token_ring_wins.py --report-only --repredict"
@@ -321,11 +424,13 @@ def main(argv=None) -> int:
             run_case(tag, "mesh", rate, H, causal, mode, list(TRACED), a.repeats, a.out, True)
         print(f"redrew the timelines in {a.out} ({time.time() - t0:.0f}s)")
         return 0
-    if a.gqa_only or a.floors_only:
+    if a.gqa_only or a.floors_only or a.odd_only:
         with open(os.path.join(a.out, "token_ring_wins.json")) as f:
             all_res = json.load(f)
         if a.gqa_only:
             all_res["gqa"] = gqa_section(all_res["calibration"]["rate_mbit"], a.repeats, a.out)
+        elif a.odd_only:
+            all_res["odd"] = odd_section(a.repeats, a.out)
         else:
             keys = {key: (int(key.split("-")[0]), key.split("-")[1] == "True", key.split("-")[2])
                     for key in all_res["floors"]}
@@ -351,7 +456,8 @@ def main(argv=None) -> int:
             tag = f"{'mha' if Hkv == H else 'gqa'}_{'causal' if causal else 'full'}_{mode}"
             traces = topo == "mesh" and (tag in ("mha_full_fwd", "mha_causal_both"))
             print(f"[{time.time() - t0:.0f}s] {topo} {tag}", flush=True)
-            cases.append(run_case(tag, topo, rate, Hkv, causal, mode, STRATEGIES, a.repeats, a.out, traces))
+            cases.append(run_case(tag, topo, rate, Hkv, causal, mode, STRATEGIES,
+                                  a.switch_repeats if topo == "switch" else a.repeats, a.out, traces))
     sweep = []
     if not a.quick:
         for f in (0.5, 1, 2, 4):
@@ -359,8 +465,11 @@ def main(argv=None) -> int:
             sweep.append(run_case("sweep", "mesh", rate * f, H, False, "fwd", [n for n in STRATEGIES if n != "auto"],
                                   max(3, a.repeats - 2), a.out, False))
     gqa = [] if a.quick else gqa_section(rate, a.repeats, a.out)
-    all_res = dict(calibration=cal, floors=floors, unshaped=free, cases=cases, sweep=sweep, gqa=gqa, machine=bench.machine(),
-                   date=time.strftime("%Y-%m-%d"), command="sudo .venv/bin/python bench/token_ring_wins.py")
+    odd = None if a.quick else odd_section(a.repeats, a.out)
+    all_res = dict(calibration=cal, floors=floors, unshaped=free, cases=cases, sweep=sweep, gqa=gqa, odd=odd,
+                   machine=bench.machine(), date=time.strftime("%Y-%m-%d"),
+                   command="sudo .venv/bin/python bench/token_ring_wins.py", repeats=a.repeats,
+                   switch_repeats=a.switch_repeats)
     with open(os.path.join(a.out, "token_ring_wins.json"), "w") as f:
         json.dump(all_res, f, indent=1)
     write(all_res, a.out)
