@@ -204,7 +204,7 @@ class _Shared:
 
     def __init__(self, topo: Topology):
         self.topo = topo
-        self.flows: dict = {}  # resource -> [(start, fin, bytes, pair)]
+        self.flows: dict = {}  # resource -> [(finish, connection)] of the messages crossing it
 
     def delay(self, fi: np.ndarray, ri: np.ndarray, start: np.ndarray, nbytes: np.ndarray,
               pair: np.ndarray) -> np.ndarray:
@@ -217,7 +217,7 @@ class _Shared:
             if not fl:
                 continue
             s, x = start[i], nbytes[i]
-            fins = sorted(f for (s0, f, b0, p) in fl if f > s and p != pair[i])
+            fins = sorted(f for f, p in fl if f > s and p != pair[i])
             if not fins:
                 continue
             # remaining bytes of each, draining fairly from s: the j-th to finish has what the earlier ones had
@@ -233,17 +233,15 @@ class _Shared:
     def prune(self, t0: float) -> None:
         """Forget messages done by ``t0`` (no later message starts before it)."""
         for r in list(self.flows):
-            fl = [x for x in self.flows[r] if x[1] > t0]
+            fl = [x for x in self.flows[r] if x[0] > t0]
             if fl:
                 self.flows[r] = fl
             else:
                 del self.flows[r]
 
-    def add(self, fi: np.ndarray, ri: np.ndarray, start: np.ndarray, fin: np.ndarray, nbytes: np.ndarray,
-            pair: np.ndarray) -> None:
+    def add(self, fi: np.ndarray, ri: np.ndarray, fin: np.ndarray, pair: np.ndarray) -> None:
         for k in range(fi.size):
-            i = fi[k]
-            self.flows.setdefault(int(ri[k]), []).append((start[i], fin[i], nbytes[i], pair[i]))
+            self.flows.setdefault(int(ri[k]), []).append((fin[fi[k]], pair[fi[k]]))
 
 
 def _notice_plan(cs: CompiledSchedule) -> tuple[dict, list]:
@@ -333,7 +331,7 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
             fin = start + dur
             if shared is not None:  # shared fairly with them instead
                 fin = fin + shared.delay(fi, ri, start, b, ms * P + md)
-                shared.add(fi, ri, start, fin, b, ms * P + md)
+                shared.add(fi, ri, fin, ms * P + md)
             if res_free is not None:
                 np.maximum.at(res_free, ri, fin[fi])
             if pair_free is not None:
