@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """TokenRing's variants against every other strategy on the interconnect testbed, per call, in one command
-(needs root; about 25 minutes on 2 cores):
+(needs root; about 50 minutes on 2 cores):
 
     sudo .venv/bin/python bench/token_ring_wins.py            # writes bench/results/token_ring_wins.{md,json}
     sudo .venv/bin/python bench/token_ring_wins.py --quick    # one topology, forward only: a smoke run
@@ -19,8 +19,11 @@
 4. A rate sweep (MHA forward, mesh) from 0.5x to 4x the comm-bound rate.
 4b. GQA at *its* comm-bound rate (K/V per step is Hkv/H of MHA's, so the rate scales by Hkv/H), mesh, forward,
    with explicit direct pass-KV variants (``--gqa-only`` reruns just this part into an existing result).
-5. The simulator's prediction of every measured variant (model frozen before the run) and ``auto``'s pick scored
-   against the measured best.
+5. P = 5 (``--odd-only`` reruns just this part): its own calibration and floors, MHA (H=10) non-causal and
+   causal forward, causal forward+backward, on the three topologies.
+6. The simulator's prediction of every measured variant (model frozen before the run; also with FIFO sharing
+   between connections, and for one GQA variant without ready notices / with late receives) and ``auto``'s
+   pick scored against the measured best.
 No number in the outputs is typed by hand.
 """
 from __future__ import annotations
@@ -357,7 +360,7 @@ def odd_rows(odd: dict | None) -> list[str]:
     L += ["", f"## Odd P: {sp0['P']} ranks", "",
           f"P={sp0['P']}, S={sp0['S']} (1024 rows per rank), H={sp0['H']} (divisible by P, for Ulysses), d={D}, "
           f"float32, B=1; the direct schedules give each rank one bye round per chunk sweep (its own rows). Own "
-          f"calibration: one forward block = {ms(cal['block_compute_s'])} ms (five ranks share the two cores), "
+          f"calibration: one forward block = {ms(cal['block_compute_s'])} ms ({sp0['P']} ranks share the cores), "
           f"comm-bound rate **{cal['rate_mbit']:g} Mbit/s**; floors measured like the P={P} ones.", "",
           "| topology | case | floor ms | " + " | ".join(ODD_STRATEGIES) + " | best | token_ring ran | "
           "token_ring vs ring | token_ring vs ulysses | token_ring / floor |", "|" + "---|" * (len(ODD_STRATEGIES) + 8)]
