@@ -115,6 +115,11 @@ def test_user_topology_files(tmp_path, monkeypatch):
     y = tmp_path / "m.yaml"
     y.write_text("kind: mesh\nP: 4\nlink_bw: 2MB/s\nlatency: 0\n")
     assert get_topology(str(y)).flow_times([0], [3], [2e6]) == pytest.approx([1.0])
+    t = get_topology(str(y))
+    assert (t.queued, t.fair_share, t.ready_notice) == (True, False, False)
+    y.write_text("kind: switch\nP: 4\nport_bw: 2MB/s\nfair_share: true\nready_notice: true\nqueued: true\n")
+    t = get_topology(str(y))
+    assert (t.queued, t.fair_share, t.ready_notice) == (True, True, True)
     assert get_topology("mesh:100mbit", 4).describe().startswith("mesh:100mbit")
     monkeypatch.setenv("TOKENRING_TOPOLOGY", str(p))
     assert auto_mod.get_current_topology(3)[0].name == "graph"

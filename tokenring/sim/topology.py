@@ -583,6 +583,9 @@ def topology_from_dict(d: dict, P: int | None = None) -> Topology:
         {"kind": "graph",  "P": 4, "links": [[0, "sw", "25GB/s", "5us"], ["sw", 0, "25GB/s", "5us"], ...],
          "duplex": false}
         {"kind": "cluster", "P": 16, "node": {...}, "nic_bw": "50GB/s"}
+
+    Any kind also takes ``"queued"`` (default true), ``"fair_share"`` and ``"ready_notice"`` (default false;
+    true for gloo over TCP, as on the testbeds): see :class:`Topology`.
     """
     d = dict(d)
     if "preset" in d:
@@ -594,7 +597,9 @@ def topology_from_dict(d: dict, P: int | None = None) -> Topology:
     n = int(P or d.pop("P", 0) or 0)
     d.pop("P", None)
     common = dict(name=name, P=n, flow_bw=parse_rate(d.pop("flow_bw", INF)), device=d.pop("device", "cpu"),
-                  source=d.pop("source", "user-defined"), cpu_per_byte=float(d.pop("cpu_per_byte", 0.0)))
+                  source=d.pop("source", "user-defined"), cpu_per_byte=float(d.pop("cpu_per_byte", 0.0)),
+                  queued=bool(d.pop("queued", True)), fair_share=bool(d.pop("fair_share", False)),
+                  ready_notice=bool(d.pop("ready_notice", False)))
     rates = {k: parse_rate(d.pop(k)) for k in list(d) if k.endswith("_bw")}
     times = {k: parse_time(d.pop(k)) for k in list(d) if k.endswith("latency")}
     if kind == "switch":
