@@ -363,8 +363,9 @@ def test_cpu_calibration_small():
 
 @pytest.mark.parametrize("topo", ["switch:100mbit", "mesh:100mbit", "ring:100mbit"])
 def test_queued_variant_only_adds_waits(topo):
-    """simulate's default, queued model (messages also wait for resources busy with earlier steps' messages)
-    is never faster than the plain one (``queued=False``), equals it for schedules whose messages all finish
+    """simulate's default, queued model (messages also wait for resources busy with earlier steps' messages;
+    on the testbeds, ``fair_share``, they share them with other connections' instead) is never faster than the
+    plain one (``queued=False``), equals it for schedules whose messages all finish
     in their own step (the classic ring on a switch: every message is due in the step that posts it), and
     does not queue behind the host's shared backplane (the testbed topologies have one). The testbeds' ready
     notices (``ready_notice``, on by default there) only add to that."""
