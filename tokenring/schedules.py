@@ -150,6 +150,11 @@ class Message:
     due: int = -1
     ready: int = -1
 
+    def receive_step(self, t: int, early: bool = True) -> int:
+        """The step at which its receiver posts the receive, for a message posted at step ``t``: its ``ready``
+        step where the backend posts early (``early``), else ``t``."""
+        return t if self.ready < 0 or not early else min(self.ready, t)
+
 
 @dataclass
 class Step:
@@ -190,7 +195,7 @@ class Schedule:
                 if m.src == r:
                     out[t][1].append((m, t, n))
                 if m.dst == r:
-                    out[t if m.ready < 0 or not early else min(m.ready, t)][2].append((m, t, n))
+                    out[m.receive_step(t, early)][2].append((m, t, n))
         return out
 
     def reads(self, r: int) -> dict[tuple[str, int], list[tuple[int, str, int]]]:

@@ -72,9 +72,7 @@ def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward:
         mk = np.fromiter((mc.setdefault((m.kind, m.part, m.heads), len(mc)) for m in step.messages), np.int64,
                          len(step.messages))
         du = np.fromiter((len(steps) if m.due < 0 else m.due for m in step.messages), np.int64, len(step.messages))
-        # the step at which the receiver posts its receive where the backend allows it early (Message.ready)
-        rd = np.fromiter((len(steps) if m.ready < 0 or not early else min(m.ready, len(steps))
-                          for m in step.messages), np.int64, len(step.messages))
+        rd = np.fromiter((m.receive_step(len(steps), early) for m in step.messages), np.int64, len(step.messages))
         steps.append((cr, ck, ms, md, mk, du, rd))
     deferred = any(bool((st[5] > t).any()) for t, st in enumerate(steps))
     return CompiledSchedule(strategy, P, layout, causal, backward, list(cc), list(mc), steps, deferred, mask)
@@ -244,6 +242,13 @@ class _Shared:
             self.flows.setdefault(int(ri[k]), []).append((fin[fi[k]], pair[fi[k]]))
 
 
+def _grown(res_free: np.ndarray, ri: np.ndarray) -> np.ndarray:
+    """``res_free`` (per resource id: when its last message finishes) long enough to index ``ri``."""
+    if ri.size and ri.max() >= res_free.size:
+        return np.concatenate([res_free, np.zeros(int(ri.max()) + 1 - res_free.size)])
+    return res_free
+
+
 def _notice_plan(cs: CompiledSchedule) -> tuple[dict, list]:
     """Per step ``s``: the messages (step, indices) whose receives are posted at ``s``; and per step an array
     for the arrival time of each message's ready notice at its sender."""
@@ -267,8 +272,7 @@ def _post_notices(notice: tuple[dict, list], s: int, cs: CompiledSchedule, topo:
     for t, idx in posts.get(s, []):
         src, dst = cs.steps[t][2][idx], cs.steps[t][3][idx]
         fi, ri = topo.queue_routes(dst, src)
-        if ri.size and ri.max() >= res_free.size:
-            res_free = np.concatenate([res_free, np.zeros(int(ri.max()) + 1 - res_free.size)])
+        res_free = _grown(res_free, ri)
         at = T[dst].copy()
         np.maximum.at(at, fi, res_free[ri])
         arrive[t][idx] = at + topo._latency(dst, src)
@@ -315,23 +319,21 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
             dur = topo.flow_times(ms, md, b)
             # both ends have posted; where the transport waits for the receiver's notice, from when it arrives
             start = np.maximum(T[ms], T[md]) if notice is None else np.maximum(T[ms], notice[1][t])
+            pair = ms * P + md  # the connection
             if pair_free is not None:
-                pair = ms * P + md
                 start = np.maximum(start, pair_free[pair])
-            if pair_free is not None:
                 dur = _in_order(pair, b, dur)
             if res_free is not None:  # the resources still busy with earlier steps' messages
                 fi, ri = topo.queue_routes(ms, md)
-                if ri.size and ri.max() >= res_free.size:
-                    res_free = np.concatenate([res_free, np.zeros(int(ri.max()) + 1 - res_free.size)])
+                res_free = _grown(res_free, ri)
                 if shared is None:  # FIFO: wait until they are through
                     busy_until = np.zeros(ms.size)
                     np.maximum.at(busy_until, fi, res_free[ri])
                     start = np.maximum(start, busy_until)
             fin = start + dur
             if shared is not None:  # shared fairly with them instead
-                fin = fin + shared.delay(fi, ri, start, b, ms * P + md)
-                shared.add(fi, ri, fin, ms * P + md)
+                fin = fin + shared.delay(fi, ri, start, b, pair)
+                shared.add(fi, ri, fin, pair)
             if res_free is not None:
                 np.maximum.at(res_free, ri, fin[fi])
             if pair_free is not None:
