@@ -232,6 +232,36 @@ def test_pairings_meet_everyone_once(P):
     assert sorted(met) == [(r, j) for r in range(P) for j in range(P) if r != j]
 
 
+@pytest.mark.parametrize("P", [2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("c", [1, 2, 3, 4])
+def test_own_pieces_partition_the_block(P, c):
+    """The own block's pieces tile its rows in order (head, one per bye round on odd P, tail unless nothing goes
+    home), each non-empty from 2 local rows (even P) or 2c+1 (odd P) on: the lengths the equal cut accepted."""
+    from tokenring.schedules import part_rows, own_pieces, rows
+    for mover, backward, triangle in itertools.product(("q", "kv"), (False, True), (False, True)):
+        pieces = own_pieces(c, P, mover, backward, triangle)
+        tail = mover == "q" or backward
+        assert len(pieces) == 1 + (c if P % 2 else 0) + tail
+        assert pieces[0][0] == 0 and pieces[-1][1] == pieces[-1][2]
+        assert all(b == a2 and n == n2 for (_, b, n), (a2, _, n2) in zip(pieces, pieces[1:]))
+        for s in range(2 if P % 2 == 0 else 2 * c + 1, 70):
+            assert all(part_rows(rows(a, b, n), s) > 0 for a, b, n in pieces), (mover, backward, triangle, s)
+
+
+def test_own_pieces_follow_the_bytes():
+    """Forward TokenRing: the head and the tail get equal compute (half the rows; on the causal diagonal, where
+    rows [0, x) cost x**2, the cut near 1/sqrt(2)); its backward gives the head more (it waits for Q and dO,
+    the tail only sends dQ); forward pass-KV returns nothing, so all own rows run first."""
+    from tokenring.schedules import own_pieces
+    assert own_pieces(2, 4) == [(0, 4, 8), (4, 8, 8)]
+    assert own_pieces(2, 4, triangle=True) == [(0, 6, 8), (6, 8, 8)]
+    assert own_pieces(2, 4, "q", backward=True)[0][1] / 8 > 0.6
+    assert own_pieces(3, 4, "kv") == [(0, 1, 1)]
+    assert own_pieces(2, 4, "kv", backward=True) == [(0, 4, 8), (4, 8, 8)]
+    assert own_pieces(2, 5, "kv") == [(0, 3, 5), (3, 4, 5), (4, 5, 5)]  # no tail: its cell goes to the head
+    assert own_pieces(2, 5, "q", backward=True) == [(0, 2, 5), (2, 3, 5), (3, 4, 5), (4, 5, 5)]
+
+
 def test_explain_plan_prints_every_rank_and_step(capsys):
     """`tokenring explain --plan`: per step, what each rank computes, sends (bytes, due step) and receives; a family
     name is resolved first and says what it resolved to."""

@@ -33,7 +33,7 @@ from .messages import kind as message_kind
 
 __all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
            "part_slice", "part_union", "part_intersection", "covers", "overlaps", "part_rows", "chunk", "rows",
-           "direct", "direct_steps", "own_pieces", "pairings", "pairing",
+           "direct", "direct_steps", "own_pieces", "all_own_pieces", "pairings", "pairing",
            "drop_empty_tail", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
 
 PARTS = ("all", "lo", "hi")
@@ -368,11 +368,50 @@ def _own_rows(r: int, a: int, b: int, n: int, own, causal: bool) -> list[Compute
     return ([Compute(r, r, part, r, rows(0, a, n))] if a else []) + [Compute(r, r, part, r, part, True)]
 
 
-def own_pieces(chunks: int, P: int) -> list[tuple[int, int, int]]:
+# What a direct schedule's first visiting chunk brings and its last partial takes home, in blocks of Q's size
+# (fwd pass-Q: Q out, (out, lse) back; bwd pass-Q: Q, dO (+ lse, delta) out, dQ back; pass-KV: K, V out, and in
+# backward dK, dV back): the own block's compute is split between its head and its tail in this proportion.
+_HEAD_TAIL = {("q", False): (1, 1), ("q", True): (2, 1), ("kv", False): (1, 0), ("kv", True): (1, 1)}
+
+
+def own_pieces(chunks: int, P: int, mover: str = "q", backward: bool = False,
+               triangle: bool = False) -> list[tuple[int, int, int]]:
     """How :func:`direct_steps` cuts a rank's own block on ``P`` ranks: ``(a, b, n)`` = rows ``[a/n, b/n)``
-    of its query part, one piece per step that computes it."""
-    n = chunks + 1 + (P % 2) * chunks
-    return [(0, chunks, n)] + [(k, k + 1, n) for k in range(chunks, n)]
+    of its query part, one piece per step that computes it, in step order: the head (step 0), one piece per
+    bye round (odd ``P``: ``chunks`` of them, ``1/(2*chunks+1)`` of the rows each), the tail (the last step;
+    none when nothing goes home, forward pass-KV).
+
+    The head runs while the first visiting chunks arrive and the tail while the last partials travel home, so
+    the rest is split between them as the bytes of those transfers (:data:`_HEAD_TAIL`): halves of the
+    compute for forward TokenRing, 2:1 for its backward, all to the head for forward pass-KV. Shares are of
+    *compute*: on the causal diagonal (``triangle``) rows ``[0, x)`` cost ``x**2`` of the block. Cuts are
+    rounded so that every piece has a row whenever the rank has 2 rows (even ``P``) or ``2*chunks+1`` rows
+    (odd ``P``: the head and the tail take whole ``1/(2*chunks+1)`` cells)."""
+    head, tail = _HEAD_TAIL[mover, backward]
+    share = head / (head + tail)  # of the compute not spent in bye rounds
+    if P % 2 == 0:
+        if not tail:
+            return [(0, 1, 1)]
+        x = share ** 0.5 if triangle else share
+        a = min(7, max(4, round(8 * x)))  # head >= half the rows (it holds >= half the compute) and a tail row
+        return [(0, a, 8), (a, 8, 8)]
+    n = 2 * chunks + 1
+    cost = (lambda x: x * x) if triangle else (lambda x: x)
+
+    def head_share(h: int) -> float:  # of head + tail compute, with the bye cells in between
+        head_cost = cost(h / n)
+        return head_cost / (head_cost + 1 - cost((h + chunks) / n))
+
+    # (a tie goes to the larger head, the cut used before the split followed the bytes)
+    h = chunks + 1 if not tail else min(range(chunks, 0, -1), key=lambda h: round(abs(head_share(h) - share), 9))
+    return [(0, h, n)] + [(i, i + 1, n) for i in range(h, h + chunks)] + ([(h + chunks, n, n)] if tail else [])
+
+
+def all_own_pieces(chunks: int, P: int, mover: str) -> list[tuple[int, int, int]]:
+    """Every piece :func:`own_pieces` may cut for ``mover``, either pass, on or off the causal diagonal (what
+    a length check must find non-empty)."""
+    return sorted({p for backward in (False, True) for triangle in (False, True)
+                   for p in own_pieces(chunks, P, mover, backward, triangle)})
 
 
 def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: str, chunks: int,
@@ -391,10 +430,11 @@ def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: 
     dK/dV goes home.
 
     Per rank: step 0 computes the first rows of its own block, the last step its last rows (hiding the first
-    arrivals and the last partial's trip home), and a bye round (odd ``P``) more of its own rows. A chunk needed
-    at step ``x`` is posted by its owner at step ``max(0, x - lookahead*chunks)`` and due by step ``x - 1``; a
-    partial is posted at ``x + 1`` and due by step ``x + k*c`` (the receiver merges it then), so up to ``k``
-    blocks of partials travel at once, to different owners over different links.
+    arrivals and the last partial's trip home), and a bye round (odd ``P``) more of its own rows
+    (:func:`own_pieces`). A chunk needed at step ``x`` is posted by its owner at step
+    ``max(0, x - lookahead*chunks)`` and due by step ``x - 1``; a partial is posted at ``x + 1`` and due by step
+    ``x + k*c`` (the receiver merges it then), so up to ``k`` blocks of partials travel at once, to different
+    owners over different links.
     Memory, whatever ``P``: at most ``k`` blocks of visiting rows in flight plus the chunk being computed (each
     chunk is freed once computed), and at most ``3k`` blocks of partials: ``k`` it made travelling home, and
     ``2k`` of receive buffers for its own rows' partials, each posted when its chunk leaves (``ready``).
@@ -417,24 +457,26 @@ def direct_steps(P: int, pair, causal: bool, backward: bool, mover: str, chunks:
     carry = "kv" if mover == "kv" else ("qgrad" if backward else "q")
     ret = ("dq" if backward else "out") if mover == "q" else ("dkv" if backward else None)
     rounds = pairings(P)
-    # Own rows in n_own pieces (own_pieces): c first, one per bye round (odd P: one bye round per chunk sweep,
-    # spent on the own block's middle rows), the last one at the end.
-    n_own = own_pieces(c, P)[0][2]
     last = 1 + c * len(rounds)
     steps = [Step() for _ in range(last + 1)]
-
-    def own(r: int, a: int, b: int) -> list[Compute]:
-        out = _own_rows(r, a, b, n_own, pair(r, r), causal)
-        return [x for x in out if s is None or part_rows(x.q_part, s)]
-
+    # Each rank's own rows in pieces (own_pieces): the head at step 0, one per bye round (odd P: one bye
+    # round per chunk sweep), the tail at the last step.
+    byes: dict[int, list[Compute]] = {}
     for r in range(P):
-        steps[0].computes += own(r, 0, c)
-        steps[last].computes += own(r, n_own - 1, n_own)
+        got = pair(r, r)
+        pieces = own_pieces(c, P, mover, backward, triangle=causal and got is not None and got[2])
+        computes = [[x for x in _own_rows(r, a, b, n, got, causal) if s is None or part_rows(x.q_part, s)]
+                    for a, b, n in pieces]
+        n_byes = c if P % 2 else 0
+        steps[0].computes += computes[0]
+        byes[r] = computes[1:1 + n_byes]
+        for tail in computes[1 + n_byes:]:  # none when nothing goes home (forward pass-KV)
+            steps[last].computes += tail
     x = 1
     for i, partner in itertools.product(range(c), rounds):  # chunk-major
         for r, j in enumerate(partner):
             if j == r:
-                steps[x].computes += own(r, c + i, c + i + 1)
+                steps[x].computes += byes[r][i]
                 continue
             got = pair(j, r) if mover == "q" else pair(r, j)
             if got is None:

@@ -10,6 +10,7 @@ Pass-KV (``ring``) and pass-Q (``token_ring``) differ only in their schedules.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from functools import lru_cache
 
 import torch
@@ -21,7 +22,7 @@ from ..masks import block_tiles
 from ..merge import acc_dtype, merge_, new_accumulator
 from ..messages import kind as message_kind
 from ..schedules import (Compute, Message, Schedule, Shapes, chunk, covers, direct, head_slice, overlaps,
-                         own_pieces, part_rows, part_slice, part_union, payload)
+                         all_own_pieces, part_rows, part_slice, part_union, payload)
 
 __all__ = ["Strategy", "BlockDims", "Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy",
            "RelayOrDirect", "ScheduledAttention", "shapes_of", "tile_dims"]
@@ -525,12 +526,12 @@ class RelayOrDirect(ScheduledStrategy):
             return f"{self.name}: lookahead k must be between 1 and P-1 = {P - 1} blocks"
         if s is not None:
             rows = s // 2 if zigzag else s  # zigzag causal blocks use half of a rank's rows
-            own = own_pieces(self.chunks, P)  # how direct_steps cuts the own block: no piece may be empty
+            own = all_own_pieces(self.chunks, P, self.mover)  # how direct_steps cuts the own block: none empty
             if rows < self.chunks or any(part_rows(chunk("all", a, n, b), s) == 0 for a, b, n in own):
                 return (f"{self.name}: {self.chunks} chunks need at least {self.chunks} rows per visiting block "
-                        f"and enough local rows to cut the own block into {len(own)} pieces on {P} ranks, but "
-                        f"this rank has {s}{' (halves of it)' if zigzag else ''}; use fewer chunks (c=) or a "
-                        f"longer sequence")
+                        f"and a row in each piece of the own block (the smallest: "
+                        f"{min(Fraction(b - a, n) for a, b, n in own)} of its rows on {P} ranks), but this rank "
+                        f"has {s}{' (halves of it)' if zigzag else ''}; use fewer chunks (c=) or a longer sequence")
         return None
 
     def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from fractions import Fraction
 from functools import lru_cache
 
 from ..schedules import (Compute, Message, Schedule, Step, block_pair, chunk, direct_steps, drop_empty_tail,
-                         own_pieces, part_intersection, part_rows, part_union, relay)
+                         all_own_pieces, part_intersection, part_rows, part_union, relay)
 from .base import RelayOrDirect, chunk_choices, lookaheads, outer_choices
 from .ring import pass_kv_steps
 from .token_ring import pass_q_steps
@@ -223,10 +224,11 @@ class TwoLevel(RelayOrDirect):
             return None
         # A visiting K/V block at a rank's own place (rounds after the first) may meet half of its queries,
         # and that half is cut into as many pieces as the own block: none may be empty.
-        own = own_pieces(self.chunks, self.inner)
+        own = all_own_pieces(self.chunks, self.inner, self.mover)
         if any(part_rows(chunk(h, a, n, b), s) == 0 for h in halves for a, b, n in own):
             return (f"{self.name}: the inner schedule cuts a rank's {'half ' if zigzag else ''}block into "
-                    f"{len(own)} pieces but this rank has {s} rows; use fewer chunks (c=) or a longer sequence")
+                    f"pieces (the smallest: {min(Fraction(b - a, n) for a, b, n in own)} of its rows) but this rank has "
+                    f"{s} rows; use fewer chunks (c=) or a longer sequence")
         return None
 
     def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
