@@ -462,12 +462,12 @@ def direct_steps(P: int, pair, causal: bool, backward: bool, mover: str, chunks:
     # Each rank's own rows in pieces (own_pieces): the head at step 0, one per bye round (odd P: one bye
     # round per chunk sweep), the tail at the last step.
     byes: dict[int, list[Compute]] = {}
+    n_byes = c if P % 2 else 0
     for r in range(P):
         got = pair(r, r)
         pieces = own_pieces(c, P, mover, backward, triangle=causal and got is not None and got[2])
         computes = [[x for x in _own_rows(r, a, b, n, got, causal) if s is None or part_rows(x.q_part, s)]
                     for a, b, n in pieces]
-        n_byes = c if P % 2 else 0
         steps[0].computes += computes[0]
         byes[r] = computes[1:1 + n_byes]
         for tail in computes[1 + n_byes:]:  # none when nothing goes home (forward pass-KV)

@@ -226,9 +226,10 @@ class TwoLevel(RelayOrDirect):
         # and that half is cut into as many pieces as the own block: none may be empty.
         own = all_own_pieces(self.chunks, self.inner, self.mover)
         if any(part_rows(chunk(h, a, n, b), s) == 0 for h in halves for a, b, n in own):
+            smallest = min(Fraction(b - a, n) for a, b, n in own)
             return (f"{self.name}: the inner schedule cuts a rank's {'half ' if zigzag else ''}block into "
-                    f"pieces (the smallest: {min(Fraction(b - a, n) for a, b, n in own)} of its rows) but this rank has "
-                    f"{s} rows; use fewer chunks (c=) or a longer sequence")
+                    f"pieces (the smallest: {smallest} of its rows) but this rank has {s} rows; use fewer chunks "
+                    f"(c=) or a longer sequence")
         return None
 
     def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
