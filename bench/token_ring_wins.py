@@ -311,8 +311,57 @@ def write(all_res: dict, outdir: str) -> None:
     L += notice_rows(gqa) + odd_rows(all_res.get("odd"))
     L += ["", "Timelines (`tr_<case>_<topology>_timeline.png` beside this file): ring, the paper's TokenRing, the "
           "chosen TokenRing variant and Ulysses on the same time axis; Chrome traces alongside."]
+    L += breakdown_rows(outdir)
     with open(os.path.join(outdir, "token_ring_wins.md"), "w") as f:
         f.write("\n".join(L) + "\n")
+
+
+TRACED = (("mha_full_fwd", "MHA, non-causal, fwd"), ("mha_causal_both", "MHA, causal, fwd+bwd"))
+
+
+def trace_breakdown(path: str) -> dict:
+    """One traced call's time per rank, from its Chrome trace: compute, exposed waits, the rest (host work
+    between them: packing, merging, allocating), and the call's *end tail*: from the last compute to end on any
+    rank (TokenRing: the last partials' trip after the slowest partner's last chunk; Ulysses: its last
+    all-to-all; pass-KV: none)."""
+    with open(path) as f:
+        ev = json.load(f)
+    ev = [e for e in (ev["traceEvents"] if isinstance(ev, dict) else ev) if e.get("ph") == "X"]
+    ranks = sorted({e["pid"] for e in ev})
+    start, end = min(e["ts"] for e in ev), max(e["ts"] + e["dur"] for e in ev)
+    comp, wait, last = [], [], []
+    for r in ranks:
+        mine = [e for e in ev if e["pid"] == r]
+        cs = [e for e in mine if e.get("cat") == "compute"]
+        comp.append(sum(e["dur"] for e in cs))
+        wait.append(sum(e["dur"] for e in mine if e.get("cat") == "exposed wait"))
+        last.append(max(e["ts"] + e["dur"] for e in cs))
+    n, span = len(ranks), end - start
+    return dict(call=span / 1e6, compute=sum(comp) / n / 1e6, compute_max=max(comp) / 1e6,
+                wait=sum(wait) / n / 1e6, other=(span - (sum(comp) + sum(wait)) / n) / 1e6,
+                tail=(end - max(last)) / 1e6)
+
+
+def breakdown_rows(outdir: str) -> list[str]:
+    """Where one traced call's time goes, per strategy (the traces kept beside the report)."""
+    rows = []
+    for tag, label in TRACED:
+        for name in ("ring", "ulysses", "token_ring_paper", "token_ring"):
+            path = os.path.join(outdir, f"tr_{tag}_mesh_{name}.trace.json")
+            if os.path.exists(path):
+                b = trace_breakdown(path)
+                rows.append(f"| {label} | {name} | {ms(b['call'])} | {ms(b['compute'])} | {ms(b['compute_max'])} | "
+                            f"{ms(b['wait'])} | {ms(b['other'])} | {ms(b['tail'])} |")
+    if not rows:
+        return []
+    return ["", "## Where the time goes (mesh, the traced call)", "",
+            "From the Chrome traces beside this report (one call each, the last repeat, so its time is not the "
+            "median above). Per rank, averaged over the ranks: compute, exposed waits, and the rest of the call "
+            "(host work between them: packing payloads, merging partials, allocating, starting the call late). "
+            "End tail: from the last compute on any rank to the call's end. Every rank computes while others "
+            "do, on 2 shared cores, so a rank's compute time also depends on how many others are computing.", "",
+            "| case | strategy | call ms | compute ms (mean) | compute ms (max) | exposed wait ms | rest ms | "
+            "end tail ms |", "|---|---|---|---|---|---|---|---|"] + rows
 
 
 def odd_section(repeats: int, outdir: str) -> dict:
