@@ -262,6 +262,21 @@ def test_own_pieces_follow_the_bytes():
     assert own_pieces(2, 5, "q", backward=True) == [(0, 2, 5), (2, 3, 5), (3, 4, 5), (4, 5, 5)]
 
 
+def test_direct_schedules_run_the_own_pieces():
+    """The direct builder runs the own block as own_pieces cuts it: forward TokenRing half first and half last;
+    forward pass-KV all of it at step 0 and nothing of its own later."""
+    from tokenring.schedules import direct
+
+    def own(sched, r):
+        return [(t, c.q_part) for t, st in enumerate(sched.steps) for c in st.computes
+                if c.rank == r and c.q_owner == r and c.kv_owner == r]
+    for P in (2, 4):
+        q = direct("token_ring:direct,c=2,k=1", P, "contiguous", False, False, "q", 2, 1)
+        assert own(q, 1) == [(0, "lo"), (len(q.steps) - 1, "hi")]
+        kv = direct("ring:direct,c=2,k=1", P, "contiguous", False, False, "kv", 2, 1)
+        assert own(kv, 1) == [(0, "all")]
+
+
 def test_explain_plan_prints_every_rank_and_step(capsys):
     """`tokenring explain --plan`: per step, what each rank computes, sends (bytes, due step) and receives; a family
     name is resolved first and says what it resolved to."""
