@@ -68,6 +68,17 @@ def by_name(res: dict) -> dict:
     return {r["strategy"]: r for r in res["results"]}
 
 
+def paired(res: dict, a: str, b: str) -> str:
+    """``b`` against ``a`` round by round (interleaved runs time one call of every strategy per round): the median
+    over rounds of ``time_b / time_a`` (above 1: ``a`` is faster) and in how many rounds ``a`` was faster;
+    ``-`` for sequential runs, whose repeats do not pair."""
+    rs = by_name(res)
+    if not res["spec"].get("interleave") or "times" not in rs.get(a, {}) or "times" not in rs.get(b, {}):
+        return "-"
+    ta, tb = rs[a]["times"], rs[b]["times"]
+    return f"{median(y / x for x, y in zip(ta, tb)):.2f}x ({sum(x < y for x, y in zip(ta, tb))}/{len(ta)})"
+
+
 def calibrate(repeats: int, P: int = P, H: int = H) -> dict:
     """Forward block compute on unshaped local ranks and the rate at which ring's K/V per step takes 2x it
     (``S // P`` = 1024 rows per rank at every ``P``)."""
@@ -176,11 +187,15 @@ def write(all_res: dict, outdir: str) -> None:
             f"spread the most" if "repeats" in all_res else "")
          + "), ratio = ring / strategy (higher is faster than ring). Floor = P blocks of compute on "
          "unshaped links (same shapes, same run; the lower of two runs, both in the JSON). "
-         "`token_ring` = the variant the cost model picks for the testbed (named below the table).", ""]
+         "`token_ring` = the variant the cost model picks for the testbed (named below the table)."
+         + (" The strategies of a cell ran in interleaved rounds (one call of each per round, the order rotated), "
+            "so round i of two strategies is a pair: *paired* = the median over rounds of ulysses' time / "
+            "token_ring's (robust to a drift of the machine during the cell), and in how many rounds token_ring "
+            "was the faster." if cases and cases[0]["spec"].get("interleave") else ""), ""]
     names = [n for n in STRATEGIES]
     L.append("| topology | case | floor ms | " + " | ".join(names) + " | best | token_ring vs ring | "
-             "token_ring vs ulysses | token_ring / floor |")
-    L.append("|" + "---|" * (len(names) + 7))
+             "token_ring vs ulysses | token_ring vs ulysses, paired (won) | token_ring / floor |")
+    L.append("|" + "---|" * (len(names) + 8))
     for res in cases:
         sp, rs = res["spec"], by_name(res)
         fl = floors[f"{sp['Hkv']}-{sp['causal']}-{sp['pass']}"]["floor"]
@@ -194,7 +209,7 @@ def write(all_res: dict, outdir: str) -> None:
         tr, ring, uly = timed.get("token_ring"), timed.get("ring"), timed.get("ulysses")
         L.append(f"| {res['testbed']['topology']} | {shape_label(sp)} | {ms(fl)} | " + " | ".join(cells) +
                  f" | {best} | {ring / tr:.2f}x | " + (f"{uly / tr:.2f}x" if uly else "-") +
-                 f" | {tr / fl:.2f} |")
+                 f" | {paired(res, 'token_ring', 'ulysses')} | {tr / fl:.2f} |")
     L += ["", "Variants that ran for the family names (chosen on rank 0 by the cost model for the testbed):", ""]
     L.append("| topology | case | token_ring ran | ring:auto ran | auto ran |")
     L.append("|---|---|---|---|---|")
@@ -285,13 +300,15 @@ def write(all_res: dict, outdir: str) -> None:
                  + ("-" if ef is None else f"{100 * ef:+.1f}%") + " |")
     if sweep:
         L += ["", "## Rate sweep (mesh, MHA forward, non-causal)", "",
-              "| Mbit/s | " + " | ".join(n for n in STRATEGIES if n != "auto") + " | ring / token_ring |",
-              "|" + "---|" * (len(STRATEGIES) + 1)]
+              "| Mbit/s | " + " | ".join(n for n in STRATEGIES if n != "auto") + " | ring / token_ring | "
+              "ulysses / token_ring | paired (won) |",
+              "|" + "---|" * (len(STRATEGIES) + 3)]
         for res in sweep:
             rs = by_name(res)
             cells = [ms(rs[n]["time"]) if n in rs and "time" in rs[n] else "skip" for n in STRATEGIES if n != "auto"]
             L.append(f"| {res['testbed']['rate_mbit']:g} | " + " | ".join(cells) +
-                     f" | {rs['ring']['time'] / rs['token_ring']['time']:.2f}x |")
+                     f" | {rs['ring']['time'] / rs['token_ring']['time']:.2f}x | "
+                     f"{rs['ulysses']['time'] / rs['token_ring']['time']:.2f}x | {paired(res, 'token_ring', 'ulysses')} |")
     if gqa:
         L += ["", f"## GQA {H}/{GQA_KV} at its own comm-bound rate (mesh, forward)", "",
               f"K/V per step is {GQA_KV}/{H} of MHA's, so ring is comm-bound (K/V per step = 2x a block) at "
@@ -412,7 +429,8 @@ def odd_rows(odd: dict | None) -> list[str]:
           f"calibration: one forward block = {ms(cal['block_compute_s'])} ms ({sp0['P']} ranks share the cores), "
           f"comm-bound rate **{cal['rate_mbit']:g} Mbit/s**; floors measured like the P={P} ones.", "",
           "| topology | case | floor ms | " + " | ".join(ODD_STRATEGIES) + " | best | token_ring ran | "
-          "token_ring vs ring | token_ring vs ulysses | token_ring / floor |", "|" + "---|" * (len(ODD_STRATEGIES) + 8)]
+          "token_ring vs ring | token_ring vs ulysses | paired (won) | token_ring / floor |",
+          "|" + "---|" * (len(ODD_STRATEGIES) + 9)]
     for res in odd["cases"]:
         sp, rs = res["spec"], by_name(res)
         fl = odd["floors"][f"{sp['Hkv']}-{sp['causal']}-{sp['pass']}"]["floor"]
@@ -422,7 +440,8 @@ def odd_rows(odd: dict | None) -> list[str]:
                  " | ".join(f"{ms(rs[n]['time'])} [{ms(rs[n]['time_min'])}-{ms(rs[n]['time_max'])}]"
                             if n in timed else "skip" for n in ODD_STRATEGIES) +
                  f" | {min(timed, key=timed.get)} | {rs['token_ring'].get('variant', '-')} | {ring / tr:.2f}x | "
-                 + (f"{uly / tr:.2f}x" if uly else "-") + f" | {tr / fl:.2f} |")
+                 + (f"{uly / tr:.2f}x" if uly else "-") + f" | {paired(res, 'token_ring', 'ulysses')} | "
+                 f"{tr / fl:.2f} |")
     return L
 
 

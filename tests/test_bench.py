@@ -115,3 +115,23 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     failed = [c["name"] for c in res["correctness"]["cases"] if not c["ok"]]
     assert failed == [res["args"]["inject_error"]], failed
     assert f"FAILED CHECKS (1):\n  - correctness {failed[0]}: out rel err" in bad.stdout, bad.stdout
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rounds_interleave_strategies_with_rotating_order(interleave):
+    """Interleaved: every strategy warms up first, then each round times one call of every strategy, the order
+    rotated each round (so a drift of the machine reaches all alike); sequential: one strategy after another."""
+    runner = bench._Runner.__new__(bench._Runner)
+    runner.spec, runner.rank = dict(repeats=3, interleave=interleave), 1
+    order = []
+    runner.begin = lambda name: order.append(("warm", name)) or {"name": name}
+    runner.timed = lambda st: order.append(("call", st["name"]))
+    runner.finish = lambda st: st["name"]
+    assert runner.run_all(["a", "b", "c"]) == ["a", "b", "c"]
+    calls = [n for what, n in order if what == "call"]
+    if interleave:
+        assert order[:3] == [("warm", "a"), ("warm", "b"), ("warm", "c")]
+        assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    else:
+        assert calls == ["a", "a", "a", "b", "b", "b", "c", "c", "c"]
+        assert order[0] == ("warm", "a") and order[4] == ("warm", "b")

@@ -72,6 +72,6 @@ def merge_eager_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, ls
     # Weights exp(lse_x - lse_new) <= 1, laid out (B, n, H, 1) to scale o.
     w_acc = torch.exp(acc_lse - new_safe).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(lse - new_safe).transpose(1, 2).unsqueeze(-1)
-    acc_o.mul_(w_acc).add_(o.to(acc_o.dtype) * w_new)
+    acc_o.mul_(w_acc).addcmul_(o.to(acc_o.dtype), w_new)  # no temporary for o * w_new
     acc_lse.copy_(new_lse)
 

@@ -4,8 +4,11 @@
                     [--pass fwd|bwd|both] [--strategies token_ring ring ulysses ring_bidir pytorch_ring pytorch_cp]
                     [--warmup 1] [--repeats 5] [--json out.json] [--trace-dir DIR]
 
-Each rank is its own process (gloo on CPU; NCCL when CUDA devices are present). For every strategy: warm-up
-calls, then ``--repeats`` timed calls, each after a barrier; a call's time is the slowest rank's. Every
+Each rank is its own process (gloo on CPU; NCCL when CUDA devices are present). Every strategy makes its warm-up
+calls, then ``--repeats`` rounds follow, each with one timed call of every strategy (the order rotated from
+round to round, so that a drift of the machine reaches all alike and round ``i`` pairs the strategies' calls;
+``--sequential``: all of one strategy's calls, then the next's; ``pytorch_cp`` always times its calls in one
+block, inside its context manager). Each call starts after a barrier; its time is the slowest rank's. Every
 output (and, with a backward, every gradient) is gathered and checked against single-process attention on
 the whole sequence. Reported per strategy: median time per call and its spread (min-max), per-step compute,
 communication time per step (measured alone: the same schedule and messages with the computes skipped),
@@ -311,39 +314,56 @@ class _Runner:
     def _gather(self, outs: list[torch.Tensor], layout: str) -> list[torch.Tensor]:
         return [self.tr.gather(t.contiguous(), dim=1, layout=layout) for t in outs]
 
-    def strategy(self, name: str) -> dict:
-        spec, dist = self.spec, self.dist
+    def begin(self, name: str) -> dict:
+        """Everything of one strategy before its timed calls: the reason it cannot run here, or its warm-up
+        calls. Returns the state :meth:`timed` and :meth:`finish` carry on (``pytorch_cp`` times its calls here,
+        inside its one context manager)."""
+        spec = self.spec
         res = dict(strategy=name)
+        st = dict(res=res, times=[], events=[], last=None, call=None)
         if name == "pytorch_cp":
             reason = self.pytorch_cp_reason()
             if reason:
-                return dict(strategy=name, skipped=reason)
+                res["skipped"] = reason
+                return st
             times, outs, how = self._pytorch_cp(spec["repeats"], spec["warmup"])
             res.update(api="public torch.distributed.tensor.experimental.context_parallel", how=how,
                        bytes=_model_bytes(spec, name) if "all-gathered" in how else {})
             res["times"] = _slowest(times, self.device)
             res["full_outputs"] = outs
-            return res
+            return st
         reason = None if name in PEERS or name == "auto" else why_not(
             name, spec["H"], spec["Hkv"], self.P, spec["S"] // self.P, spec["causal"] and self.layout == "zigzag")
         if reason:
-            return dict(strategy=name, skipped=reason)
+            res["skipped"] = reason
+            return st
         if name not in PEERS:
             res["variant"] = self._concrete(name).name  # what a family name such as "token_ring" resolved to
         if name == "pytorch_ring" and self.device.type != "cpu":
-            return dict(strategy=name, skipped="pytorch_ring is wired to the CPU flash op only")
-        call = (lambda traced: self._pytorch_ring(traced)) if name == "pytorch_ring" else \
+            res["skipped"] = "pytorch_ring is wired to the CPU flash op only"
+            return st
+        st["call"] = (lambda traced: self._pytorch_ring(traced)) if name == "pytorch_ring" else \
             (lambda traced: self._ours(name, traced))
         for _ in range(spec["warmup"]):
-            call(False)
-        times, events, last = [], [], None
-        for _ in range(spec["repeats"]):
-            dt, ev, log, outs = call(spec["trace"])
-            times.append(dt)
-            events.append(ev)
-            last = (log, outs)
-        res["times"] = _slowest(times, self.device)
-        log, outs = last
+            st["call"](False)
+        return st
+
+    def timed(self, st: dict) -> None:
+        """One timed call of the strategy whose state ``st`` is (nothing if it is skipped or already timed)."""
+        if st["call"] is None:
+            return
+        dt, ev, log, outs = st["call"](self.spec["trace"])
+        st["times"].append(dt)
+        st["events"].append(ev)
+        st["last"] = (log, outs)
+
+    def finish(self, st: dict) -> dict:
+        """The strategy's result: times (slowest rank per call), bytes, traces, communication alone, outputs."""
+        spec, dist, res, name = self.spec, self.dist, st["res"], st["res"]["strategy"]
+        if st["call"] is None:
+            return res
+        res["times"] = _slowest(st["times"], self.device)
+        log, outs = st["last"]
         if name == "pytorch_ring":
             res.update(api="private torch.distributed.tensor.experimental._attention._templated_ring_attention"
                            " (+ _backward), CPU flash op, all-to-all rotater", bytes=_model_bytes(spec, name))
@@ -353,7 +373,7 @@ class _Runner:
             res["bytes"] = _link_bytes(logs)
         if spec["trace"] and name != "pytorch_ring":
             allev = [None] * self.P
-            dist.all_gather_object(allev, events)
+            dist.all_gather_object(allev, st["events"])
             res["events"] = allev  # [rank][repeat] -> events
         if spec["comm_only"] and name not in PEERS and isinstance(self._concrete(name), ScheduledStrategy):
             for _ in range(spec["warmup"]):
@@ -369,6 +389,38 @@ class _Runner:
             res["comm_only_events"] = allc
         res["full_outputs"] = self._gather(outs, self.layout)
         return res
+
+    def run_all(self, names: list[str]) -> list[dict]:
+        """Every strategy of ``names``. Interleaved (the default): all warm up, then ``repeats`` rounds of one
+        timed call each, the order rotated every round, so that a slow drift of the machine (other tenants,
+        clock changes) reaches every strategy alike and round ``i`` of two strategies can be compared as a
+        pair; ``spec["interleave"] = False``: one strategy's calls after another's."""
+        say = (lambda n: print(f"[bench] {n} ...", file=sys.stderr, flush=True)) if self.rank == 0 else \
+            (lambda n: None)
+        if not self.spec.get("interleave", True):
+            out = []
+            for name in names:
+                say(name)
+                st = self.begin(name)
+                for _ in range(self.spec["repeats"]):
+                    self.timed(st)
+                out.append(self.finish(st))
+            return out
+        states = []
+        for name in names:
+            say(name + " (warm-up)")
+            states.append(self.begin(name))
+        for i in range(self.spec["repeats"]):
+            for j in range(len(states)):
+                self.timed(states[(i + j) % len(states)])
+        return [self.finish(st) for st in states]
+
+    def strategy(self, name: str) -> dict:
+        """One strategy alone: warm-up, ``repeats`` timed calls, its result."""
+        st = self.begin(name)
+        for _ in range(self.spec["repeats"]):
+            self.timed(st)
+        return self.finish(st)
 
 
 def _reference(spec: dict, full: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -471,11 +523,7 @@ def _worker(spec_path: str, rank: int) -> int:
         import tokenring
         tokenring.set_timeout(spec["timeout"])
         runner = _Runner(spec, rank, device)
-        results = []
-        for name in spec["strategies"]:
-            if rank == 0:
-                print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-            results.append(runner.strategy(name))
+        results = runner.run_all(spec["strategies"])
         if rank == 0:
             ref = _reference(spec, [t.cpu() for t in runner.full])
             for r in results:
@@ -585,14 +633,14 @@ def _strategy_arg(name: str) -> str:
 
 def make_spec(P=4, S=4096, B=1, H=8, Hkv=None, d=64, dtype="float32", causal=False, layout=None, mode="fwd",
               strategies=OURS + PEERS, warmup=1, repeats=5, seed=0, trace=True, comm_only=True, threads=1,
-              backend=None, timeout=120.0, fail_rank=None, backward_kernel="auto") -> dict:
+              backend=None, timeout=120.0, fail_rank=None, backward_kernel="auto", interleave=True) -> dict:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "gloo"
     layout = layout or default_layout(causal)
     return dict(P=P, S=S, B=B, H=H, Hkv=Hkv or H, d=d, dtype=dtype, causal=causal, layout=layout, **{"pass": mode},
                 strategies=list(strategies), warmup=warmup, repeats=repeats, seed=seed, trace=trace,
                 comm_only=comm_only, threads=threads, backend=backend, timeout=timeout, fail_rank=fail_rank,
-                backward_kernel=backward_kernel)
+                backward_kernel=backward_kernel, interleave=interleave)
 
 
 def run(spec: dict, **launch_kw) -> dict:
@@ -659,7 +707,8 @@ def describe(spec: dict) -> str:
     gqa = "MHA" if spec["H"] == spec["Hkv"] else ("MQA" if spec["Hkv"] == 1 else "GQA")
     return (f"P={spec['P']} B={spec['B']} S={spec['S']} (s={spec['S'] // spec['P']}/rank) H={spec['H']} "
             f"Hkv={spec['Hkv']} ({gqa}) d={spec['d']} {spec['dtype']} {'causal ' + spec['layout'] if spec['causal'] else 'non-causal'} "
-            f"pass={spec['pass']} backend={spec['backend']} repeats={spec['repeats']} (+{spec['warmup']} warm-up)")
+            f"pass={spec['pass']} backend={spec['backend']} repeats={spec['repeats']} (+{spec['warmup']} warm-up"
+            f"{', interleaved' if spec.get('interleave', True) else ', sequential'})")
 
 
 def print_table(result: dict, title: str = "") -> None:
@@ -739,6 +788,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--backward-kernel", default="auto", choices=["auto", "math", "cpu_flash", "cuda"],
                     help="local backward kernel of this library's strategies (auto: fused where faster)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="time one strategy's calls after another's (default: interleaved rounds)")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--no-comm-only", action="store_true", help="skip measuring communication alone")
     ap.add_argument("--json", default=None, help="write the full results here")
@@ -751,7 +802,7 @@ def specs_from_args(a) -> list[dict]:
                       causal=a.causal, layout=a.layout, mode=a.mode, strategies=a.strategies, warmup=a.warmup,
                       repeats=a.repeats, trace=not a.no_trace, comm_only=not a.no_comm_only, threads=a.threads,
                       backend=a.backend, timeout=a.timeout, fail_rank=a.fail_rank,
-                      backward_kernel=a.backward_kernel) for S in a.seq]
+                      backward_kernel=a.backward_kernel, interleave=not a.sequential) for S in a.seq]
 
 
 def run_cases(specs: list[dict], label=lambda s: describe(s), **launch_kw) -> list[dict]:
