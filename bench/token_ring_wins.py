@@ -543,14 +543,21 @@ def main(argv=None) -> int:
             print(f"[{time.time() - t0:.0f}s] sweep {rate * f:g} Mbit/s", flush=True)
             sweep.append(run_case("sweep", "mesh", rate * f, H, False, "fwd", [n for n in STRATEGIES if n != "auto"],
                                   max(3, a.repeats - 2), a.out, False))
-    gqa = [] if a.quick else gqa_section(rate, a.repeats, a.out)
-    odd = None if a.quick else odd_section(a.repeats, a.out)
-    all_res = dict(calibration=cal, floors=floors, unshaped=free, cases=cases, sweep=sweep, gqa=gqa, odd=odd,
+    all_res = dict(calibration=cal, floors=floors, unshaped=free, cases=cases, sweep=sweep, gqa=[], odd=None,
                    machine=bench.machine(), date=time.strftime("%Y-%m-%d"),
                    command="sudo .venv/bin/python bench/token_ring_wins.py", repeats=a.repeats,
                    switch_repeats=a.switch_repeats)
-    with open(os.path.join(a.out, "token_ring_wins.json"), "w") as f:
-        json.dump(all_res, f, indent=1)
+
+    def save() -> None:  # after each part, so that a failure later leaves what ran (--gqa-only / --odd-only go on)
+        with open(os.path.join(a.out, "token_ring_wins.json"), "w") as f:
+            json.dump(all_res, f, indent=1)
+
+    save()
+    if not a.quick:
+        all_res["gqa"] = gqa_section(rate, a.repeats, a.out)
+        save()
+        all_res["odd"] = odd_section(a.repeats, a.out)
+        save()
     write(all_res, a.out)
     print(f"wrote {a.out}/token_ring_wins.md ({time.time() - t0:.0f}s)")
     return 0

@@ -557,7 +557,10 @@ def launch(spec: dict, *, prefix=None, env=None, workdir: str | None = None, tim
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     procs, errs = [], []
-    limit = timeout or (spec["timeout"] + 120)
+    # A backstop for a hang the per-operation timeouts miss, so generous: a case of many strategies, repeats and
+    # a backward runs for minutes (a P=5 forward+backward of 8 strategies took over 240 s on 2 cores).
+    calls = len(spec["strategies"]) * (spec["warmup"] + 2 * spec["repeats"]) * (3 if spec["pass"] == "both" else 1)
+    limit = timeout or (spec["timeout"] + 120 + 5 * calls)
     try:
         for r in range(P):
             cmd = list(prefix(r) if prefix else []) + [sys.executable, "-m", "tokenring.tools.bench", "--_worker",
