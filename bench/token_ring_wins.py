@@ -308,7 +308,8 @@ def write(all_res: dict, outdir: str) -> None:
             cells = [ms(rs[n]["time"]) if n in rs and "time" in rs[n] else "skip" for n in STRATEGIES if n != "auto"]
             L.append(f"| {res['testbed']['rate_mbit']:g} | " + " | ".join(cells) +
                      f" | {rs['ring']['time'] / rs['token_ring']['time']:.2f}x | "
-                     f"{rs['ulysses']['time'] / rs['token_ring']['time']:.2f}x | {paired(res, 'token_ring', 'ulysses')} |")
+                     f"{rs['ulysses']['time'] / rs['token_ring']['time']:.2f}x | "
+                     f"{paired(res, 'token_ring', 'ulysses')} |")
     if gqa:
         L += ["", f"## GQA {H}/{GQA_KV} at its own comm-bound rate (mesh, forward)", "",
               f"K/V per step is {GQA_KV}/{H} of MHA's, so ring is comm-bound (K/V per step = 2x a block) at "
@@ -374,10 +375,11 @@ def breakdown_rows(outdir: str) -> list[str]:
         return []
     return ["", "## Where the time goes (mesh, the traced call)", "",
             "From the Chrome traces beside this report (one call each, the median call of the run that wrote "
-            "them, which may be a later run than the tables': see the header). Per rank, averaged over the ranks: compute, exposed waits, and the rest of the call "
-            "(host work between them: packing payloads, merging partials, allocating, starting the call late). "
-            "End tail: from the last compute on any rank to the call's end. Every rank computes while others "
-            "do, on 2 shared cores, so a rank's compute time also depends on how many others are computing.", "",
+            "them, which may be a later run than the tables': see the header). Per rank, averaged over the "
+            "ranks: compute, exposed waits, and the rest of the call (host work between them: packing payloads, "
+            "merging partials, allocating, starting the call late). End tail: from the last compute on any rank "
+            "to the call's end. Every rank computes while others do, on 2 shared cores, so a rank's compute time "
+            "also depends on how many others are computing.", "",
             "| case | strategy | call ms | compute ms (mean) | compute ms (max) | exposed wait ms | rest ms | "
             "end tail ms |", "|---|---|---|---|---|---|---|---|"] + rows
 

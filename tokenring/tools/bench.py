@@ -415,13 +415,6 @@ class _Runner:
                 self.timed(states[(i + j) % len(states)])
         return [self.finish(st) for st in states]
 
-    def strategy(self, name: str) -> dict:
-        """One strategy alone: warm-up, ``repeats`` timed calls, its result."""
-        st = self.begin(name)
-        for _ in range(self.spec["repeats"]):
-            self.timed(st)
-        return self.finish(st)
-
 
 def _reference(spec: dict, full: list[torch.Tensor]) -> list[torch.Tensor]:
     """Single-process attention on the whole sequence (float32 or wider), with gradients when needed."""
