@@ -24,6 +24,8 @@
 6. The simulator's prediction of every measured variant (model frozen before the run; also with FIFO sharing
    between connections, and for one GQA variant without ready notices / with late receives) and ``auto``'s
    pick scored against the measured best.
+7. What the host costs: the model on the kept mesh MHA measurements with the host's work per byte removed
+   (``--report-only --what-if`` adds it to an existing result, measuring nothing).
 No number in the outputs is typed by hand.
 """
 from __future__ import annotations
@@ -54,6 +56,7 @@ ODD_P, ODD_H = 5, 10
 ODD_STRATEGIES = ["ring", "ring_bidir", "ulysses", "token_ring_paper", "token_ring", "token_ring:direct,c=2,k=4",
                   "ring:auto", "auto"]
 TRACED = ("ring", "token_ring_paper", "token_ring", "ulysses")
+WHAT_IF = ("ring", "ulysses", "token_ring")  # what_if's strategies
 # Unshaped runs: every strategy above, and direct variants with one chunk and with four (the bounds need each
 # chunking's links-free time).
 UNSHAPED = list(dict.fromkeys(STRATEGIES + GQA_STRATEGIES + ["token_ring:direct,c=1,k=3", "token_ring:direct,c=4,k=3",
@@ -140,6 +143,70 @@ def predict(res: dict) -> dict:
     return out
 
 
+def what_if(res: dict) -> dict:
+    """The model on one kept measurement, three ways: the testbed as it is; the same shaped links with the host's
+    work per byte removed (no CPU time per byte sent or received, no loopback cap: transfers that leave the
+    computing cores alone, as DMA engines move a GPU's data); and links free as well (ring then gives the modelled
+    floor: P blocks and their merges). ``token_ring`` is the family choice: the variant the model picks under
+    each. Milliseconds; the variant beside each."""
+    from dataclasses import replace
+
+    import torch
+    from tokenring.schedules import Shapes
+    from tokenring.sim import get_topology, simulate
+    from tokenring.sim.auto import _kernel
+    from tokenring.sim.topology import INF
+    sp, tb = res["spec"], res["testbed"]
+    sh = Shapes(sp["B"], sp["S"] // sp["P"], sp["H"], sp["Hkv"], sp["d"], getattr(torch, sp["dtype"]), sp["P"])
+    topo = get_topology(f"{tb['topology']}:{tb['rate_mbit']:g}mbit", sp["P"])
+    torch.set_num_threads(sp["threads"])
+    km = _kernel(topo, sp["P"])
+    host_free = replace(topo, cpu_per_byte=0.0, backplane_bw=INF)
+    kw = dict(causal=sp["causal"], layout=sp["layout"], backward=sp["pass"] != "fwd")
+    out = {}
+    for label, t in (("testbed", topo), ("host_free", host_free)):
+        out[label] = {n: (lambda r: [r.time * 1e3, r.strategy])(simulate(n, sh, t, km, **kw)) for n in WHAT_IF}
+    out["floor_ms"] = simulate("ring", sh, replace(host_free, link_bw=INF, latency=0.0), km, **kw).time * 1e3
+    return out
+
+
+def what_if_rows(all_res: dict) -> list[str]:
+    """The report section: measured ratios beside the model's, with and without the host's work per byte."""
+    odd = all_res.get("odd") or {}
+    rows = [(r, all_res["floors"]) for r in all_res["cases"] + all_res["sweep"] if "what_if" in r]
+    rows += [(r, odd["floors"]) for r in odd_cases(all_res) if "what_if" in r]
+    if not rows:
+        return []
+    L = ["", "## What the host costs TokenRing: the model without the host's work per byte", "",
+         "Here every byte a rank sends or receives also costs the two cores that compute (kernel TCP stack, veth, "
+         "gloo). A TokenRing overlaps its transfers with compute, so its bytes slow its compute (the breakdown at "
+         f"the end: compute per rank grows while links are busy), and at P={P} it moves twice Ulysses' bytes "
+         "(per rank: P-1 query blocks out and P-1 partials back, against Ulysses' 4(P-1)/P block-sized pieces), "
+         "while Ulysses moves its bytes while the cores wait for them. A GPU's copy engines move bytes without its "
+         "SMs (the model's GPU topologies charge no compute per byte). The validated model, on each kept mesh "
+         "measurement, three ways: as the testbed is; the same shaped links with the host's per-byte work removed "
+         "(`cpu_per_byte = 0`, no loopback cap); links free too (ring then gives the modelled floor). Ratios as "
+         "in the tables above (ring / token_ring, ulysses / token_ring, token_ring / floor); "
+         f"`{all_res.get('what_if_by', 'sudo .venv/bin/python bench/token_ring_wins.py')}`"
+         + (f" on {all_res['what_if_date']}" if "what_if_date" in all_res else "") + ".", "",
+         "| P | Mbit/s | case | measured: vs ring | vs ulysses | / floor | model, testbed: vs ring | vs ulysses "
+         "| / floor | model, host work removed: token_ring runs | ms | vs ring | vs ulysses | / floor |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for res, floors in rows:
+        sp, rs, w = res["spec"], by_name(res), res["what_if"]
+        fl = floors[f"{sp['Hkv']}-{sp['causal']}-{sp['pass']}"]["floor"]
+        tr = rs["token_ring"]["time"]
+        cells = [f"{rs['ring']['time'] / tr:.2f}x", f"{rs['ulysses']['time'] / tr:.2f}x", f"{tr / fl:.2f}"]
+        for label in ("testbed", "host_free"):
+            m = {n: v[0] for n, v in w[label].items()}
+            if label == "host_free":
+                cells += [f"`{w[label]['token_ring'][1]}`", f"{m['token_ring']:.1f}"]
+            cells += [f"{m['ring'] / m['token_ring']:.2f}x", f"{m['ulysses'] / m['token_ring']:.2f}x",
+                      f"{m['token_ring'] / w['floor_ms']:.2f}"]
+        L.append(f"| {sp['P']} | {res['testbed']['rate_mbit']:g} | {shape_label(sp)} | " + " | ".join(cells) + " |")
+    return L
+
+
 def run_case(tag: str, topo: str, rate: float, Hkv: int, causal: bool, mode: str, strategies, repeats: int,
              outdir: str, traces: bool, P: int = P, H: int = H) -> dict:
     spec = bench.make_spec(P=P, S=1024 * P, H=H, Hkv=Hkv, d=D, causal=causal, mode=mode, strategies=strategies,
@@ -155,6 +222,8 @@ def run_case(tag: str, topo: str, rate: float, Hkv: int, causal: bool, mode: str
         bench.write_traces(res, outdir, tag=f"tr_{tag}_{topo}_")
     res = bench.strip_events(res)
     res["predicted"] = predict(res)
+    if topo == "mesh" and Hkv == H:
+        res["what_if"] = what_if(res)
     return res
 
 
@@ -326,7 +395,7 @@ def write(all_res: dict, outdir: str) -> None:
                      " | ".join(f"{ms(rs[n]['time'])} [{ms(rs[n]['time_min'])}-{ms(rs[n]['time_max'])}]"
                                 if n in timed else "skip" for n in GQA_STRATEGIES) +
                      f" | {min(timed, key=timed.get)} | {timed['ring'] / best_direct:.2f}x |")
-    L += notice_rows(gqa) + odd_rows(all_res.get("odd"))
+    L += what_if_rows(all_res) + notice_rows(gqa) + odd_rows(all_res.get("odd"))
     L += ["", "Timelines (`tr_<case>_<topology>_timeline.png` beside this file): ring, the paper's TokenRing, the "
           "chosen TokenRing variant and Ulysses on the same time axis; Chrome traces alongside."]
     L += breakdown_rows(outdir)
@@ -474,6 +543,9 @@ def main(argv=None) -> int:
     ap.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json, measuring nothing")
     ap.add_argument("--repredict", action="store_true",
                     help="with --report-only: predict the kept measurements again with the model as it is now")
+    ap.add_argument("--what-if", action="store_true",
+                    help="with --report-only: add the model's what-if (host work per byte removed) to the kept "
+                         "mesh measurements")
     ap.add_argument("--timelines-only", action="store_true",
                     help="rerun only the traced cases to redraw their timelines (tables and JSON untouched)")
     a = ap.parse_args(argv)
@@ -491,6 +563,13 @@ def main(argv=None) -> int:
                 res["predicted"] = predict(res)
             all_res["date_predicted"] = time.strftime("%Y-%m-%d")
             all_res["predicted_by"] = "sudo .venv/bin/python bench/token_ring_wins.py --report-only --repredict"
+        if a.what_if:  # model only: the measurements and their predictions stay as they are
+            for res in all_res["cases"] + all_res["sweep"] + odd_cases(all_res):
+                if res["testbed"]["topology"] == "mesh" and res["spec"]["Hkv"] == res["spec"]["H"]:
+                    res["what_if"] = what_if(res)
+            all_res["what_if_date"] = time.strftime("%Y-%m-%d")
+            all_res["what_if_by"] = "sudo .venv/bin/python bench/token_ring_wins.py --report-only --what-if"
+        if a.repredict or a.what_if:
             with open(path, "w") as f:
                 json.dump(all_res, f, indent=1)
         write(all_res, a.out)
