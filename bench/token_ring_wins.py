@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import time
+from math import comb
 from statistics import median
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,6 +50,8 @@ STRATEGIES = ["ring", "ring_bidir", "ulysses", "pytorch_ring", "token_ring_paper
 GQA_KV = 2
 GQA_STRATEGIES = ["ring", "ring_bidir", "ulysses", "pytorch_ring", "token_ring", "token_ring:direct,c=4,k=3",
                   "ring:direct,c=1,k=3", "ring:direct,c=2,k=3", "ring:direct,c=2,k=1", "ring:auto", "auto"]
+# The many-rounds comparison of the goal case (--duel)
+DUEL = ["ring", "ulysses", "token_ring", FIXED_DIRECT]
 # Whose prediction the report shows with and without the model's ready notices (see notice_rows)
 NOTICE_CASE = ("token_ring:direct,c=4,k=3", True)
 # Odd P: a bye round per chunk sweep in the direct schedules; H divisible by P for Ulysses
@@ -80,6 +83,64 @@ def paired(res: dict, a: str, b: str) -> str:
         return "-"
     ta, tb = rs[a]["times"], rs[b]["times"]
     return f"{median(y / x for x, y in zip(ta, tb)):.2f}x ({sum(x < y for x, y in zip(ta, tb))}/{len(ta)})"
+
+
+def sign_test(won: int, n: int) -> float:
+    """Two-sided sign-test p-value of ``won`` wins in ``n`` paired rounds under "neither is faster"."""
+    tail = sum(comb(n, i) for i in range(min(won, n - won) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
+    """Distribution-free confidence interval of the median of ``xs`` (order statistics j and n - 1 - j, where
+    the binomial(n, 1/2) tail below j is at most (1 - level) / 2)."""
+    xs, n = sorted(xs), len(xs)
+    j, acc = 0, 0.0
+    while j < n // 2 and acc + comb(n, j) / 2 ** n <= (1 - level) / 2:
+        acc += comb(n, j) / 2 ** n
+        j += 1
+    j = max(0, j - 1)
+    return xs[j], xs[n - 1 - j]
+
+
+def duel(rate: float, repeats: int) -> dict:
+    """The non-causal MHA forward case on the mesh at the comm-bound rate with many interleaved rounds of only
+    ring, ulysses and the TokenRing variants: enough pairs to tell a small difference from the machine's noise."""
+    spec = bench.make_spec(P=P, S=S, H=H, Hkv=H, d=D, causal=False, mode="fwd", strategies=DUEL, repeats=repeats,
+                           warmup=1, trace=False)
+    with testbed.Testbed(P, "mesh", rate) as tb:
+        res = bench.run(spec, **tb.launch_kwargs())
+        res["testbed"] = dict(tb.describe(), dropped=tb.dropped())
+    res["date"] = time.strftime("%Y-%m-%d %H:%M")
+    return bench.strip_events(res)
+
+
+def duel_rows(res: dict | None) -> list[str]:
+    if not res:
+        return []
+    rs = by_name(res)
+    L = ["", "## Many rounds: token_ring against ulysses (mesh, MHA, non-causal, fwd)", "",
+         f"`sudo .venv/bin/python bench/token_ring_wins.py --duel` on {res['date']}: only {', '.join(DUEL)}, "
+         f"{len(rs['ring']['times'])} interleaved rounds at {res['testbed']['rate_mbit']:g} Mbit/s (the comm-bound "
+         "rate above), same shapes. Paired = median over rounds of ulysses' time / the variant's, with its 95% "
+         "distribution-free confidence interval; won = rounds in which the variant was faster, and the two-sided "
+         "sign-test p-value of that count if neither were faster.", "",
+         "| strategy | ran | median ms [min-max] | ring / it | paired ulysses / it [95% CI] | won | sign test p |",
+         "|---|---|---|---|---|---|---|"]
+    uly = rs["ulysses"]["times"]
+    for n in DUEL:
+        r = rs[n]
+        row = f"| {n} | {r.get('variant', n)} | {ms(r['time'])} [{ms(r['time_min'])}-{ms(r['time_max'])}] | " \
+              f"{rs['ring']['time'] / r['time']:.2f}x | "
+        if n in ("ring", "ulysses"):
+            L.append(row + "- | - | - |")
+            continue
+        ratios = [u / t for u, t in zip(uly, r["times"])]
+        lo, hi = median_ci(ratios)
+        won = sum(x > 1 for x in ratios)
+        L.append(row + f"{median(ratios):.3f}x [{lo:.3f}-{hi:.3f}] | {won}/{len(ratios)} | "
+                 f"{sign_test(won, len(ratios)):.2g} |")
+    return L
 
 
 def calibrate(repeats: int, P: int = P, H: int = H) -> dict:
@@ -395,7 +456,7 @@ def write(all_res: dict, outdir: str) -> None:
                      " | ".join(f"{ms(rs[n]['time'])} [{ms(rs[n]['time_min'])}-{ms(rs[n]['time_max'])}]"
                                 if n in timed else "skip" for n in GQA_STRATEGIES) +
                      f" | {min(timed, key=timed.get)} | {timed['ring'] / best_direct:.2f}x |")
-    L += what_if_rows(all_res) + notice_rows(gqa) + odd_rows(all_res.get("odd"))
+    L += duel_rows(all_res.get("duel")) + what_if_rows(all_res) + notice_rows(gqa) + odd_rows(all_res.get("odd"))
     L += ["", "Timelines (`tr_<case>_<topology>_timeline.png` beside this file): ring, the paper's TokenRing, the "
           "chosen TokenRing variant and Ulysses on the same time axis; Chrome traces alongside."]
     L += breakdown_rows(outdir)
@@ -540,6 +601,9 @@ def main(argv=None) -> int:
     ap.add_argument("--odd-only", action="store_true", help=f"rerun only the P={ODD_P} part into the result")
     ap.add_argument("--floors-only", action="store_true",
                     help="remeasure only the compute floors and the unshaped runs into the result")
+    ap.add_argument("--duel", action="store_true",
+                    help="rerun only the many-rounds comparison of the goal case (token_ring vs ulysses)")
+    ap.add_argument("--duel-repeats", type=int, default=25)
     ap.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json, measuring nothing")
     ap.add_argument("--repredict", action="store_true",
                     help="with --report-only: predict the kept measurements again with the model as it is now")
@@ -587,6 +651,16 @@ def main(argv=None) -> int:
             json.dump(all_res, f, indent=1)
         write(all_res, a.out)
         print(f"redrew the timelines in {a.out} ({time.time() - t0:.0f}s)")
+        return 0
+    if a.duel:
+        path = os.path.join(a.out, "token_ring_wins.json")
+        with open(path) as f:
+            all_res = json.load(f)
+        all_res["duel"] = duel(all_res["calibration"]["rate_mbit"], a.duel_repeats)
+        with open(path, "w") as f:
+            json.dump(all_res, f, indent=1)
+        write(all_res, a.out)
+        print(f"wrote {a.out}/token_ring_wins.md ({time.time() - t0:.0f}s)")
         return 0
     if a.gqa_only or a.floors_only or a.odd_only:
         with open(os.path.join(a.out, "token_ring_wins.json")) as f:
