@@ -24,6 +24,8 @@
 6. The simulator's prediction of every measured variant (model frozen before the run; also with FIFO sharing
    between connections, and for one GQA variant without ready notices / with late receives) and ``auto``'s
    pick scored against the measured best.
+6b. Many interleaved rounds of ring, ulysses and the TokenRing variants in the goal case (MHA non-causal
+   forward, mesh; ``--duel`` reruns just this part): paired ratios with confidence intervals.
 7. What the host costs: the model on the kept mesh MHA measurements with the host's work per byte removed
    (``--report-only --what-if`` adds it to an existing result, measuring nothing).
 No number in the outputs is typed by hand.
@@ -120,7 +122,8 @@ def duel_rows(res: dict | None) -> list[str]:
         return []
     rs = by_name(res)
     L = ["", "## Many rounds: token_ring against ulysses (mesh, MHA, non-causal, fwd)", "",
-         f"`sudo .venv/bin/python bench/token_ring_wins.py --duel` on {res['date']}: only {', '.join(DUEL)}, "
+         f"`sudo .venv/bin/python bench/token_ring_wins.py --duel` (a part of the full run too) on {res['date']}: "
+         f"only {', '.join(DUEL)}, "
          f"{len(rs['ring']['times'])} interleaved rounds at {res['testbed']['rate_mbit']:g} Mbit/s (the comm-bound "
          "rate above), same shapes. Paired = median over rounds of ulysses' time / the variant's, with its 95% "
          "distribution-free confidence interval; won = rounds in which the variant was faster, and the two-sided "
@@ -226,7 +229,8 @@ def what_if(res: dict) -> dict:
     kw = dict(causal=sp["causal"], layout=sp["layout"], backward=sp["pass"] != "fwd")
     out = {}
     for label, t in (("testbed", topo), ("host_free", host_free)):
-        out[label] = {n: (lambda r: [r.time * 1e3, r.strategy])(simulate(n, sh, t, km, **kw)) for n in WHAT_IF}
+        runs = {n: simulate(n, sh, t, km, **kw) for n in WHAT_IF}
+        out[label] = {n: [r.time * 1e3, r.strategy] for n, r in runs.items()}
     out["floor_ms"] = simulate("ring", sh, replace(host_free, link_bw=INF, latency=0.0), km, **kw).time * 1e3
     return out
 
@@ -720,6 +724,8 @@ def main(argv=None) -> int:
         all_res["gqa"] = gqa_section(rate, a.repeats, a.out)
         save()
         all_res["odd"] = odd_section(a.repeats, a.out)
+        save()
+        all_res["duel"] = duel(rate, a.duel_repeats)
         save()
     write(all_res, a.out)
     print(f"wrote {a.out}/token_ring_wins.md ({time.time() - t0:.0f}s)")
