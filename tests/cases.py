@@ -48,8 +48,11 @@ def reference(q, k, v, causal: bool, scale: float, cu_seqlens=None, window=None)
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vv)
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
+    """Largest error relative to the largest reference value, or to ``floor`` where that is smaller (a rank
+    whose reference rows are exactly zero: a query that sees only itself has dq = 0, computed as a difference
+    that leaves rounding noise)."""
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(floor)).item()
 
 
 def case_inputs(rank: int, P: int, case: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -102,7 +105,7 @@ def check_case(rank: int, P: int, case: dict) -> dict:
             f"rank {rank} {strategy} {case}: {name} has dtype/shape {getattr(got, 'dtype', None)} " \
             f"{None if got is None else tuple(got.shape)}"
         r = ref.index_select(1, idx)
-        e = rel_err(got, r)
+        e = rel_err(got, r, 1e-3 * ref.abs().max().item())  # this rank's rows, at least 1e-3 of the whole
         errs[name] = e
         if not (e <= tol):  # also catches NaN
             worst = (got.double() - r).abs().argmax().item()

@@ -82,7 +82,53 @@ def test_keep_specs():
 def test_degenerate_grids(pools, P, n):
     """Nodes of one rank (everything between nodes) and one node of every rank (a flat schedule)."""
     todo = [c for c in grid(P, n) if c["seed"] % 3 == 0]
+    todo += [c for c in grid(P, n, names=keep_specs) if c["seed"] % 5 == 0]  # keep: the own round last
     assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
+def test_rounds_that_end_empty(pools):
+    """Masks that leave a two-level schedule's last rounds empty: what is due in them is due at the end (once
+    such dues overran the schedule, and only the ranks holding them failed: the others waited)."""
+    todo = [dict(B=3, s=1, H=1, Hkv=1, d=32, dtype="float64", causal=True, layout="contiguous",
+                 strategy="token_ring_2d:relay,n=3", scale=1.1435, seed=5378, window=(1, 0)),
+            dict(B=2, s=7, H=4, Hkv=1, d=38, dtype="float64", causal=True, layout="contiguous",
+                 strategy="double_ring:n=2", scale=1.8092, seed=12579, window=(1, 37)),
+            dict(B=1, s=10, H=12, Hkv=3, d=2, dtype="float64", causal=False, layout="zigzag",
+                 strategy="token_ring_2d:direct,c=1,k=2,n=3", scale=0.9717, seed=38054,
+                 cu_seqlens=[0, 1, 31, 34, 38, 47, 53, 59, 60], window=(0, 1))]
+    assert pools(6).run(cases.check_many, todo) == [len(todo)] * 6
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_masked_schedules_stay_within_their_steps(seed):
+    """Every message of a two-level schedule (any node size, keep, outer chunks, random documents and windows)
+    is due within the schedule: ``Schedule`` refuses one that is not, on every rank alike."""
+    from tokenring.masks import make_mask
+    rng = random.Random(seed)
+    built = 0
+    for _ in range(150):
+        P = rng.choice([2, 3, 4, 6, 8])
+        n = rng.choice([d for d in range(1, P + 1) if P % d == 0])
+        s, causal, layout = rng.randint(1, 12), rng.random() < 0.5, rng.choice(["contiguous", "zigzag"])
+        s += layout == "zigzag" and s % 2
+        c, k = rng.randint(1, 3), rng.randint(1, max(1, n - 1))
+        spec = rng.choice([f"token_ring_2d:relay,n={n}", f"double_ring:n={n}",
+                           f"token_ring_2d:direct,c={c},k={k},n={n}", f"double_ring:direct,c={c},k={k},n={n}"])
+        spec += ",keep" * (rng.random() < 0.4) + f",o={rng.randint(2, 3)}" * (rng.random() < 0.4)
+        S = s * P
+        cu = [0] + sorted(rng.sample(range(1, S), min(S - 1, rng.randint(1, 6)))) + [S] if S > 1 else None
+        window = (rng.choice([-1, 0, 1, 2, s]), rng.choice([-1, 0, 1, s])) if rng.random() < 0.5 else None
+        if why_not(spec, 24, 2, P, s, causal and layout == "zigzag"):
+            continue
+        try:
+            mask = make_mask(S, cu, window, causal)
+        except ValueError:  # e.g. a window that is not allowed with this mask
+            continue
+        for backward in (False, True):
+            sched = get(spec).schedule(P, layout, causal, backward, mask)
+            assert all(m.due < len(sched.steps) for st in sched.steps for m in st.messages)
+            built += 1
+    assert built > 100
 
 
 def test_low_precision(pools):

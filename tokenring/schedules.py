@@ -175,6 +175,17 @@ class Schedule:
     steps: list[Step]
     mask: object = None  # a tokenring.masks.Mask (documents / window) the blocks were cut for, or None
 
+    def __post_init__(self) -> None:
+        # Every rank builds the same schedule, so a bad one fails here on all of them at once; the executor
+        # would only notice on the ranks whose plan holds the bad message, and the others would wait for them.
+        for t, st in enumerate(self.steps):
+            for m in st.messages:
+                if m.due >= len(self.steps) or 0 <= m.due < t or m.ready > t:
+                    raise RuntimeError(
+                        f"schedule {self.strategy} (P={self.P}, {self.layout}, causal={self.causal}, "
+                        f"{'backward' if self.backward else 'forward'}): {m} posted at step {t} of "
+                        f"{len(self.steps)} is due or ready outside them (please report it)")
+
     def for_rank(self, r: int) -> list[tuple[list[Compute], list[Message], list[Message]]]:
         """Per step: this rank's computes, the messages it sends and those it receives, in posting order."""
         return [([c for c in st.computes if c.rank == r],
@@ -329,9 +340,14 @@ def relay(owner: int, path: list[int], needs: list[str | None], kind: str,
 
 
 def drop_empty_tail(steps: list[Step]) -> list[Step]:
-    """``steps`` without trailing steps that neither compute nor communicate."""
+    """``steps`` without trailing steps that neither compute nor communicate. A message due at a dropped step
+    is due at the last step instead: nothing after it runs meanwhile, so the receiver waits for it there (a
+    two-level schedule whose last rounds a mask or a late own round leaves empty gives such dues)."""
     while steps and not steps[-1].computes and not steps[-1].messages:
         steps.pop()
+    last = len(steps) - 1
+    for st in steps:
+        st.messages = [replace(m, due=last) if m.due > last else m for m in st.messages]
     return steps
 
 
