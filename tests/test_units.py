@@ -338,3 +338,9 @@ def test_early_receives_keep_tags_and_pair_order(name):
                     assert t == (min(m.ready, posted) if early and m.ready >= 0 else posted)
         rets = [m for st in sched.steps for m in st.messages if m.kind in ("out", "dq", "dkv") and m.ready >= 0]
         assert rets or (not name.startswith("token_ring") and not backward)  # pass-KV forward returns nothing
+
+
+def test_zero_chunks_or_lookahead_are_refused_when_named():
+    for spec in ("token_ring:direct,c=0,k=1", "ring:direct,c=2,k=0"):
+        with pytest.raises(ValueError, match="at least one chunk"):
+            get(spec)

@@ -248,7 +248,7 @@ def test_bad_packing_raises_value_error_on_every_rank(pools, kind, needle):
     msgs = pools(3).run(cases.expect_error, kind)
     if kind == "cu_bad_on_one_rank":  # rank 0 says what is wrong, the others that rank 0 refused
         assert needle in msgs[0], msgs[0]
-        assert all("cu_seqlens / window" in m and "rank 0" in m for m in msgs[1:]), msgs
+        assert all("rank(s) [0] refused" in m for m in msgs[1:]), msgs
     else:
         for msg in msgs:
             assert needle in msg, msg
@@ -262,3 +262,16 @@ def test_schedule_skips_documents_that_never_meet():
         sched = get(name).schedule(2, "contiguous", False, True, mask)
         assert not any(st.messages for st in sched.steps), name
         assert all(c.q_owner == c.kv_owner == c.rank for st in sched.steps for c in st.computes), name
+
+
+def test_fractional_or_nested_document_bounds_and_windows_are_refused():
+    """4.5 tokens would silently become 4 (other documents than the caller meant): whole numbers only, of any
+    numeric type; a nested list or a bool is refused too."""
+    assert make_mask(16, [0.0, 4.0, 16.0], None, True) == make_mask(16, [0, 4, 16], None, True)
+    assert make_mask(16, [torch.tensor(0), torch.tensor(4), 16], None, True) is not None
+    for cu in ([0, 4.5, 16], [[0, 4, 16]], [0, True, 16]):
+        with pytest.raises(ValueError, match="whole numbers"):
+            make_mask(16, cu, None, True)
+    for window in ((1.5, 2), ("a", 1), (1,)):
+        with pytest.raises(ValueError, match="window must be a pair"):
+            make_mask(16, None, window, False)

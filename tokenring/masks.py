@@ -87,6 +87,19 @@ class Mask:
         return slice(r0, r1), slice(int(a[r0:r1][(b > a)[r0:r1]].min()), int(b[r0:r1].max()))
 
 
+def _whole(x, what: str, given) -> int:
+    """``x`` as an int if it is a whole number (an int, a whole float, a 0-d integer tensor), else ValueError:
+    silently truncating 4.5 tokens would attend over other documents than the caller meant."""
+    try:
+        value = int(x)
+        whole = value == x
+    except (TypeError, ValueError, RuntimeError):
+        whole = False
+    if not whole or isinstance(x, bool):
+        raise ValueError(f"{what} must hold whole numbers of tokens, got {x!r} in {given!r}")
+    return value
+
+
 def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> Mask | None:
     """The :class:`Mask` for these arguments, or ``None`` when they mean plain full / causal attention (one
     document, no window that cuts anything) and not ``force`` (a layout whose shards only positions describe,
@@ -99,7 +112,7 @@ def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> 
                                  f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
             cu = [int(x) for x in cu_seqlens.tolist()]
         else:
-            cu = [int(x) for x in cu_seqlens]
+            cu = [_whole(x, "cu_seqlens", cu_seqlens) for x in cu_seqlens]
         if len(cu) < 2 or cu[0] != 0 or cu[-1] != S:
             raise ValueError(f"cu_seqlens must start at 0 and end at the global sequence length S = {S} (local "
                              f"length x ranks), got {cu[:4]}{'...' if len(cu) > 4 else ''} ending at "
@@ -110,7 +123,7 @@ def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> 
     left, right = -1, -1
     if window is not None:
         try:
-            left, right = (int(x) for x in window)
+            left, right = (_whole(x, "window", window) for x in window)
         except (TypeError, ValueError):
             raise ValueError(f"window must be a pair (left, right) of ints, -1 for unbounded; got {window!r}") \
                 from None

@@ -502,6 +502,9 @@ class RelayOrDirect(ScheduledStrategy):
         if mode != "direct" and (chunks, lookahead) != (1, 1):
             raise ValueError(f"{self.family}:{mode} moves whole blocks; chunks (c=) and lookahead (k=) apply to "
                              f"{self.family}:direct")
+        if int(chunks) < 1 or int(lookahead) < 1:
+            raise ValueError(f"{self.family}:direct needs at least one chunk (c=) and one block of lookahead (k=), "
+                             f"got c={chunks}, k={lookahead}")
         self.mode, self.chunks, self.lookahead = mode, int(chunks), int(lookahead)
         self.name = spec_name(self.family, mode, self.chunks, self.lookahead, self.default_mode)
 
