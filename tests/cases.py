@@ -52,7 +52,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
     """Largest error relative to the largest reference value, or to ``floor`` where that is smaller (a rank
     whose reference rows are exactly zero: a query that sees only itself has dq = 0, computed as a difference
     that leaves rounding noise)."""
-    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(floor)).item()
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(max(floor, 1e-30))).item()
 
 
 def case_inputs(rank: int, P: int, case: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -188,6 +188,23 @@ def expect_error(rank: int, P: int, kind: str) -> str:
         kw = dict(strategy="usp", inner_size=4)
     elif kind == "inner_differ":
         kw = dict(strategy="double_ring", inner_size=2 if rank else 1)
+    # Only rank 0 refuses its arguments: it says why, the others that it refused (at once, not after a timeout)
+    elif kind == "zigzag_odd_one_rank":
+        n = 7 if rank == 0 else 8
+        q, k, v = torch.randn(1, n, 4, 16), torch.randn(1, n, 2, 16), torch.randn(1, n, 2, 16)
+        kw = dict(causal=True, layout="zigzag")
+    elif kind == "bad_strategy_one_rank":
+        kw = dict(strategy="bogus" if rank == 0 else "ring")
+    elif kind == "chunks_one_rank":
+        kw = dict(strategy="token_ring:direct,c=9,k=1" if rank == 0 else "token_ring:direct,c=2,k=1")
+    elif kind == "shape_one_rank":
+        q = q[0] if rank == 0 else q
+    elif kind == "scale_one_rank":
+        kw = dict(softmax_scale=float("nan") if rank == 0 else 0.25)
+    elif kind == "head_dim_zero":
+        q, k, v = q[..., :0], k[..., :0], v[..., :0]
+    elif kind == "window_one_rank":
+        kw = dict(window=(1.5, 2) if rank == 0 else (1, 2))
     try:
         tokenring.attention(q, k, v, **kw)
     except ValueError as e:
@@ -441,12 +458,13 @@ def decode_case(rank: int, P: int, case: dict) -> tuple[list, float]:
     a, b = place_new(counts, t)[rank]
     rows = list(range(bounds[rank], bounds[rank + 1])) + list(range(n + a, n + b))
     k, v = k_all[:, rows], v_all[:, rows]
-    out = decode_attention(q, k, v, new=(a, b), state=(n,))
+    scale = case.get("scale", d ** -0.5)
+    out = decode_attention(q, k, v, new=(a, b), state=(n,), softmax_scale=case.get("scale"))
     # reference: query i (global position n + i) sees every cached row and new rows j <= i
     ok = torch.ones(t, n + t, dtype=torch.bool)
     ok[:, n:] = torch.ones(t, t, dtype=torch.bool).tril()
     kk, vv = (x.double().repeat_interleave(H // Hkv, 2) for x in (k_all, v_all))
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * d ** -0.5
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
     ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~ok, float("-inf")), -1), vv)
     return out.double().flatten().tolist(), rel_err(out, ref)
 

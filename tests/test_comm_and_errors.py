@@ -149,6 +149,24 @@ def test_ulysses_bytes(pools):
 
 
 @pytest.mark.parametrize("kind,needle", [
+    ("zigzag_odd_one_rank", "even local length"),
+    ("bad_strategy_one_rank", "unknown"),
+    ("chunks_one_rank", "9 chunks need at least 9 rows"),
+    ("shape_one_rank", "expected 4 dims"),
+    ("scale_one_rank", "finite"),
+    ("head_dim_zero", "head dim must be positive"),
+    ("window_one_rank", "window must be a pair"),
+])
+def test_one_rank_refusing_raises_on_every_rank(pools, kind, needle):
+    """Arguments only rank 0 refuses: it raises its reason and the others that rank 0 refused, all from the
+    signature exchange (a rank that raised before it left the others waiting for the timeout)."""
+    msgs = pools(3).run(cases.expect_error, kind)
+    assert needle in msgs[0] and msgs[0].startswith("rank 0:"), msgs[0]
+    for msg in msgs[1:]:
+        assert (needle in msg) if kind == "head_dim_zero" else ("rank(s) [0] refused" in msg), msg
+
+
+@pytest.mark.parametrize("kind,needle", [
     ("head_ratio", "multiple of the key/value heads"),
     ("batch", "batch size"),
     ("length", "local sequence length"),

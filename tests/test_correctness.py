@@ -51,6 +51,19 @@ def test_longer_sequences(pools, P):
     pools(P).run(cases.check_many, todo)
 
 
+@pytest.mark.parametrize("P", [1, 3])
+def test_zero_and_negative_scales(pools, P):
+    """softmax_scale 0 (uniform over the visible keys) and negative ones, causal and not, with and without
+    packed documents: the fused CPU kernel returns NaN for causal blocks at such scales, so they are folded into
+    the queries; exact like any other scale."""
+    strategies = ("token_ring", "ring", "ulysses", "token_ring:direct,c=2,k=1") if P > 1 else ("auto",)
+    todo = [dict(B=1, s=6, H=6, Hkv=2, d=12, dtype=dt, causal=c, layout=lay, strategy=st, scale=sc, seed=5,
+                 cu_seqlens=cu)
+            for st in strategies for sc in (0.0, -0.3) for dt in ("float64", "float32") for c, lay in LAYOUTS
+            for cu in (None, [0, 5, 6 * P])]
+    assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
 def test_strategy_auto(pools):
     todo = [dict(B=1, s=8, H=H, Hkv=Hkv, d=16, dtype="float64", causal=True, layout="zigzag", strategy="auto")
             for H, Hkv in HEADS]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import get_timeout, group_store
-from .kernels import tiled_backward, tiled_forward
+from .kernels import fold_scale, softmax_scale_of, tiled_backward, tiled_forward
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
 from .masks import make_mask, whole_tiles
 from .schedules import Shapes
@@ -51,8 +51,9 @@ def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"{where}q has {H} heads and k/v {Hkv}: the query heads must be a multiple of the "
                          f"key/value heads (MHA: equal, GQA: H % Hkv == 0, MQA: Hkv == 1)")
-    if s == 0 or B == 0:
-        raise ValueError(f"{where}q has shape {tuple(q.shape)}: batch and local length must be positive")
+    if 0 in q.shape:
+        raise ValueError(f"{where}q has shape {tuple(q.shape)}: batch, local length, heads and head dim must be "
+                         f"positive")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{where}q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
     if not q.is_floating_point():
@@ -109,14 +110,16 @@ def _code(text: str) -> int:
 
 def _signature(q, k, causal, layout, strategy, scale, backward, mask_code: int, inner: int) -> list[float]:
     B, s, H, d = q.shape
-    return [B, s, H, k.shape[2], d, _code(str(q.dtype)), _code(q.device.type),
+    return [0.0, B, s, H, k.shape[2], d, _code(str(q.dtype)), _code(q.device.type),
             float(causal), LAYOUTS.index(layout), _code(strategy), scale, float(backward), float(mask_code),
             float(inner)]
 
 
-_FIELDS = ["batch", "local length", "query heads", "key/value heads", "head dim", "dtype", "device type",
+_FIELDS = ["refused", "batch", "local length", "query heads", "key/value heads", "head dim", "dtype", "device type",
            "causal", "layout", "strategy", "softmax_scale", "backward (inputs requiring grad)",
-           "cu_seqlens / window (checksum; -1: refused on that rank)", "inner_size (ranks per node)"]
+           "cu_seqlens / window (checksum)", "inner_size (ranks per node)"]
+# What a rank that refuses its own arguments sends: the flag, and nothing the others could compare.
+_REFUSED = [1.0] + [0.0] * (len(_FIELDS) - 1)
 
 
 def _show(field: str, value: float) -> str:
@@ -131,11 +134,12 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
     ``decide()`` resolves the strategy; only rank 0 calls it (``auto`` runs the cost model there) and its
     answer travels with the signature exchange, so no per-host input (cores, threads, a topology set on one
     rank only) can make the ranks disagree. Done once per (group, signature); later calls reuse the result.
-    ``remember=False`` (a rank that will refuse its arguments): exchange every time, never skip."""
+    ``remember=False`` (a rank that will refuse its arguments): exchange every time, never skip. ``decide``
+    ``None``: this rank refuses its arguments (``sig`` is ``_REFUSED``)."""
     key = (id(group), tuple(sig))  # nothing per-host in it: a rank that re-checked alone would wait for the others
     if remember and key in _checked:
         return _checked[key]
-    choice = strategy_code(decide()) if rank == 0 else [-1.0] * CODE_LEN
+    choice = strategy_code(decide()) if rank == 0 and decide is not None else [-1.0] * CODE_LEN
     mine = torch.tensor(sig + choice, dtype=torch.float64, device=device)
     allsig = [torch.empty_like(mine) for _ in range(P)]
     # Each rank marks its arrival in the rendezvous store, so a rank that never comes can be named.
@@ -160,6 +164,10 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
             f"tokenring: rank {rank} could not compare call signatures with the other ranks within "
             f"{get_timeout():.0f} s ({e}).{missing} A rank has died, or is not calling tokenring.attention at this "
             f"point (every rank of the group must call it with the same shapes and options).") from e
+    refused = [r for r, other in enumerate(allsig) if other[0].item()]
+    if refused:  # a refusing rank raises its own error; the others say who refused, at the same moment
+        raise ValueError(f"tokenring: rank(s) {refused} refused their arguments to attention (each raised an error "
+                         f"saying why); here: {describe}")
     for r, other in enumerate(allsig):
         bad = [f"{f} ({_show(f, a)} on rank {r}, {_show(f, b)} on rank {rank})"
                for f, a, b in zip(_FIELDS, other.tolist(), sig) if a != b]
@@ -232,35 +240,45 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     them too.
     """
     rank, P = group_info(group)
-    _check_local(q, k, v, rank)
-    n = node_size(inner_size)
-    if strategy != "auto":  # unknown names fail here, on every rank, before any communication
-        strategy = with_node_size(get_strategy(strategy), n).name
     layout = layout if layout is not None else default_layout(causal)
-    check_layout(layout)
-    B, s, H, d = q.shape
-    Hkv = k.shape[2]
-    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
     problem, mask = None, None
+    # Arguments this rank refuses still go through the signature exchange below, so every rank raises at once
+    # instead of the others waiting for it until the timeout.
     try:
+        _check_local(q, k, v, rank)
+        n = node_size(inner_size)
+        if strategy != "auto":  # unknown names fail here, before any communication
+            strategy = with_node_size(get_strategy(strategy), n).name
+        check_layout(layout)
+        B, s, H, d = q.shape
+        Hkv = k.shape[2]
+        scale = softmax_scale_of(softmax_scale, d)
         if layout == "zigzag_docs":
             document_bounds(s * P, P, cu_seqlens)  # every document must split over the ranks
         mask = make_mask(s * P, cu_seqlens, window, causal, force=layout == "zigzag_docs")
-    except ValueError as e:  # still exchange signatures below, so every rank raises instead of waiting
-        problem = ValueError(f"rank {rank}: {e}")
+        if P > 1 and layout == "zigzag" and s % 2:
+            raise ValueError(f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; pad the "
+                             f"global sequence to a multiple of 2*P = {2 * P}")
+        if P > 1 and strategy != "auto":
+            why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
+            if why:
+                raise ValueError(why)
+    except ValueError as e:
+        problem = e if str(e).startswith(f"rank {rank}:") else ValueError(f"rank {rank}: {e}")
     if P == 1:
         if problem is not None:
-            raise problem
+            raise problem from None
+        q, scale = fold_scale(q, scale)
         if mask is not None:
             return _MaskedSingle.apply(q, k, v, mask, scale)
         return _single_device(q, k, v, causal, scale)
-    if layout == "zigzag" and s % 2:
-        raise ValueError(f"rank {rank}: layout='zigzag' needs an even local length (two chunks per rank), got "
-                         f"{s}; pad the global sequence to a multiple of 2*P = {2 * P}")
-    if strategy != "auto":
-        why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
-        if why:
-            raise ValueError(why)
+    if problem is not None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        try:
+            _agree(list(_REFUSED), None, "", group, device, rank, P, remember=False)
+        except (ValueError, RuntimeError):  # its own error is the one to raise
+            pass
+        raise problem from None
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
@@ -269,17 +287,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     describe = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}, " \
                f"strategy={strategy!r}" + (f", {mask.describe()}" if mask is not None else "")
-    mask_code = -1 if problem is not None else (mask.key if mask is not None else 0)
-    try:
-        strat = _agree(_signature(q, k, causal, layout, strategy, scale, backward, mask_code, n), decide, describe,
-                       group, q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P,
-                       remember=problem is None)
-    except ValueError:
-        if problem is not None:
-            raise problem from None
-        raise
-    if problem is not None:
-        raise problem
+    strat = _agree(_signature(q, k, causal, layout, strategy, scale, backward, mask.key if mask is not None else 0, n),
+                   decide, describe, group, q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P)
+    q, scale = fold_scale(q, scale)
     cfg = Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=scale, mask=mask,
                  **(_config or {}))
     q, k, v = strat.prepare(q, k, v, P)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import get_timeout
-from .kernels import block_forward
+from .kernels import block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .merge import merge_, new_accumulator
 
@@ -82,7 +82,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, new: 
     if not (0 <= a <= b <= t) or b - a > n:
         raise ValueError(f"rank {rank}: new={new} must name token indices 0 <= a <= b <= t={t} stored as the "
                          f"last {b - a} of this rank's {n} rows")
-    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    q, scale = fold_scale(q, softmax_scale_of(softmax_scale, d))
     o, lse = new_accumulator(B, t, H, d, q.dtype, q.device)
     old = n - (b - a)
     if old:  # every cached row precedes every new token

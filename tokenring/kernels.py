@@ -20,6 +20,7 @@ themselves, get an equivalent ``O'`` (:func:`out_for_delta`) when the real outpu
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from functools import lru_cache
@@ -47,6 +48,21 @@ def _pick(q: torch.Tensor, backend: str, mask: torch.Tensor | None = None) -> st
     if q.device.type == "cuda" and _cuda_op(q) is not None and mask is None:
         return "cuda"
     return "math"
+
+
+def softmax_scale_of(softmax_scale: float | None, d: int) -> float:
+    """The scale the caller asked for (default ``d ** -0.5``); ValueError unless it is a finite number."""
+    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    return scale
+
+
+def fold_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """A scale <= 0 folded into the queries (differentiably): the fused kernels mask causal blocks in a way that
+    gives NaN at such scales (PyTorch's CPU flash op and SDPA alike), while ``(q * scale) k^T`` at scale 1 is
+    the same attention. Positive scales pass untouched (no extra rounding)."""
+    return (q * scale, 1.0) if scale <= 0 else (q, scale)
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
