@@ -105,27 +105,32 @@ def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
     return xs[j], xs[n - 1 - j]
 
 
-def duel(rate: float, repeats: int) -> dict:
+def duel(repeats: int) -> dict:
     """The non-causal MHA forward case on the mesh at the comm-bound rate with many interleaved rounds of only
-    ring, ulysses and the TokenRing variants: enough pairs to tell a small difference from the machine's noise."""
+    ring, ulysses and the TokenRing variants: enough pairs to tell a small difference from the machine's noise.
+    Calibrated on its own (it may run on another machine than the rest of the report)."""
+    cal = calibrate(7)
+    rate = cal["rate_mbit"]
     spec = bench.make_spec(P=P, S=S, H=H, Hkv=H, d=D, causal=False, mode="fwd", strategies=DUEL, repeats=repeats,
                            warmup=1, trace=False)
     with testbed.Testbed(P, "mesh", rate) as tb:
         res = bench.run(spec, **tb.launch_kwargs())
         res["testbed"] = dict(tb.describe(), dropped=tb.dropped())
     res["date"] = time.strftime("%Y-%m-%d %H:%M")
+    res["calibration"], res["machine"] = cal, bench.machine()
     return bench.strip_events(res)
 
 
 def duel_rows(res: dict | None) -> list[str]:
     if not res:
         return []
-    rs = by_name(res)
+    rs, m, cal = by_name(res), res["machine"], res["calibration"]
     L = ["", "## Many rounds: token_ring against ulysses (mesh, MHA, non-causal, fwd)", "",
-         f"`sudo .venv/bin/python bench/token_ring_wins.py --duel` (a part of the full run too) on {res['date']}: "
-         f"only {', '.join(DUEL)}, "
-         f"{len(rs['ring']['times'])} interleaved rounds at {res['testbed']['rate_mbit']:g} Mbit/s (the comm-bound "
-         "rate above), same shapes. Paired = median over rounds of ulysses' time / the variant's, with its 95% "
+         f"`sudo .venv/bin/python bench/token_ring_wins.py --duel` (a part of the full run too) on {res['date']}, "
+         f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; its own calibration: one forward block = "
+         f"{ms(cal['block_compute_s'])} ms, comm-bound rate {cal['rate_mbit']:g} Mbit/s. Only "
+         f"{', '.join(DUEL)}, {len(rs['ring']['times'])} interleaved rounds at {res['testbed']['rate_mbit']:g} "
+         "Mbit/s, same shapes as above. Paired = median over rounds of ulysses' time / the variant's, with its 95% "
          "distribution-free confidence interval; won = rounds in which the variant was faster, and the two-sided "
          "sign-test p-value of that count if neither were faster.", "",
          "| strategy | ran | median ms [min-max] | ring / it | paired ulysses / it [95% CI] | won | sign test p |",
@@ -660,7 +665,7 @@ def main(argv=None) -> int:
         path = os.path.join(a.out, "token_ring_wins.json")
         with open(path) as f:
             all_res = json.load(f)
-        all_res["duel"] = duel(all_res["calibration"]["rate_mbit"], a.duel_repeats)
+        all_res["duel"] = duel(a.duel_repeats)
         with open(path, "w") as f:
             json.dump(all_res, f, indent=1)
         write(all_res, a.out)
@@ -725,7 +730,7 @@ def main(argv=None) -> int:
         save()
         all_res["odd"] = odd_section(a.repeats, a.out)
         save()
-        all_res["duel"] = duel(rate, a.duel_repeats)
+        all_res["duel"] = duel(a.duel_repeats)
         save()
     write(all_res, a.out)
     print(f"wrote {a.out}/token_ring_wins.md ({time.time() - t0:.0f}s)")
