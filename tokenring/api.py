@@ -163,7 +163,8 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
         raise RuntimeError(
             f"tokenring: rank {rank} could not compare call signatures with the other ranks within "
             f"{get_timeout():.0f} s ({e}).{missing} A rank has died, or is not calling tokenring.attention at this "
-            f"point (every rank of the group must call it with the same shapes and options).") from e
+            f"point (every rank of the group must call it with the same shapes and options). The process group "
+            f"cannot be used again after this: destroy it and start the ranks again.") from e
     refused = [r for r, other in enumerate(allsig) if other[0].item()]
     if refused:  # a refusing rank raises its own error; the others say who refused, at the same moment
         raise ValueError(f"tokenring: rank(s) {refused} refused their arguments to attention (each raised an error "

@@ -285,7 +285,8 @@ class Comm:
             f"{peer[0].upper() + peer[1:]} or one it waits for has probably died or is not calling the same "
             f"attention (same shapes, strategy, layout) - check its log. Raise the bound with "
             f"tokenring.set_timeout() or $TOKENRING_TIMEOUT (gloo) / init_process_group(timeout=...) (NCCL) if "
-            f"it is only slow.")
+            f"it is only slow. The process group cannot be used again after this (a timed-out connection is "
+            f"closed): destroy it and start the ranks again.")
 
     def _host(self, t: torch.Tensor) -> bool:
         """Whether ``t`` travels through host memory."""
