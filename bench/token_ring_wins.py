@@ -76,15 +76,22 @@ def by_name(res: dict) -> dict:
     return {r["strategy"]: r for r in res["results"]}
 
 
-def paired(res: dict, a: str, b: str) -> str:
-    """``b`` against ``a`` round by round (interleaved runs time one call of every strategy per round): the median
-    over rounds of ``time_b / time_a`` (above 1: ``a`` is faster) and in how many rounds ``a`` was faster;
-    ``-`` for sequential runs, whose repeats do not pair."""
+def round_ratios(res: dict, a: str, b: str) -> list[float] | None:
+    """``time_b / time_a`` per round (interleaved runs time one call of every strategy per round; above 1:
+    ``a`` was faster); ``None`` for sequential runs, whose repeats do not pair."""
     rs = by_name(res)
     if not res["spec"].get("interleave") or "times" not in rs.get(a, {}) or "times" not in rs.get(b, {}):
+        return None
+    return [y / x for x, y in zip(rs[a]["times"], rs[b]["times"])]
+
+
+def paired(res: dict, a: str, b: str) -> str:
+    """``b`` against ``a`` round by round: the median over rounds of ``time_b / time_a`` and in how many rounds
+    ``a`` was faster; ``-`` for sequential runs."""
+    ratios = round_ratios(res, a, b)
+    if ratios is None:
         return "-"
-    ta, tb = rs[a]["times"], rs[b]["times"]
-    return f"{median(y / x for x, y in zip(ta, tb)):.2f}x ({sum(x < y for x, y in zip(ta, tb))}/{len(ta)})"
+    return f"{median(ratios):.2f}x ({sum(x > 1 for x in ratios)}/{len(ratios)})"
 
 
 def sign_test(won: int, n: int) -> float:
@@ -135,7 +142,6 @@ def duel_rows(res: dict | None) -> list[str]:
          "sign-test p-value of that count if neither were faster.", "",
          "| strategy | ran | median ms [min-max] | ring / it | paired ulysses / it [95% CI] | won | sign test p |",
          "|---|---|---|---|---|---|---|"]
-    uly = rs["ulysses"]["times"]
     for n in DUEL:
         r = rs[n]
         row = f"| {n} | {r.get('variant', n)} | {ms(r['time'])} [{ms(r['time_min'])}-{ms(r['time_max'])}] | " \
@@ -143,7 +149,7 @@ def duel_rows(res: dict | None) -> list[str]:
         if n in ("ring", "ulysses"):
             L.append(row + "- | - | - |")
             continue
-        ratios = [u / t for u, t in zip(uly, r["times"])]
+        ratios = round_ratios(res, n, "ulysses")
         lo, hi = median_ci(ratios)
         won = sum(x > 1 for x in ratios)
         L.append(row + f"{median(ratios):.3f}x [{lo:.3f}-{hi:.3f}] | {won}/{len(ratios)} | "
@@ -177,22 +183,30 @@ def unshaped(Hkv: int, causal: bool, mode: str, repeats: int) -> dict:
     return bench.strip_events(res)
 
 
-def predict(res: dict) -> dict:
-    """The frozen model's prediction per measured strategy (its resolved variant) and what auto would pick."""
-    from dataclasses import replace
-
+def model_inputs(res: dict) -> tuple:
+    """What the model needs to predict a kept measurement: ``(shapes, topology, kernel model, simulate's
+    keyword arguments)``, with the run's torch threads set (the CPU kernel model follows them)."""
     import torch
     from tokenring.schedules import Shapes
-    from tokenring.sim import get_topology, simulate
-    from tokenring.sim.auto import _kernel, choose
+    from tokenring.sim import get_topology
+    from tokenring.sim.auto import _kernel
     sp, tb = res["spec"], res["testbed"]
     sh = Shapes(sp["B"], sp["S"] // sp["P"], sp["H"], sp["Hkv"], sp["d"], getattr(torch, sp["dtype"]), sp["P"])
     topo = get_topology(f"{tb['topology']}:{tb['rate_mbit']:g}mbit", sp["P"])
     torch.set_num_threads(sp["threads"])
-    km = _kernel(topo, sp["P"])
-    backward = sp["pass"] != "fwd"
+    return sh, topo, _kernel(topo, sp["P"]), dict(causal=sp["causal"], layout=sp["layout"],
+                                                  backward=sp["pass"] != "fwd")
+
+
+def predict(res: dict) -> dict:
+    """The frozen model's prediction per measured strategy (its resolved variant) and what auto would pick."""
+    from dataclasses import replace
+
+    from tokenring.sim import simulate
+    from tokenring.sim.auto import choose
+    sp = res["spec"]
+    sh, topo, km, kw = model_inputs(res)
     out, fifo = {}, {}
-    kw = dict(causal=sp["causal"], layout=sp["layout"], backward=backward)
     for r in res["results"]:
         name = r.get("variant")
         if "time" in r and name:
@@ -200,7 +214,7 @@ def predict(res: dict) -> dict:
             # the model with FIFO sharing between connections (as before fair_share), for the comparison
             fifo[r["strategy"]] = simulate(name, sh, replace(topo, fair_share=False), km, **kw).time
     out["fifo"] = fifo
-    out["auto_pick"] = choose(sh, sp["causal"], sp["layout"], backward, "cpu", topo)[0]
+    out["auto_pick"] = choose(sh, sp["causal"], sp["layout"], kw["backward"], "cpu", topo)[0]
     name, causal = NOTICE_CASE
     if sp["causal"] == causal and sp["Hkv"] != sp["H"] and any(r.get("variant") == name for r in res["results"]):
         # the same variant, the model without ready notices, and with them but every receive posted with its
@@ -220,18 +234,10 @@ def what_if(res: dict) -> dict:
     each. Milliseconds; the variant beside each."""
     from dataclasses import replace
 
-    import torch
-    from tokenring.schedules import Shapes
-    from tokenring.sim import get_topology, simulate
-    from tokenring.sim.auto import _kernel
+    from tokenring.sim import simulate
     from tokenring.sim.topology import INF
-    sp, tb = res["spec"], res["testbed"]
-    sh = Shapes(sp["B"], sp["S"] // sp["P"], sp["H"], sp["Hkv"], sp["d"], getattr(torch, sp["dtype"]), sp["P"])
-    topo = get_topology(f"{tb['topology']}:{tb['rate_mbit']:g}mbit", sp["P"])
-    torch.set_num_threads(sp["threads"])
-    km = _kernel(topo, sp["P"])
+    sh, topo, km, kw = model_inputs(res)
     host_free = replace(topo, cpu_per_byte=0.0, backplane_bw=INF)
-    kw = dict(causal=sp["causal"], layout=sp["layout"], backward=sp["pass"] != "fwd")
     out = {}
     for label, t in (("testbed", topo), ("host_free", host_free)):
         runs = {n: simulate(n, sh, t, km, **kw) for n in WHAT_IF}
