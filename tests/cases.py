@@ -38,14 +38,26 @@ def allowed(S: int, causal: bool, cu_seqlens=None, window=None) -> torch.Tensor:
     return ok
 
 
-def reference(q, k, v, causal: bool, scale: float, cu_seqlens=None, window=None):
-    """Plain float64 softmax attention over the whole sequence, (B, S, H, d) layout, GQA by repetition."""
+def reference(q, k, v, causal: bool, scale: float, cu_seqlens=None, window=None, sinks=None):
+    """Plain float64 softmax attention over the whole sequence, (B, S, H, d) layout, GQA by repetition;
+    ``sinks`` (H,): one more logit per row and head in the softmax, whose value column is dropped (gpt-oss)."""
     g = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
     if causal or cu_seqlens is not None or window is not None:
         s = s.masked_fill(~allowed(q.shape[1], causal, cu_seqlens, window).to(q.device), float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks[None, :, None, None].expand(*s.shape[:3], 1)], dim=-1)
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1)[..., :-1], vv)
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vv)
+
+
+def sink_logits(case: dict) -> torch.Tensor | None:
+    """The case's attention sinks (H,) in its dtype (seeded apart from the other inputs), or ``None``."""
+    if not case.get("sinks"):
+        return None
+    gen = torch.Generator().manual_seed(1000 + case.get("seed", 0))
+    return (torch.randn(case["H"], generator=gen, dtype=torch.float64) * 2).to(getattr(torch, case["dtype"]))
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
@@ -72,10 +84,14 @@ def check_case(rank: int, P: int, case: dict) -> dict:
     (*full, dout_full), idx = case_inputs(rank, P, case)
     # Reference in float64 from exactly the inputs the ranks see.
     ref_in = [t.double().clone().requires_grad_() for t in full]
+    sinks = sink_logits(case)
+    ref_sinks = sinks.double().clone().requires_grad_() if sinks is not None else None
     eff_scale = scale if scale is not None else d ** -0.5
-    ref_out = reference(*ref_in, causal, eff_scale, case.get("cu_seqlens"), case.get("window"))
+    ref_out = reference(*ref_in, causal, eff_scale, case.get("cu_seqlens"), case.get("window"), ref_sinks)
     ref_out.backward(dout_full.double())
     local = [t.index_select(1, idx).clone().requires_grad_() for t in full]
+    if sinks is not None:
+        sinks.requires_grad_()
     topo = case.get("topology")
     if isinstance(topo, list):  # a different setting per rank: rank 0's choice must still rule
         topo = topo[rank % len(topo)]
@@ -87,7 +103,7 @@ def check_case(rank: int, P: int, case: dict) -> dict:
     try:
         out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout,
                                   cu_seqlens=case.get("cu_seqlens"), window=case.get("window"),
-                                  inner_size=case.get("inner_size"), _config=case.get("config"))
+                                  inner_size=case.get("inner_size"), sinks=sinks, _config=case.get("config"))
     finally:
         if topo:
             tokenring.set_topology(None)
@@ -111,6 +127,15 @@ def check_case(rank: int, P: int, case: dict) -> dict:
             worst = (got.double() - r).abs().argmax().item()
             raise AssertionError(f"rank {rank}/{P} {case}: {name} relative error {e:.3g} > {tol:g} "
                                  f"(worst flat index {worst}, shape {tuple(got.shape)})")
+    if sinks is not None:  # each rank holds its rows' share of the sinks' gradient: the sum is the whole
+        got = sinks.grad.double()
+        if P > 1:
+            torch.distributed.all_reduce(got)
+        errs["dsinks"] = e = rel_err(got, ref_sinks.grad)
+        # dsinks sums terms of both signs over every row, each from the bf16-rounded output: relative to the
+        # (smaller) sum, bf16 errors reach a few 1e-2 (3.5e-2 seen), hence 5e-2 there; float32/64 as above
+        stol = 5e-2 if dtype == torch.bfloat16 else tol
+        assert sinks.grad.dtype == dtype and e <= stol, f"rank {rank}/{P} {case}: dsinks relative error {e:.3g}"
     return errs
 
 

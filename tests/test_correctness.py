@@ -128,3 +128,31 @@ def test_rank0_decides_the_variant(pools):
     assert len(set(names)) == 1, names
     mixed = pools(4).run(cases.chosen_strategy_mixed, "token_ring")
     assert len(set(mixed)) == 1 and mixed[0] == names[0], (mixed, names)
+
+
+def sink_grid(P: int) -> list[dict]:
+    """Attention sinks (gpt-oss): every flat strategy (hierarchical ones at P=4) over causal/layouts, MHA and
+    GQA, with and without documents and windows; mostly float64, some float32/bfloat16."""
+    names = ["token_ring", "token_ring_paper", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c=1,k=1",
+             "ring_bidir", "ulysses"] if P > 1 else ["auto"]
+    if P == 4:
+        names += ["usp:n=2", "double_ring:n=2", "token_ring_2d:n=2", "double_ring:n=2,keep"]
+    out, i = [], 0
+    for name in names:
+        for (causal, layout), (H, Hkv), extra in itertools.product(
+                LAYOUTS, [(4, 4), (4, 2)], [{}, {"cu_seqlens": [0, 3, 4 * P]}, {"window": (2, 1)}]):
+            i += 1
+            if (P > 1 and why_not(name, H, Hkv, P)) or (name == "ring_bidir" and Hkv % 2):
+                continue
+            out.append(dict(B=1 + i % 2, s=4, H=H, Hkv=Hkv, d=8 + i % 3, dtype=("float64", "float32", "bfloat16",
+                                                                                 "float64")[i % 4],
+                            causal=causal, layout=layout, strategy=name, seed=i, sinks=True, **extra))
+    return out
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_sinks_match_reference(pools, P):
+    """out, dq, dk, dv and the sinks' gradient (summed over the ranks) against a float64 softmax with one more
+    logit per row."""
+    todo = sink_grid(P)
+    assert pools(P).run(cases.check_many, todo) == [len(todo)] * P

@@ -11,11 +11,13 @@ import torch.nn.functional as F
 from .comm import get_timeout, group_store
 from .kernels import fold_scale, softmax_scale_of, tiled_backward, tiled_forward
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
-from .masks import make_mask, whole_tiles
+from .masks import make_mask, whole_numbers, whole_tiles
+from .merge import merge_sink_, sink_grad
+from .ops import register_extras
 from .schedules import Shapes
 from .strategies import (ALIASES, CODE_LEN, FAMILIES, code as strategy_code, from_code, get as get_strategy,
                          node_size, with_node_size)
-from .strategies.base import Config, ScheduledAttention
+from .strategies.base import Config
 
 __all__ = ["attention", "choose_strategy", "resolve", "STRATEGY_NAMES", "forget_choices"]
 
@@ -108,16 +110,23 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode())  # stable across processes, unlike hash()
 
 
-def _signature(q, k, causal, layout, strategy, scale, backward, mask_code: int, inner: int) -> list[float]:
-    B, s, H, d = q.shape
-    return [0.0, B, s, H, k.shape[2], d, _code(str(q.dtype)), _code(q.device.type),
+def _signature_of(q_shape, k_shape, dtype, device_type: str, causal, layout, strategy, scale, backward,
+                  mask_code: int, inner: int, sinks: bool) -> list[float]:
+    B, s, H, d = q_shape
+    return [0.0, B, s, H, k_shape[2], d, _code(str(dtype)), _code(device_type),
             float(causal), LAYOUTS.index(layout), _code(strategy), scale, float(backward), float(mask_code),
-            float(inner)]
+            float(inner), float(sinks)]
+
+
+def _signature(q, k, causal, layout, strategy, scale, backward, mask_code: int, inner: int,
+               sinks: bool = False) -> list[float]:
+    return _signature_of(q.shape, k.shape, q.dtype, q.device.type, causal, layout, strategy, scale, backward,
+                         mask_code, inner, sinks)
 
 
 _FIELDS = ["refused", "batch", "local length", "query heads", "key/value heads", "head dim", "dtype", "device type",
            "causal", "layout", "strategy", "softmax_scale", "backward (inputs requiring grad)",
-           "cu_seqlens / window (checksum)", "inner_size (ranks per node)"]
+           "cu_seqlens / window (checksum)", "inner_size (ranks per node)", "sinks (given)"]
 # What a rank that refuses its own arguments sends: the flag, and nothing the others could compare.
 _REFUSED = [1.0] + [0.0] * (len(_FIELDS) - 1)
 
@@ -183,24 +192,30 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
     return chosen
 
 
-class _MaskedSingle(torch.autograd.Function):
-    """One rank, documents / window: the tiles of the whole sequence (no (S, S) mask is ever built)."""
+class _Single(torch.autograd.Function):
+    """One rank with documents, a window or sinks: the tiles of the whole sequence (no (S, S) mask is built)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale):
+    def forward(ctx, q, k, v, sinks, mask, scale):
         ctx.tiles = whole_tiles(mask, q.device)  # (tiles, mask_of), for backward too
         o, lse = tiled_forward(q, k, v, *ctx.tiles, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
+        if sinks is not None:
+            o = o.to(lse.dtype)
+            merge_sink_(o, lse, sinks)
+            o = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.scale = scale
         return o
 
     @staticmethod
     def backward(ctx, dout):
         from .strategies.base import row_delta
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = tiled_backward(dout, q, k, v, lse, row_delta(dout, o), *ctx.tiles, ctx.scale, out=o)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        delta = row_delta(dout, o)
+        dq, dk, dv = tiled_backward(dout, q, k, v, lse, delta, *ctx.tiles, ctx.scale, out=o)
+        dsinks = sink_grad(lse, delta, sinks) if sinks is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
 
 
 def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
@@ -209,18 +224,45 @@ def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def _check_sinks(sinks, H: int, rank: int) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (H,) or not sinks.is_floating_point():
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"rank {rank}: sinks must be a floating point tensor of shape ({H},) (one logit per query "
+                         f"head), got {shape}")
+
+
+def _refuse_everywhere(problem: ValueError, group, rank: int, P: int):
+    """Tell the other ranks this rank refuses its arguments (they raise at once), then raise ``problem``."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    try:
+        _agree(list(_REFUSED), None, "", group, device, rank, P, remember=False)
+    except (ValueError, RuntimeError):  # its own error is the one to raise
+        pass
+    raise problem from None
+
+
+def _ranked(e: ValueError, rank: int) -> ValueError:
+    return e if str(e).startswith(f"rank {rank}:") else ValueError(f"rank {rank}: {e}")
+
+
+def _group_name(group) -> str:
+    return "" if group is None else group.group_name
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: float | None = None, strategy: str = "auto", layout: str | None = None,
-              cu_seqlens=None, window: tuple[int, int] | None = None,
+              cu_seqlens=None, window: tuple[int, int] | None = None, sinks: torch.Tensor | None = None,
               group=None, inner_size: int | None = None, _config: dict | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across the ranks of ``group``.
 
     ``q``: (B, s, H, d), ``k``/``v``: (B, s, Hkv, d), this rank's shard (laid out by ``layout``; default
     ``"zigzag"`` when causal, else ``"contiguous"``, and it must match how the caller sharded). Returns
     (B, s, H, d) in ``q.dtype``: the same rows of single-device attention over the whole sequence.
-    Differentiable in ``q``, ``k``, ``v``. ``strategy``: ``"token_ring"`` (the TokenRing variant the cost
-    model predicts fastest), ``"token_ring_paper"`` (= ``"token_ring:relay"``), an explicit variant such as
-    ``"token_ring:direct,c=2,k=3"`` or ``"ring:direct,c=1,k=3"``, ``"ring"``, ``"ring:auto"``,
+    Differentiable in ``q``, ``k``, ``v`` (and ``sinks``). ``strategy``: ``"token_ring"`` (the TokenRing
+    variant the cost model predicts fastest), ``"token_ring_paper"`` (= ``"token_ring:relay"``), an explicit
+    variant such as ``"token_ring:direct,c=2,k=3"`` or ``"ring:direct,c=1,k=3"``, ``"ring"``, ``"ring:auto"``,
     ``"ring_bidir"``, ``"ulysses"`` or ``"auto"`` (every strategy and variant). Choices are made on rank 0 and
     shared. With no process group initialised (or one rank) plain attention runs.
 
@@ -234,6 +276,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``tokenring.shard(x, layout="zigzag_docs", cu_seqlens=cu)``) zigzags each document over the ranks, which
     balances causal work whatever the document lengths.
 
+    ``sinks``: gpt-oss style attention sinks, a (H,) tensor of logits (one per query head, not scaled by
+    ``softmax_scale``) added to every row's softmax denominator: the output of a row is
+    ``sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``. The sink is one more partial in the merge; its
+    gradient on each rank is that rank's rows' share (sum it over the ranks like any replicated weight's).
+
+    Under ``torch.autocast`` the inputs are cast to the autocast dtype first, as ``scaled_dot_product_attention``
+    does. Under ``torch.compile`` the call is one custom op (``tokenring::attention_fwd``, no graph break);
+    ``"auto"`` and family choices are then made when the graph is traced, from this rank's cost model unless an
+    eager call with the same shapes already agreed on one (ranks that traced different choices are refused
+    at run time).
+
     Beyond one node: ``"usp"`` (Ulysses inside a node, ring between nodes), ``"double_ring"`` and
     ``"token_ring_2d"`` (ring / TokenRing inside a node, K/V ring between nodes) run over nodes of
     ``inner_size`` ranks (default ``$LOCAL_WORLD_SIZE``, which torchrun sets): ranks ``a*n .. a*n+n-1`` of
@@ -242,11 +295,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     rank, P = group_info(group)
     layout = layout if layout is not None else default_layout(causal)
-    problem, mask = None, None
-    # Arguments this rank refuses still go through the signature exchange below, so every rank raises at once
+    if torch.is_autocast_enabled(q.device.type) and isinstance(q, torch.Tensor):
+        dt = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
+    compiling = torch.compiler.is_compiling()
+    problem = None
+    # Arguments this rank refuses still go through the signature exchange, so every rank raises at once
     # instead of the others waiting for it until the timeout.
     try:
         _check_local(q, k, v, rank)
+        _check_sinks(sinks, q.shape[2], rank)
         n = node_size(inner_size)
         if strategy != "auto":  # unknown names fail here, before any communication
             strategy = with_node_size(get_strategy(strategy), n).name
@@ -254,9 +312,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         B, s, H, d = q.shape
         Hkv = k.shape[2]
         scale = softmax_scale_of(softmax_scale, d)
-        if layout == "zigzag_docs":
-            document_bounds(s * P, P, cu_seqlens)  # every document must split over the ranks
-        mask = make_mask(s * P, cu_seqlens, window, causal, force=layout == "zigzag_docs")
+        cu = _bounds_tensor(cu_seqlens)
+        window = _window_list(window)
         if P > 1 and layout == "zigzag" and s % 2:
             raise ValueError(f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; pad the "
                              f"global sequence to a multiple of 2*P = {2 * P}")
@@ -264,34 +321,149 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
             if why:
                 raise ValueError(why)
+        if P == 1:
+            if layout == "zigzag_docs":
+                document_bounds(s, 1, cu)
+            mask = make_mask(s, cu, window, causal, force=layout == "zigzag_docs" or sinks is not None)
     except ValueError as e:
-        problem = e if str(e).startswith(f"rank {rank}:") else ValueError(f"rank {rank}: {e}")
+        problem = _ranked(e, rank)
     if P == 1:
         if problem is not None:
             raise problem from None
         q, scale = fold_scale(q, scale)
         if mask is not None:
-            return _MaskedSingle.apply(q, k, v, mask, scale)
+            return _Single.apply(q, k, v, sinks, mask, scale)
         return _single_device(q, k, v, causal, scale)
     if problem is not None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        try:
-            _agree(list(_REFUSED), None, "", group, device, rank, P, remember=False)
-        except (ValueError, RuntimeError):  # its own error is the one to raise
-            pass
-        raise problem from None
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if compiling:
+            raise problem from None
+        _refuse_everywhere(problem, group, rank, P)
+    if _config and compiling:
+        raise ValueError("tokenring.attention: _config (tracing, byte logs) works in eager mode only")
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v) + ((sinks,) if sinks is not None
+                                                                                       else ()))
+    if compiling:
+        strategy = trace_choice(q.shape, k.shape, q.dtype, q.device.type, strategy, causal, layout, window,
+                                cu is not None, backward, group, n, scale, sinks is not None)
+    extras_id, holder = register_extras(_config)
+    from .ops import attention_op
+    out = attention_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, _group_name(group), n,
+                       backward, extras_id)
+    del holder  # the op's autograd context keeps it while backward may still run
+    return out
+
+
+def _bounds_tensor(cu_seqlens) -> torch.Tensor | None:
+    """``cu_seqlens`` as a 1-D int64 tensor (lists are checked for whole numbers here: a tensor would truncate)."""
+    if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()
+                                       or cu_seqlens.is_complex()):
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, end_1, ..., S], got shape "
+                             f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+        return cu_seqlens
+    return torch.tensor(whole_numbers(cu_seqlens, "cu_seqlens"), dtype=torch.int64)
+
+
+def _window_list(window) -> list[int] | None:
+    if window is None:
+        return None
+    try:
+        left, right = whole_numbers(window, "window")
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right) of ints, -1 for unbounded; got {window!r}") from None
+    return [left, right]
+
+
+def _describe(q, k, causal, layout, strategy, mask, sinks) -> str:
+    return (f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}, "
+            f"strategy={strategy!r}" + (f", {mask.describe()}" if mask is not None else "")
+            + (", with sinks" if sinks is not None else ""))
+
+
+def _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras: dict) -> Config:
+    return Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=scale, mask=mask,
+                  sinks=sinks, **extras)
+
+
+def _mask_of(s: int, P: int, cu, window, causal: bool, layout: str):
+    if layout == "zigzag_docs":
+        document_bounds(s * P, P, cu)  # every document must split over the ranks
+    return make_mask(s * P, cu, window, causal, force=layout == "zigzag_docs")
+
+
+def run_forward(q, k, v, sinks, cu, strategy: str, causal: bool, scale: float, layout: str, window, group,
+                inner: int, backward: bool, extras: dict):
+    """The forward of :func:`attention` on ``P > 1`` ranks once its local arguments are checked (the body of
+    the ``tokenring::attention_fwd`` op): the mask, the cross-rank agreement, the strategy's schedule.
+    Returns ``(out, strategy, extra)`` (``extra``: what backward needs besides the inputs and ``out``)."""
+    rank, P = group_info(group)
+    try:
+        mask = _mask_of(q.shape[1], P, cu, window, causal, layout)
+    except ValueError as e:
+        _refuse_everywhere(_ranked(e, rank), group, rank, P)
+    n = inner
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
         return resolve(strategy, q.shape, k.shape, P, dtype=q.dtype, causal=causal, layout=layout,
                        backward=backward, device_type=q.device.type, mask=mask, inner_size=n or None)
 
-    describe = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}, " \
-               f"strategy={strategy!r}" + (f", {mask.describe()}" if mask is not None else "")
-    strat = _agree(_signature(q, k, causal, layout, strategy, scale, backward, mask.key if mask is not None else 0, n),
-                   decide, describe, group, q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P)
+    sig = _signature(q, k, causal, layout, strategy, scale, backward, mask.key if mask is not None else 0, n,
+                     sinks is not None)
+    strat = _agree(sig, decide, _describe(q, k, causal, layout, strategy, mask, sinks), group,
+                   q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P)
     q, scale = fold_scale(q, scale)
-    cfg = Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=scale, mask=mask,
-                 **(_config or {}))
+    cfg = _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras)
     q, k, v = strat.prepare(q, k, v, P)
-    return ScheduledAttention.apply(q, k, v, strat, cfg)
+    out, saved = strat.forward(q, k, v, cfg)
+    return out, strat, strat.saved_extra(saved)
+
+
+def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, causal: bool, scale: float, layout: str,
+                 window, group, extras: dict):
+    """The backward of :func:`run_forward` (the body of ``tokenring::attention_bwd``): ``[dq, dk, dv]``, and
+    ``dsinks`` (this rank's rows' share) with sinks."""
+    rank, P = group_info(group)
+    mask = _mask_of(q.shape[1], P, cu, window, causal, layout)
+    q_in, (q, folded) = q, fold_scale(q, scale)
+    cfg = _config_of(group, rank, P, causal, layout, folded, mask, sinks, extras)
+    dq, dk, dv, dsinks = strat.backward(dout, strat.saved_full(extra, q, k, v, out), cfg)
+    dk, dv = strat.unprepare(dk, dv, k.shape[2])
+    if folded != scale:
+        dq = dq * scale
+    return [dq.to(q_in.dtype), dk, dv] + ([dsinks.to(sinks.dtype)] if sinks is not None else [])
+
+
+def fake_extra(q, k, v, cu, strategy: str, causal: bool, layout: str, window, group, inner: int):
+    """Empty tensors shaped like :func:`run_forward`'s ``extra`` for a concrete ``strategy`` (the op's fake)."""
+    rank, P = group_info(group)
+    st = get_strategy(strategy)
+    if st.mode == "auto" or strategy == "auto":
+        raise ValueError(f"tokenring: strategy {strategy!r} must be resolved before tracing (tokenring.ops)")
+    mask = None
+    if st.keep:
+        if cu is not None or layout == "zigzag_docs":
+            raise ValueError(f"tokenring: {strategy!r} keeps K/V pieces whose shapes depend on cu_seqlens' values; "
+                             f"under torch.compile use it without 'keep' or without documents")
+        mask = make_mask(q.shape[1] * P, None, window, causal)
+    cfg = Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=1.0, mask=mask)
+    q, k, v = st.prepare(q, k, v, P)
+    return st.extra_like(q, k, v, cfg)
+
+
+def trace_choice(q_shape, k_shape, dtype, device_type: str, strategy: str, causal: bool, layout: str, window,
+                 documents: bool, backward: bool, group, inner: int, scale: float, sinks: bool) -> str:
+    """The concrete strategy a traced (``torch.compile``) call runs: a named variant itself; for ``"auto"`` or a
+    family choice, the one an eager call agreed on for these shapes (documents aside), else this rank's cost
+    model (without the documents, whose bounds are values)."""
+    st = get_strategy(strategy) if strategy != "auto" else None
+    if st is not None and st.mode != "auto":
+        return strategy
+    rank, P = group_info(group)
+    mask = None if documents else make_mask(q_shape[1] * P, None, window, causal)
+    sig = _signature_of(q_shape, k_shape, dtype, device_type, causal, layout, strategy, scale, backward,
+                        mask.key if mask is not None else 0, inner, sinks)
+    hit = _checked.get((id(group), tuple(sig)))
+    if hit is not None:
+        return hit.name
+    return resolve(strategy, tuple(q_shape), tuple(k_shape), P, dtype=dtype, causal=causal, layout=layout,
+                   backward=backward, device_type=device_type, mask=mask, inner_size=inner or None).name

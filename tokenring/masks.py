@@ -100,6 +100,16 @@ def _whole(x, what: str, given) -> int:
     return value
 
 
+def whole_numbers(values, what: str) -> list[int]:
+    """``values`` (a list, tuple or 1-D tensor) as ints, each a whole number (ValueError otherwise)."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    try:
+        return [_whole(x, what, values) for x in values]
+    except TypeError:
+        raise ValueError(f"{what} must be a sequence of whole numbers, got {values!r}") from None
+
+
 def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> Mask | None:
     """The :class:`Mask` for these arguments, or ``None`` when they mean plain full / causal attention (one
     document, no window that cuts anything) and not ``force`` (a layout whose shards only positions describe,

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-__all__ = ["acc_dtype", "new_accumulator", "merge_", "merge_eager_"]
+__all__ = ["acc_dtype", "new_accumulator", "merge_", "merge_eager_", "merge_sink_", "sink_grad"]
 
 # On CUDA the merge runs as one compiled kernel (torch.compile fuses its ~12 elementwise ops, which eagerly
 # read and write the accumulator many times: about a quarter of one 8K-token block's forward on an H200).
@@ -75,3 +75,19 @@ def merge_eager_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, ls
     acc_o.mul_(w_acc).addcmul_(o.to(acc_o.dtype), w_new)  # no temporary for o * w_new
     acc_lse.copy_(new_lse)
 
+
+
+def merge_sink_(acc_o: torch.Tensor, acc_lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """In place: merge attention sinks (``sinks`` (H,), one logit per head) into finished rows, as one more
+    partial whose log-sum-exp is the sink logit and whose output is 0 (gpt-oss). The backward then runs on the
+    merged ``(out, lse)`` as usual; :func:`sink_grad` gives the sinks' own gradient."""
+    lse = sinks.to(acc_lse.dtype)[None, :, None].expand_as(acc_lse)
+    merge_eager_(acc_o, acc_lse, acc_o.new_zeros(()).expand_as(acc_o), lse)
+
+
+def sink_grad(lse: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks from these rows: ``-sum_rows exp(sink - lse) * delta`` per head, with ``lse`` the rows'
+    final log-sum-exp (sinks merged) and ``delta = rowsum(dO * O)``, both (B, H, n)."""
+    p = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
+    p = torch.where(torch.isneginf(lse), torch.zeros_like(p), p)  # a row with no key and a sink of -inf
+    return -(p * delta.to(lse.dtype)).sum(dim=(0, 2))

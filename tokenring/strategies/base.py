@@ -19,13 +19,13 @@ from ..comm import Comm, Trace, buffers
 from ..executor import execute
 from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
 from ..masks import block_tiles
-from ..merge import acc_dtype, merge_, new_accumulator
+from ..merge import acc_dtype, merge_, merge_sink_, new_accumulator, sink_grad
 from ..messages import kind as message_kind
 from ..schedules import (Compute, Message, Schedule, Shapes, chunk, covers, direct, head_slice, overlaps,
                          all_own_pieces, part_rows, part_slice, part_union, payload)
 
 __all__ = ["Strategy", "BlockDims", "Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy",
-           "RelayOrDirect", "ScheduledAttention", "shapes_of", "tile_dims"]
+           "RelayOrDirect", "shapes_of", "tile_dims"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,11 @@ class Strategy:
     - ``build_schedule(P, layout, causal, backward)``: the :class:`~tokenring.schedules.Schedule` (plain data,
       cached by :meth:`schedule`) that the executor runs and the simulator costs;
     - ``block_dims(c, sh)``: the size of one compute, for the simulator;
-    - ``forward(q, k, v, cfg)`` -> ``(out, saved)`` and ``backward(dout, saved, cfg)`` -> ``(dq, dk, dv)``.
+    - ``forward(q, k, v, cfg)`` -> ``(out, saved)`` and ``backward(dout, saved, cfg)`` -> ``(dq, dk, dv,
+      dsinks)`` (``dsinks`` ``None`` without ``cfg.sinks``);
+    - ``saved_extra(saved)`` / ``saved_full(extra, q, k, v, out)``: ``saved`` less / plus what the custom op
+      keeps anyway (its inputs and output), and ``extra_like(q, k, v, cfg)``: empty tensors shaped like
+      ``saved_extra`` (the op's fake); ``unprepare(dk, dv, Hkv)`` undoes ``prepare`` on the gradients.
     """
     name: str = ""
     family: str = ""
@@ -80,6 +84,18 @@ class Strategy:
 
     def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P: int):
         return q, k, v
+
+    def unprepare(self, dk: torch.Tensor, dv: torch.Tensor, Hkv: int):
+        return dk, dv
+
+    def saved_extra(self, saved) -> list[torch.Tensor]:
+        return list(saved)
+
+    def saved_full(self, extra, q, k, v, out) -> tuple:
+        return tuple(extra)
+
+    def extra_like(self, q, k, v, cfg: "Config") -> list[torch.Tensor]:
+        raise NotImplementedError
 
     def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
         raise NotImplementedError
@@ -181,6 +197,7 @@ class Config:
     stage: bool | str | None = None  # Comm's host staging (None: on gloo; "always": CPU tensors too, for tests)
     expand_kv: bool | None = None  # repeat K/V heads once per stored block (None: where the kernel needs it)
     mask: object = None            # tokenring.masks.Mask: packed documents / sliding window, or None
+    sinks: torch.Tensor | None = None  # (H,) attention-sink logits, or None
 
     @property
     def documents(self):
@@ -353,6 +370,11 @@ class ForwardOps(_OpsBase):
         self.o, self.lse = new_accumulator(sh.B, sh.s, sh.H, sh.d, q.dtype, q.device)
         self.g = self.kv_repeat(q)
 
+    def finish(self) -> None:
+        """After the last step: merge the attention sinks (``cfg.sinks``) into this rank's finished rows."""
+        if self.cfg.sinks is not None:
+            merge_sink_(self.o, self.lse, self.cfg.sinks)
+
     def _merge(self, part: str, heads: str, o, lse) -> None:
         sl, hs = self.rows(part), head_slice(heads, self.sh.H)
         merge_(self.o[:, sl, hs], self.lse[:, hs, sl], o, lse)
@@ -474,17 +496,33 @@ class ScheduledStrategy(Strategy):
         ops = ForwardOps(q, k, v, shapes_of(q, k, cfg.P), cfg, frozenset(o for o, _ in pieces))
         execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask), cfg.comm(f"{self.name} forward"), ops,
                 cfg.held("forward"))
+        ops.finish()
         out = ops.o.to(q.dtype)
         return out, (q, k, v, out, ops.lse, *(t for key in pieces for t in ops.kept[key]))
 
     def backward(self, dout, saved, cfg: Config):
         q, k, v, out, lse, *kept = saved
-        ops = BackwardOps(q, k, v, dout, lse, row_delta(dout, out), shapes_of(q, k, cfg.P), cfg, out)
+        delta = row_delta(dout, out)
+        ops = BackwardOps(q, k, v, dout, lse, delta, shapes_of(q, k, cfg.P), cfg, out)
         for i, (owner, rows) in enumerate(self.kept_pieces(cfg)):
             ops.store.put("kv", owner, rows, kept[2 * i:2 * i + 2])
         execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask), cfg.comm(f"{self.name} backward"), ops,
                 cfg.held("backward"))
-        return ops.dq.to(q.dtype), ops.dk.to(k.dtype), ops.dv.to(v.dtype)
+        dsinks = sink_grad(lse, delta, cfg.sinks) if cfg.sinks is not None else None
+        return ops.dq.to(q.dtype), ops.dk.to(k.dtype), ops.dv.to(v.dtype), dsinks
+
+    def saved_extra(self, saved) -> list[torch.Tensor]:
+        return list(saved[4:])  # q, k, v, out: the op's inputs and output
+
+    def saved_full(self, extra, q, k, v, out) -> tuple:
+        return (q, k, v, out, *extra)
+
+    def extra_like(self, q, k, v, cfg: Config) -> list[torch.Tensor]:
+        sh = shapes_of(q, k, cfg.P)
+        extra = [q.new_empty((sh.B, sh.H, sh.s), dtype=acc_dtype(q.dtype))]
+        for _, rows in self.kept_pieces(cfg):
+            extra += [q.new_empty(shape, dtype=dt) for shape, dt, _ in payload("kv", rows, sh)]
+        return extra
 
 
 class RelayOrDirect(ScheduledStrategy):
@@ -548,19 +586,3 @@ class RelayOrDirect(ScheduledStrategy):
         if self.mode == "relay":
             return self.relay_schedule(P, layout, causal, backward, mask)
         return direct(self.name, P, layout, causal, backward, self.mover, self.chunks, self.lookahead, mask)
-
-
-class ScheduledAttention(torch.autograd.Function):
-    """Autograd wrapper: ``strategy.forward`` in forward, ``strategy.backward`` in backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, strategy, cfg: Config):
-        out, saved = strategy.forward(q, k, v, cfg)
-        ctx.strategy, ctx.cfg = strategy, cfg
-        ctx.save_for_backward(*saved)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        dq, dk, dv = ctx.strategy.backward(dout.contiguous(), ctx.saved_tensors, ctx.cfg)
-        return dq, dk, dv, None, None

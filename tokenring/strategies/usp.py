@@ -28,6 +28,7 @@ from ..layouts import local_positions
 from ..masks import block_tiles
 from ..schedules import Compute, Message, Schedule, Shapes, Step, block_pair, drop_empty_tail, part_rows, part_slice
 from ..schedules import payload as flat_payload, ulysses_kv_heads
+from ..merge import acc_dtype, sink_grad
 from .base import BackwardOps, BlockDims, Config, ForwardOps, Strategy, row_delta, tile_dims
 from .ring import pass_kv_steps
 from .two_level import inner_size_error
@@ -78,9 +79,12 @@ class _NodeForward(_NodeTiles, ForwardOps):
 
     def __init__(self, n: int, q, k, v, sh: Shapes, cfg: Config):
         super().__init__(q, k, v, sh, cfg)
-        self.n, self.inputs = n, (q, k, v)
+        self.n, self.inputs, self.finished = n, (q, k, v), False
 
     def result(self) -> list[torch.Tensor]:
+        if not self.finished:  # the ring is done (this is first asked for by the all-to-all back)
+            self.finish()
+            self.finished = True
         return [self.o.to(self.inputs[0].dtype)]
 
 
@@ -242,7 +246,28 @@ class Usp(Strategy):
         return replace(dims, tiles=tile_dims(ts, sh.B))
 
     def _node_cfg(self, cfg: Config) -> Config:
-        return replace(cfg, P=cfg.P // self.node_size(cfg.P))
+        """The ring phase's config: ``P`` counts nodes, and the sinks are this rank's head group's."""
+        n = self.node_size(cfg.P)
+        sinks = cfg.sinks
+        if sinks is not None:
+            h, l = sinks.shape[0] // n, cfg.rank % n
+            sinks = sinks[l * h:(l + 1) * h]
+        return replace(cfg, P=cfg.P // n, sinks=sinks)
+
+    def unprepare(self, dk: torch.Tensor, dv: torch.Tensor, Hkv: int):
+        """Gradients of K/V heads that :meth:`prepare` repeated, summed back onto their head."""
+        if dk.shape[2] == Hkv:
+            return dk, dv
+        return tuple(t.unflatten(2, (Hkv, -1)).sum(3) for t in (dk, dv))
+
+    def extra_like(self, q, k, v, cfg: Config) -> list[torch.Tensor]:
+        """``(qn, kn, vn, on, lsen)``: the node rows of this rank's head group (``k`` already prepared)."""
+        n = self.node_size(cfg.P)
+        B, s, H, d = q.shape
+        qn = (B, n * s, H // n, d)
+        kn = (B, n * s, k.shape[2] // n, d)
+        return [q.new_empty(qn), k.new_empty(kn), v.new_empty(kn), q.new_empty(qn),
+                q.new_empty((B, H // n, n * s), dtype=acc_dtype(q.dtype))]
 
     def forward(self, q, k, v, cfg: Config):
         n = self.node_size(cfg.P)
@@ -264,15 +289,21 @@ class Usp(Strategy):
         B, ns_rows, hq, d = qn.shape
         sh = Shapes(B, ns_rows // n, hq * n, kn.shape[2] * n, d, qn.dtype, cfg.P)
 
+        node_cfg = self._node_cfg(cfg)
+        dsinks = torch.zeros_like(cfg.sinks, dtype=lsen.dtype) if cfg.sinks is not None else None
+
         def ring(ops: _UspOps) -> _NodeBackward:
             (doutn,) = ops.gathered("u_dout")
-            return _NodeBackward(n, qn, kn, vn, doutn, lsen, row_delta(doutn, on), node_shapes(sh, n),
-                                 self._node_cfg(cfg), on)
+            delta = row_delta(doutn, on)
+            if dsinks is not None:  # this head group's rows are all here: its sinks' whole gradient
+                h = lsen.shape[1]
+                dsinks[ops.l * h:(ops.l + 1) * h] = sink_grad(lsen, delta, node_cfg.sinks)
+            return _NodeBackward(n, qn, kn, vn, doutn, lsen, delta, node_shapes(sh, n), node_cfg, on)
 
         ops = _UspOps(sh, cfg, n, dout.device, {"u_dout": [dout]}, ring)
         execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask), cfg.comm(f"{self.name} backward"),
                 ops, cfg.held("backward"))
-        return tuple(ops.heads_back([qn.dtype, kn.dtype, vn.dtype]))
+        return (*ops.heads_back([qn.dtype, kn.dtype, vn.dtype]), dsinks)
 
 
 STRATEGY = Usp()
