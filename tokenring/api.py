@@ -9,14 +9,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import get_timeout, group_store
-from .kernels import fold_scale, softmax_scale_of, tiled_backward, tiled_forward
+from .kernels import fold_scale, softmax_scale_of
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
-from .masks import make_mask, whole_numbers, whole_tiles
-from .merge import merge_sink_, sink_grad
-from .ops import register_extras
+from .masks import make_mask, whole_numbers
+from .ops import IdentityCache, register_extras
 from .schedules import Shapes
 from .strategies import (ALIASES, CODE_LEN, FAMILIES, code as strategy_code, from_code, get as get_strategy,
                          node_size, with_node_size)
+from .single import SINGLE
 from .strategies.base import Config
 
 __all__ = ["attention", "choose_strategy", "resolve", "STRATEGY_NAMES", "forget_choices"]
@@ -192,32 +192,6 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
     return chosen
 
 
-class _Single(torch.autograd.Function):
-    """One rank with documents, a window or sinks: the tiles of the whole sequence (no (S, S) mask is built)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, mask, scale):
-        ctx.tiles = whole_tiles(mask, q.device)  # (tiles, mask_of), for backward too
-        o, lse = tiled_forward(q, k, v, *ctx.tiles, scale)
-        if sinks is not None:
-            o = o.to(lse.dtype)
-            merge_sink_(o, lse, sinks)
-            o = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse, sinks)
-        ctx.scale = scale
-        return o
-
-    @staticmethod
-    def backward(ctx, dout):
-        from .strategies.base import row_delta
-        q, k, v, o, lse, sinks = ctx.saved_tensors
-        dout = dout.contiguous()
-        delta = row_delta(dout, o)
-        dq, dk, dv = tiled_backward(dout, q, k, v, lse, delta, *ctx.tiles, ctx.scale, out=o)
-        dsinks = sink_grad(lse, delta, sinks) if sinks is not None else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
-
-
 def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
@@ -293,64 +267,89 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     the group form node ``a``. With a node size known (or a multi-node topology set), ``"auto"`` considers
     them too.
     """
-    rank, P = group_info(group)
-    layout = layout if layout is not None else default_layout(causal)
-    if torch.is_autocast_enabled(q.device.type) and isinstance(q, torch.Tensor):
-        dt = torch.get_autocast_dtype(q.device.type)
+    if torch.is_autocast_enabled(q.device.type) if isinstance(q, torch.Tensor) else False:
+        dt = torch.get_autocast_dtype(q.device.type)  # as scaled_dot_product_attention does
         q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     compiling = torch.compiler.is_compiling()
-    problem = None
-    # Arguments this rank refuses still go through the signature exchange, so every rank raises at once
-    # instead of the others waiting for it until the timeout.
+    rank, P = group_info(group)
+    cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) or cu_seqlens is None else None
     try:
         _check_local(q, k, v, rank)
         _check_sinks(sinks, q.shape[2], rank)
-        n = node_size(inner_size)
-        if strategy != "auto":  # unknown names fail here, before any communication
-            strategy = with_node_size(get_strategy(strategy), n).name
-        check_layout(layout)
-        B, s, H, d = q.shape
-        Hkv = k.shape[2]
-        scale = softmax_scale_of(softmax_scale, d)
-        cu = _bounds_tensor(cu_seqlens)
-        window = _window_list(window)
-        if P > 1 and layout == "zigzag" and s % 2:
-            raise ValueError(f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; pad the "
-                             f"global sequence to a multiple of 2*P = {2 * P}")
-        if P > 1 and strategy != "auto":
-            why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
-            if why:
-                raise ValueError(why)
-        if P == 1:
-            if layout == "zigzag_docs":
-                document_bounds(s, 1, cu)
-            mask = make_mask(s, cu, window, causal, force=layout == "zigzag_docs" or sinks is not None)
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
+        if cu is not None:
+            _bounds_tensor(cu)
+        plan = _plan(tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, strategy, causal, softmax_scale,
+                     layout, None if cu_seqlens is None or cu is not None else _frozen(cu_seqlens),
+                     cu is not None, _frozen(window), sinks is not None, _group_name(group), inner_size, backward,
+                     compiling)
     except ValueError as e:
-        problem = _ranked(e, rank)
-    if P == 1:
-        if problem is not None:
-            raise problem from None
+        if P == 1 or compiling:
+            raise _ranked(e, rank) from None
+        _refuse_everywhere(_ranked(e, rank), group, rank, P)
+    strategy, scale, layout, window, n, cu_list, plain = plan
+    if cu_list is not None:
+        cu = torch.tensor(cu_list, dtype=torch.int64)
+    if plain:  # one rank, nothing to mask: PyTorch's own attention
         q, scale = fold_scale(q, scale)
-        if mask is not None:
-            return _Single.apply(q, k, v, sinks, mask, scale)
         return _single_device(q, k, v, causal, scale)
-    if problem is not None:
-        if compiling:
-            raise problem from None
-        _refuse_everywhere(problem, group, rank, P)
     if _config and compiling:
         raise ValueError("tokenring.attention: _config (tracing, byte logs) works in eager mode only")
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v) + ((sinks,) if sinks is not None
-                                                                                       else ()))
-    if compiling:
-        strategy = trace_choice(q.shape, k.shape, q.dtype, q.device.type, strategy, causal, layout, window,
-                                cu is not None, backward, group, n, scale, sinks is not None)
     extras_id, holder = register_extras(_config)
     from .ops import attention_op
     out = attention_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, _group_name(group), n,
                        backward, extras_id)
     del holder  # the op's autograd context keeps it while backward may still run
     return out
+
+
+def _frozen(x):
+    """Lists (cu_seqlens, window) as tuples, so that the plan is a function of constants."""
+    if x is None or isinstance(x, (int, float)):
+        return x
+    try:
+        return tuple(_frozen(y) for y in x)
+    except TypeError:
+        return x
+
+
+@torch._dynamo.assume_constant_result
+def _plan(q_shape, k_shape, dtype, device_type: str, strategy: str, causal: bool, softmax_scale, layout,
+          cu_list, cu_tensor: bool, window, sinks: bool, group_name: str, inner_size, backward: bool,
+          compiling: bool):
+    """What can be decided from the call's constants (shapes, dtypes, options), before any value is read or a
+    rank is asked: ``(strategy, scale, layout, window, node size, cu_seqlens list, plain)``. Under
+    ``torch.compile`` it runs once per trace (a constant of the graph) and also picks the concrete strategy
+    (:func:`trace_choice`). ``plain``: one rank and no mask or sinks (PyTorch's SDPA). ValueError for what
+    this rank refuses."""
+    from .ops import resolve_group
+    group = resolve_group(group_name)
+    rank, P = group_info(group)
+    layout = layout if layout is not None else default_layout(causal)
+    n = node_size(inner_size)
+    if strategy != "auto":  # unknown names fail here, before any communication
+        strategy = with_node_size(get_strategy(strategy), n).name
+    check_layout(layout)
+    B, s, H, d = q_shape
+    Hkv = k_shape[2]
+    scale = softmax_scale_of(softmax_scale, d)
+    cu_list = whole_numbers(cu_list, "cu_seqlens") if cu_list is not None else None
+    window = _window_list(window)
+    if P > 1 and layout == "zigzag" and s % 2:
+        raise ValueError(f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; pad the "
+                         f"global sequence to a multiple of 2*P = {2 * P}")
+    if P > 1 and strategy != "auto":
+        why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
+        if why:
+            raise ValueError(why)
+    if cu_list is not None or layout == "zigzag_docs" or window is not None:
+        _mask_of(s, P, cu_list, window, causal, layout)  # malformed documents / windows fail here
+    plain = P == 1 and cu_list is None and not cu_tensor and not sinks and layout != "zigzag_docs" and \
+        make_mask(s, None, window, causal) is None
+    if compiling and P > 1:
+        strategy = trace_choice(q_shape, k_shape, dtype, device_type, strategy, causal, layout, window,
+                                cu_list is not None or cu_tensor, backward, group, n, scale, sinks)
+    return strategy, scale, layout, window, n, cu_list, plain
 
 
 def _bounds_tensor(cu_seqlens) -> torch.Tensor | None:
@@ -385,10 +384,22 @@ def _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras: dict)
                   sinks=sinks, **extras)
 
 
+_masks = IdentityCache()
+
+
 def _mask_of(s: int, P: int, cu, window, causal: bool, layout: str):
+    """The call's mask; reading ``cu_seqlens`` once per tensor (the layers of a model share it)."""
+    key = (s, P, tuple(window) if window is not None else None, causal, layout)
+    cached = isinstance(cu, torch.Tensor)
+    hit = _masks.get([cu]) if cached else None
+    if hit is not None and hit[0] == key:
+        return hit[1]
     if layout == "zigzag_docs":
         document_bounds(s * P, P, cu)  # every document must split over the ranks
-    return make_mask(s * P, cu, window, causal, force=layout == "zigzag_docs")
+    mask = make_mask(s * P, cu, window, causal, force=layout == "zigzag_docs")
+    if cached:
+        _masks.put([cu], (key, mask))
+    return mask
 
 
 def run_forward(q, k, v, sinks, cu, strategy: str, causal: bool, scale: float, layout: str, window, group,
@@ -400,7 +411,13 @@ def run_forward(q, k, v, sinks, cu, strategy: str, causal: bool, scale: float, l
     try:
         mask = _mask_of(q.shape[1], P, cu, window, causal, layout)
     except ValueError as e:
+        if P == 1:
+            raise _ranked(e, rank) from None
         _refuse_everywhere(_ranked(e, rank), group, rank, P)
+    if P == 1:
+        q, scale = fold_scale(q, scale)
+        out, saved = SINGLE.forward(q, k, v, _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras))
+        return out, SINGLE, SINGLE.saved_extra(saved)
     n = inner
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
@@ -436,8 +453,8 @@ def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, causal: bool
 def fake_extra(q, k, v, cu, strategy: str, causal: bool, layout: str, window, group, inner: int):
     """Empty tensors shaped like :func:`run_forward`'s ``extra`` for a concrete ``strategy`` (the op's fake)."""
     rank, P = group_info(group)
-    st = get_strategy(strategy)
-    if st.mode == "auto" or strategy == "auto":
+    st = get_strategy(strategy) if P > 1 else SINGLE
+    if P > 1 and (strategy == "auto" or st.mode == "auto"):
         raise ValueError(f"tokenring: strategy {strategy!r} must be resolved before tracing (tokenring.ops)")
     mask = None
     if st.keep:

@@ -18,7 +18,8 @@ that case is refused.
 Strategy, layout and process group come from :func:`configure` (process-wide) or the :func:`settings` context
 manager; defaults: ``strategy="auto"``, ``layout="zigzag"``, the default process group.
 
-What works (tested: Llama with GQA and MHA; Qwen2, Qwen3 and Mistral architectures): decoder-only models
+What works (tested: Llama with GQA and MHA; Qwen2, Qwen3, Mistral and gpt-oss architectures, attention sinks
+included): decoder-only models
 whose attention layers call ``ALL_ATTENTION_FUNCTIONS`` with causal (``module.is_causal``) or bidirectional
 attention and no attention bias, including
 
@@ -35,7 +36,7 @@ What is refused, with a ``ValueError`` that says why:
   sequences; an all-ones mask is accepted);
 - position ids that are not the global positions of the local tokens (e.g. omitted ``position_ids``), and
   batch rows that pack different documents;
-- logit soft-capping (Gemma 2), attention sinks (gpt-oss), position biases (T5-style);
+- logit soft-capping (Gemma 2), position biases (T5-style);
 - attention dropout > 0 (set ``config.attention_dropout = 0``);
 - a regular KV cache holding earlier tokens; decode with :func:`prefill`'s sharded cache instead
   (``model.generate(input_ids, cache=tokenring.hf.prefill(model, input_ids))``, see :mod:`tokenring.hf_cache`);
@@ -49,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,7 @@ import torch.distributed as dist
 from .api import attention
 from .strategies import get as get_strategy, node_size
 from .layouts import check_layout, gather, group_info, local_positions, shard
+from .ops import IdentityCache
 
 try:
     from transformers import AttentionInterface
@@ -121,9 +124,13 @@ def settings(**kw):
         _settings.__dict__.update(vars(old))
 
 
-def _refuse(module, why: str) -> ValueError:
+def _where(module) -> str:
     layer = getattr(module, "layer_idx", None)
-    where = f"layer {layer}" if layer is not None else type(module).__name__
+    return f"layer {layer}" if layer is not None else type(module).__name__
+
+
+def _refuse(module, why: str) -> ValueError:
+    where = module if isinstance(module, str) else _where(module)
     return ValueError(f"tokenring (attn_implementation='tokenring', {where}): {why}")
 
 
@@ -169,12 +176,12 @@ def _documents(full: torch.Tensor, local_default: bool, S: int, layout: str) -> 
 
 
 def _check_inputs(module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group,
-                  device) -> list[int] | None:
+                  device, check_positions: bool = True) -> list[int] | None:
     """Mask and position checks, agreed on by all ranks (one small all-gather of the flags and position ids),
     so a problem on one rank's shard raises on every rank instead of leaving the others waiting in attention.
     Returns the documents (cu_seqlens over the global sequence) that the position ids pack, or ``None``."""
     mask_problem = _mask_problem(attention_mask)
-    use_pos = position_ids is not None and _settings.check_positions and position_ids.shape[-1] == s
+    use_pos = position_ids is not None and check_positions and position_ids.shape[-1] == s
     # (some models pass positions of another shape, e.g. mrope: left alone)
     pos = position_ids.reshape(-1, s).to(torch.int64) if use_pos else None
     if P > 1 and (attention_mask is not None or position_ids is not None):
@@ -218,8 +225,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     (B, Hkv, s, d), this rank's shard; returns ``(out (B, s, H, d), None)``."""
     if kwargs.get("softcap") is not None:
         raise _refuse(module, "logit soft-capping (softcap) is not supported; use a model without it")
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise _refuse(module, "attention sinks are not supported")
+    sinks = kwargs.get("s_aux")  # gpt-oss passes its per-head sink logits so
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        sinks = module.sinks
     if kwargs.get("position_bias") is not None:
         raise _refuse(module, "an additive position bias is not supported")
     if dropout:
@@ -244,14 +252,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                               f"and pass its cache to model.generate (a sharded cache), or pass use_cache=False")
     group = _settings.group
     rank, P = group_info(group)
-    device = query.device if P > 1 and dist.get_backend(group) == "nccl" else "cpu"
-    cu = _check_inputs(module, attention_mask, kwargs.get("position_ids"), s, rank, P, _settings.layout, group,
-                       device)
-    if kwargs.get("cu_seq_lens_q") is not None:  # explicit documents (shard_batch, DataCollatorWithFlattening)
-        cu = kwargs["cu_seq_lens_q"]
-        if kwargs.get("cu_seq_lens_k") is not None and not torch.equal(torch.as_tensor(kwargs["cu_seq_lens_k"]).cpu(),
-                                                                       torch.as_tensor(cu).cpu()):
-            raise _refuse(module, "cu_seq_lens_q and cu_seq_lens_k differ; packed self-attention needs one packing")
+    pos = kwargs.get("position_ids")
+    pos = pos if isinstance(pos, torch.Tensor) and pos.shape[-1] == s and _settings.check_positions else None
+    cu_q, cu_k = (_as_tensor(kwargs.get(name)) for name in ("cu_seq_lens_q", "cu_seq_lens_k"))
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise _refuse(module, _mask_problem(attention_mask))
+    cu = None
+    if attention_mask is not None or pos is not None or cu_q is not None:
+        cu = hf_documents(pos, attention_mask, cu_q, cu_k, s, _settings.layout, "" if group is None
+                          else group.group_name, _where(module))
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = kwargs.get("sliding_window")
@@ -260,9 +269,53 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     extra = _settings.config_fn(module) if _settings.config_fn is not None else None
     out = attention(q, k, v, causal=causal, softmax_scale=scaling, strategy=_settings.strategy,
-                    layout=_settings.layout, cu_seqlens=cu, window=window, group=group,
+                    layout=_settings.layout, cu_seqlens=cu, window=window, sinks=sinks, group=group,
                     inner_size=_settings.inner_size, _config=extra)
     return out, None
+
+
+def _as_tensor(x):
+    return x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+_documents_cache = IdentityCache()
+
+
+@torch.library.custom_op("tokenring::hf_documents", mutates_args=())
+def hf_documents(position_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
+                 cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], s: int, layout: str, group: str,
+                 where: str) -> torch.Tensor:
+    """The documents (``cu_seqlens`` over the global sequence, padded with ``S`` to ``S + 1`` entries: a fixed
+    shape for ``torch.compile``) that a layer's mask, position ids or explicit ``cu_seq_lens_q`` give, checked
+    on every rank alike (:func:`_check_inputs`). Once per distinct input: the layers of one forward share the
+    tensors, so only the first gathers and reads values."""
+    inputs = [position_ids, attention_mask, cu_q, cu_k]
+    hit = _documents_cache.get(inputs)
+    if hit is not None and hit[0] == (s, layout, group):
+        return hit[1]
+    from .ops import resolve_group
+    grp = resolve_group(group)
+    rank, P = group_info(grp)
+    device = "cpu"
+    if P > 1 and dist.get_backend(grp) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    cu = _check_inputs(where, attention_mask, position_ids, s, rank, P, layout, grp, device)
+    if cu_q is not None:  # explicit documents (shard_batch, DataCollatorWithFlattening)
+        if cu_k is not None and not torch.equal(cu_k.cpu(), cu_q.cpu()):
+            raise _refuse(where, "cu_seq_lens_q and cu_seq_lens_k differ; packed self-attention needs one packing")
+        cu = cu_q.cpu().tolist()
+    S = s * P
+    cu = [0, S] if cu is None else list(cu)
+    out = torch.full((S + 1,), S, dtype=torch.int64)
+    out[:len(cu)] = torch.tensor(cu[:S + 1], dtype=torch.int64)
+    _documents_cache.put(inputs, ((s, layout, group), out))
+    return out
+
+
+@hf_documents.register_fake
+def _(position_ids, attention_mask, cu_q, cu_k, s, layout, group, where):
+    from .ops import resolve_group
+    return torch.empty(s * group_info(resolve_group(group))[1] + 1, dtype=torch.int64)
 
 
 def mask_forward(*, attention_mask=None, **kwargs):

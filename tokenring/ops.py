@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["attention_op", "trace_choice", "register_extras"]
+__all__ = ["attention_op", "register_extras", "IdentityCache"]
 
 # Instrumentation fields for Config (tests and benchmarks: tracing, byte logs); eager only. The forward's ctx
 # holds the object, so an entry lives as long as the autograd graph that may still run its backward.
@@ -51,6 +51,30 @@ def _extras(extras_id: int) -> dict:
     return holder.fields
 
 
+class IdentityCache:
+    """Results keyed by the identity of tensors (and their in-place version), for checks that read values:
+    the layers of one forward pass get the same tensors, so only the first pays (no sync, no collective in
+    the others). A key holds weak references only; a freed tensor's entry is never reused."""
+
+    def __init__(self, size: int = 64):
+        self.size, self.entries = size, {}
+
+    @staticmethod
+    def _key(tensors) -> tuple:
+        return tuple((id(t), t._version) if t is not None else None for t in tensors)
+
+    def get(self, tensors):
+        hit = self.entries.get(self._key(tensors))
+        if hit is None or any((r() if r is not None else None) is not t for r, t in zip(hit[0], tensors)):
+            return None
+        return hit[1]
+
+    def put(self, tensors, value) -> None:
+        if len(self.entries) >= self.size:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[self._key(tensors)] = ([weakref.ref(t) if t is not None else None for t in tensors], value)
+
+
 def resolve_group(name: str):
     """The process group named ``name`` (``""``: the default group)."""
     if not name:
@@ -66,8 +90,21 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opti
     from .api import run_forward
     out, strat, extra = run_forward(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window,
                                     resolve_group(group), inner, backward, _extras(extras))
-    from .strategies import code
-    return [out, torch.tensor(code(strat), dtype=torch.float64), *_unaliased([out, *extra], (q, k, v))[1:]]
+    return [out, _choice(strat), *_unaliased([out, *extra], (q, k, v))[1:]]
+
+
+def _choice(strat) -> torch.Tensor:
+    """The strategy that ran, as numbers (-1: one rank, :data:`tokenring.single.SINGLE`)."""
+    from .strategies import CODE_LEN, code
+    from .single import SINGLE
+    return torch.tensor([-1.0] * CODE_LEN if strat is SINGLE else code(strat), dtype=torch.float64)
+
+
+def _chosen(choice: torch.Tensor):
+    from .strategies import from_code
+    from .single import SINGLE
+    values = choice.tolist()
+    return SINGLE if values[0] < 0 else from_code(values)
 
 
 def _unaliased(outputs: list, inputs) -> list:
@@ -95,8 +132,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   extra: List[torch.Tensor], causal: bool, scale: float, layout: str, window: Optional[List[int]],
                   group: str, extras: int) -> List[torch.Tensor]:
     from .api import run_backward
-    from .strategies import from_code
-    grads = run_backward(dout, q, k, v, out, sinks, cu_seqlens, from_code(choice.tolist()), list(extra), causal,
+    grads = run_backward(dout, q, k, v, out, sinks, cu_seqlens, _chosen(choice), list(extra), causal,
                          scale, layout, window, resolve_group(group), _extras(extras))
     return list(grads)
 
