@@ -19,15 +19,27 @@ LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_at
              attention_dropout=0.0, tie_word_embeddings=False)
 
 
+# transformers' own attention the single-process reference runs with (sdpa cannot take gpt-oss' sinks)
+REF_ATTN = {"gpt_oss": "eager"}
+
+
 def build(arch: str = "llama", attn: str = "tokenring", seed: int = 0, **over):
     import transformers
     cfg_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-                          "mistral": ("MistralConfig", "MistralForCausalLM")}[arch]
+                          "mistral": ("MistralConfig", "MistralForCausalLM"),
+                          "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}[arch]
+    if arch == "gpt_oss":  # attention sinks, alternating sliding (window 32) / full layers, 4 experts
+        over = {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 32, **over}
+        attn = REF_ATTN.get(arch, "sdpa") if attn == "sdpa" else attn
     cfg = getattr(transformers, cfg_cls)(**{**LLAMA, **over})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    if arch == "gpt_oss":  # sinks are left uninitialised by _from_config: give them values that matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-2.0, 2.0, cfg.num_attention_heads))
     return model
 
 
@@ -196,3 +208,20 @@ def generate_refusals(rank: int, P: int) -> dict:
     except ValueError as e:
         msgs["model"] = str(e)
     return msgs
+
+
+def tiled_loss_matches(rank: int, P: int, S: int, chunk: int) -> dict:
+    """``tokenring.hf.causal_lm_loss`` (head and loss tiled over ``chunk`` tokens) vs ``model(**batch).loss``
+    on the same shards: the global loss and every gradient after the cross-rank sum."""
+    model = build("llama", "tokenring", num_hidden_layers=2)
+    ids = tokens(S, model.config.vocab_size)
+    batch = thf.shard_batch(ids, labels=ids)
+    got = {}
+    for tiled in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss = thf.causal_lm_loss(model, batch, chunk=chunk) if tiled else model(**batch).loss
+        loss.backward()
+        thf.all_reduce_grads(model)
+        got[tiled] = (thf.reduce_loss(loss).item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (l0, g0), (l1, g1) = got[False], got[True]
+    return dict(loss=abs(l1 - l0) / abs(l0), grad=max(rel(g1[n], g) for n, g in g0.items()))

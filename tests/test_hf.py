@@ -26,7 +26,7 @@ def test_llama_gqa_matches_single_process(pools):
 
 @pytest.mark.parametrize("arch,over", [("qwen2", dict(attention_bias=True)), ("qwen3", dict(head_dim=32)),
                                        ("mistral", dict(sliding_window=None)),
-                                       ("llama", dict(num_key_value_heads=8))])
+                                       ("llama", dict(num_key_value_heads=8)), ("gpt_oss", {})])
 def test_other_families(pools, arch, over):
     res = pools(4).run(hf_cases.model_matches, 256, ["auto"], arch, {**over, "num_hidden_layers": 2})[0]
     assert res["auto"]["logits"] < 1e-4 and res["auto"]["grad"] < 1e-4, res
@@ -140,3 +140,10 @@ def test_demo_generate(capsys):
     assert main(["--generate", "4", "--seq", "64", "--ranks", "2", "--hidden", "64", "--layers", "1", "--heads", "4",
                  "--kv-heads", "2", "--vocab", "128", "--quiet"]) == 0
     assert "KV cache/rank" in capsys.readouterr().out
+
+
+def test_tiled_loss_in_a_model(pools):
+    """causal_lm_loss (lm_head + loss over 13-token chunks, never the whole logits) equals the model's own loss
+    and gradients, P = 2."""
+    for r in pools(2).run(hf_cases.tiled_loss_matches, 64, 13):
+        assert r["loss"] < 1e-6 and r["grad"] < 1e-5, r

@@ -69,7 +69,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from .hf_cache import ShardedCache, decode_step, prefill, take_step  # noqa: E402  (needs transformers)
 
 __all__ = ["NAME", "register", "configure", "settings", "attention_forward", "shard_batch", "gather_logits",
-           "reduce_loss", "all_reduce_grads", "shift_labels", "prefill", "ShardedCache"]
+           "reduce_loss", "all_reduce_grads", "shift_labels", "prefill", "ShardedCache", "causal_lm_loss"]
 
 NAME = "tokenring"
 IGNORE_INDEX = -100
@@ -427,3 +427,26 @@ def all_reduce_grads(model: torch.nn.Module, group=None, bucket_bytes: int = 32 
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunk: int = 2048,
+                   num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's share of the global mean next-token loss of ``model`` (a ``...ForCausalLM``) on ``batch``
+    (from :func:`shard_batch`), with the language-model head and the loss tiled over ``chunk`` tokens
+    (:func:`tokenring.loss.chunked_cross_entropy`): the same value and gradients as ``model(**batch).loss``
+    without the ``(tokens, vocab)`` logits. For a ``transformers.Trainer``, return it from
+    ``compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None)``."""
+    from .loss import chunked_cross_entropy
+    inner = getattr(model, "module", model)  # DDP and the like wrap the model
+    if getattr(inner.config, "final_logit_softcapping", None):
+        raise ValueError("tokenring.hf.causal_lm_loss: final logit soft-capping is not supported")
+    labels = batch.get("shift_labels", batch.get("labels"))
+    if labels is None:
+        raise ValueError("tokenring.hf.causal_lm_loss needs labels: shard_batch(input_ids, labels=...)")
+    if "shift_labels" not in batch:
+        raise ValueError("tokenring.hf.causal_lm_loss takes a batch from tokenring.hf.shard_batch (labels shifted "
+                         "on the full sequence before sharding: the next token of a shard's last one is elsewhere)")
+    skip = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep")
+    hidden = inner.base_model(**{k: v for k, v in batch.items() if k not in skip}).last_hidden_state
+    items = num_items_in_batch if num_items_in_batch is not None else batch.get("num_items_in_batch")
+    return chunked_cross_entropy(hidden, inner.get_output_embeddings(), labels, chunk=chunk, num_items=items)

@@ -1,0 +1,75 @@
+"""Rank-side functions for tests/test_compile.py: a small Llama under ``torch.compile(fullgraph=True)`` against
+the same model in eager mode, on each rank of a RankPool."""
+from __future__ import annotations
+
+import torch
+
+import hf_cases
+import tokenring.api as api
+import tokenring.hf as thf
+
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128)
+
+
+def _step(model, batch, call=None) -> tuple[float, dict]:
+    """One step's global loss and summed gradients; ``call``: what runs the forward (the compiled module)."""
+    model.zero_grad(set_to_none=True)
+    out = (call if call is not None else model)(**batch)
+    out.loss.backward()
+    thf.all_reduce_grads(model)
+    return thf.reduce_loss(out.loss).item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def compiled_matches_eager(rank: int, P: int, S: int, strategy: str, docs: list[int] | None = None,
+                           arch: str = "llama", over: dict | None = None) -> dict:
+    """Two training steps of ``torch.compile(model, fullgraph=True)`` (AOT autograd, so the custom ops' fake
+    implementations and autograd formula are traced) vs eager: losses, gradients, graphs and graph breaks."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = hf_cases.build(arch, "tokenring", **{**SMALL, **(over or {})})
+    ids = hf_cases.tokens(S, model.config.vocab_size)
+    pos = hf_cases.packed_positions(docs) if docs else None
+    batch = thf.shard_batch(ids, labels=ids, position_ids=pos)
+    res = {}
+    with thf.settings(strategy=strategy):
+        loss, grads = _step(model, batch)
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, fullgraph=True, backend=counter)
+        for i in range(2):  # the first call traces, the second reuses the graph
+            closs, cgrads = _step(model, batch, compiled)
+            res[f"loss{i}"] = abs(closs - loss) / abs(loss)
+            res[f"grad{i}"] = max(hf_cases.rel(cgrads[n], g) for n, g in grads.items())
+    res["frames"] = counter.frame_count
+    res["breaks"] = sum(counters["graph_break"].values())
+    return res
+
+
+def checks_once_per_forward(rank: int, P: int, S: int, layers: int) -> dict:
+    """How often a forward of a ``layers``-layer model reads its position ids (gathers them across ranks) and
+    exchanges call signatures: the first forward once / once per distinct call, later ones not at all."""
+    calls = {"positions": 0}
+    real = thf._check_inputs
+
+    def counted(*a, **kw):
+        calls["positions"] += 1
+        return real(*a, **kw)
+
+    thf._check_inputs = counted
+    try:
+        model = hf_cases.build("llama", "tokenring", **{**SMALL, "num_hidden_layers": layers})
+        ids = hf_cases.tokens(S, model.config.vocab_size)
+        res = {}
+        with thf.settings(strategy="token_ring"):
+            for i in range(3):
+                batch = thf.shard_batch(ids, labels=ids)  # new tensors each step, as a data loader gives them
+                before = dict(api._exchanges)
+                calls["positions"] = 0
+                model(**batch).loss.backward()
+                res[i] = (calls["positions"], sum(api._exchanges.values()) - sum(before.values()))
+        return res
+    finally:
+        thf._check_inputs = real
