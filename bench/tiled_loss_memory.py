@@ -4,7 +4,7 @@ ranks, with transformers' loss (full ``(s, V)`` logits) and with the tiled loss
 (:func:`tokenring.hf.causal_lm_loss`), at two vocabulary sizes; and the longest local length that fits a budget.
 
     .venv/bin/python bench/tiled_loss_memory.py [--ranks 4] [--vocabs 32000 128000] [--lengths 512 1024 2048]
-                                               [--chunk 1024] [--budget-gib 8]
+                                               [--chunk 256] [--budget-gib 8]
 
 Each configuration runs in fresh rank processes (one thread each): a warm-up step at 64 tokens per rank (so
 libraries, gloo buffers and the optimizer's states are allocated), then one step at local length ``s``; the
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128000])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
-    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--budget-gib", type=float, default=8.0)
     a = ap.parse_args(argv)
     P, GiB, MiB = a.ranks, 2 ** 30, 2 ** 20

@@ -225,3 +225,37 @@ def tiled_loss_matches(rank: int, P: int, S: int, chunk: int) -> dict:
         got[tiled] = (thf.reduce_loss(loss).item(), {n: p.grad.clone() for n, p in model.named_parameters()})
     (l0, g0), (l1, g1) = got[False], got[True]
     return dict(loss=abs(l1 - l0) / abs(l0), grad=max(rel(g1[n], g) for n, g in g0.items()))
+
+
+def autocast_matches(rank: int, P: int, S: int, strategy: str) -> dict:
+    """A float32 model under ``torch.autocast("cpu", bfloat16)``: the sharded global loss and gathered logits vs
+    rank 0's single process (sdpa) under the same autocast; and the attention ran in bfloat16."""
+    model = build("llama", "tokenring", num_hidden_layers=2)
+    ids = tokens(S, model.config.vocab_size)
+    seen = []
+    import tokenring.ops as ops
+    orig = ops.attention_op
+
+    def spy(q, *a, **kw):
+        seen.append(q.dtype)
+        return orig(q, *a, **kw)
+
+    ops.attention_op = spy
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), thf.settings(strategy=strategy):
+            batch = thf.shard_batch(ids, labels=ids)
+            out = model(**batch)
+            out.loss.backward()
+            loss = thf.reduce_loss(out.loss).float()
+            logits = thf.gather_logits(out.logits).float()
+    finally:
+        ops.attention_op = orig
+    res = dict(dtypes=sorted({str(d) for d in seen}))
+    if rank == 0:
+        ref = build("llama", "sdpa", num_hidden_layers=2)
+        ref.load_state_dict(model.state_dict())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = ref(input_ids=ids, labels=ids, use_cache=False)
+        res["loss"] = abs(loss.item() - want.loss.float().item()) / abs(want.loss.float().item())
+        res["logits"] = rel(logits, want.logits.float())
+    return res

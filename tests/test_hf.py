@@ -147,3 +147,11 @@ def test_tiled_loss_in_a_model(pools):
     and gradients, P = 2."""
     for r in pools(2).run(hf_cases.tiled_loss_matches, 64, 13):
         assert r["loss"] < 1e-6 and r["grad"] < 1e-5, r
+
+
+def test_autocast_bf16(pools):
+    """A float32 model under torch.autocast(bfloat16): attention runs in bfloat16 (as sdpa does there) and the
+    loss and logits stay within bfloat16 tolerance (2e-2) of one process under the same autocast, P = 2."""
+    res = pools(2).run(hf_cases.autocast_matches, 128, "token_ring")
+    assert all(r["dtypes"] == ["torch.bfloat16"] for r in res), res
+    assert res[0]["loss"] < 2e-2 and res[0]["logits"] < 2e-2, res[0]

@@ -88,8 +88,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opti
                   window: Optional[List[int]], group: str, inner: int, backward: bool,
                   extras: int) -> List[torch.Tensor]:
     from .api import run_forward
-    out, strat, extra = run_forward(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window,
-                                    resolve_group(group), inner, backward, _extras(extras))
+    with torch.autocast(q.device.type, enabled=False):  # the inputs are already in the autocast dtype
+        out, strat, extra = run_forward(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window,
+                                        resolve_group(group), inner, backward, _extras(extras))
     return [out, _choice(strat), *_unaliased([out, *extra], (q, k, v))[1:]]
 
 
@@ -132,8 +133,9 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   extra: List[torch.Tensor], causal: bool, scale: float, layout: str, window: Optional[List[int]],
                   group: str, extras: int) -> List[torch.Tensor]:
     from .api import run_backward
-    grads = run_backward(dout, q, k, v, out, sinks, cu_seqlens, _chosen(choice), list(extra), causal,
-                         scale, layout, window, resolve_group(group), _extras(extras))
+    with torch.autocast(q.device.type, enabled=False):
+        grads = run_backward(dout, q, k, v, out, sinks, cu_seqlens, _chosen(choice), list(extra), causal,
+                             scale, layout, window, resolve_group(group), _extras(extras))
     return list(grads)
 
 
