@@ -8,7 +8,9 @@ ranks, with transformers' loss (full ``(s, V)`` logits) and with the tiled loss
 
 Each configuration runs in fresh rank processes (one thread each): a warm-up step at 64 tokens per rank (so
 libraries, gloo buffers and the optimizer's states are allocated), then one step at local length ``s``; the
-growth of the peak resident memory (``ru_maxrss``) over that step is what the step itself needs. The budget
+growth of the peak resident memory (``ru_maxrss``) over that step is what the step itself needs. The ranks run
+with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the resident set at once (glibc otherwise keeps
+freed chunks of varied sizes mapped, and the resident peak then counts memory no tensor holds any more). The budget
 column fits ``growth = a + b * s`` to the measured lengths (least squares) and solves for the largest ``s``
 with ``baseline + growth <= budget`` (``baseline``: the resident memory before the step). Writes
 ``bench/results/tiled_loss_memory.{json,md}``.
@@ -64,6 +66,14 @@ def rank_run(rank: int, P: int, s: int, vocab: int, tiled: bool, chunk: int) -> 
                 loss=loss)
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares ``y = a + b x``."""
     n = len(points)
@@ -84,6 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gib", type=float, default=8.0)
     a = ap.parse_args(argv)
     P, GiB, MiB = a.ranks, 2 ** 30, 2 ** 20
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when each rank process starts
     runs = []
     for vocab in a.vocabs:
         for tiled in (False, True):
@@ -95,9 +106,10 @@ def main(argv=None) -> int:
                 print(f"V={vocab} {'tiled' if tiled else 'full '} s={s}: step growth {worst['growth_bytes'] / MiB:.0f} "
                       f"MiB (baseline {worst['baseline_bytes'] / MiB:.0f} MiB), loss {rows[0]['loss']:.4f}", flush=True)
     lines = [f"# Tiled loss: peak memory of a training step per rank (P={P})", "",
-             f"Command: `python bench/tiled_loss_memory.py {' '.join(argv or sys.argv[1:])}`".rstrip() + "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-             f"{platform.python_version()}; one thread per rank, gloo, float32; strategy token_ring.", "",
+             f"Command: `python bench/tiled_loss_memory.py {' '.join(argv or sys.argv[1:])}`".replace(" `", "`"),
+             f"Machine: {cpu_name()}, {os.cpu_count()} cores, Python "
+             f"{platform.python_version()}; one thread per rank, gloo, float32; strategy token_ring; "
+             f"MALLOC_MMAP_THRESHOLD_=65536.", "",
              f"Model: Llama, hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, heads "
              f"{MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']}, untied head; AdamW. Tiled loss chunk "
              f"{a.chunk} tokens. Growth: the peak resident memory of the step beyond the resident memory before it "
@@ -125,7 +137,7 @@ def main(argv=None) -> int:
         lines.append(f"- V={vocab}: full logits / tiled step growth {ratio}; losses equal to "
                      f"{max(abs(f['loss'] - t['loss']) for f, t in zip(full, tile)):.1e}.")
     out = dict(command="python bench/tiled_loss_memory.py " + " ".join(argv or sys.argv[1:]),
-               machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+               machine=dict(cpu=cpu_name(), cores=os.cpu_count(),
                             python=platform.python_version()),
                model=MODEL, ranks=P, chunk=a.chunk, budget_gib=a.budget_gib, runs=runs, budget=budget)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

@@ -59,6 +59,7 @@ from .api import attention
 from .strategies import get as get_strategy, node_size
 from .layouts import check_layout, gather, group_info, local_positions, shard
 from .ops import IdentityCache
+from .training import check_ddp
 
 try:
     from transformers import AttentionInterface
@@ -69,7 +70,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from .hf_cache import ShardedCache, decode_step, prefill, take_step  # noqa: E402  (needs transformers)
 
 __all__ = ["NAME", "register", "configure", "settings", "attention_forward", "shard_batch", "gather_logits",
-           "reduce_loss", "all_reduce_grads", "shift_labels", "prefill", "ShardedCache", "causal_lm_loss"]
+           "reduce_loss", "all_reduce_grads", "shift_labels", "prefill", "ShardedCache", "causal_lm_loss",
+           "SequenceParallelTrainer"]
 
 NAME = "tokenring"
 IGNORE_INDEX = -100
@@ -236,6 +238,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         warnings.warn("tokenring never materialises attention weights; output_attentions returns None",
                       stacklevel=2)
     s = query.shape[2]
+    if not torch.compiler.is_compiling():
+        check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD)
     step = take_step(module)  # set when the layer's cache is a tokenring ShardedCache
     if step is not None and "new" in step[1]:  # a decode step over the sharded cache
         problem = _mask_problem(attention_mask)
@@ -348,7 +352,7 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, layout: str | None = None, group=None,
-                ignore_index: int = IGNORE_INDEX) -> dict:
+                ignore_index: int = IGNORE_INDEX, _scaled: bool = False) -> dict:
     """This rank's shard of a batch given as full ``(B, S)`` tensors (identical on every rank), ready for
     ``model(**batch)``.
 
@@ -359,6 +363,10 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
     number of targets, so ``model(**batch).loss`` is this rank's share of the global mean and the shares sum
     to it (:func:`reduce_loss`). An ``attention_mask`` must be all ones (padding cannot be expressed).
     """
+    from .training import active
+    if active() is not None and not _scaled:
+        raise ValueError("tokenring.hf.shard_batch: a tokenring.training.SequenceParallel is active; use its "
+                         "shard_batch (the loss is scaled there for DDP/FSDP's average over every rank)")
     layout = layout or _settings.layout
     group = group if group is not None else _settings.group
     if input_ids.dim() != 2:
@@ -397,6 +405,44 @@ def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
     return total
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 shards parameters and gradients over its mesh), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
+
+
+def _ranks(group) -> set:
+    return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _check_reduction(model, group) -> None:
+    """Refuse a sum over ``group`` that would count a gradient twice or sum over data-parallel ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError("tokenring.hf.all_reduce_grads: the model is in DDP, which already reduces its "
+                         "gradients; use tokenring.training.SequenceParallel (its loss is scaled for DDP over "
+                         "all ranks) instead of also summing here")
+    mine = _ranks(group)
+    tokenring_group = _ranks(_settings.group)
+    if not mine <= tokenring_group:
+        raise ValueError(f"tokenring.hf.all_reduce_grads sums gradients over the ranks that share a sequence (the "
+                         f"tokenring group {sorted(tokenring_group)}), but group= has ranks {sorted(mine)}: with "
+                         f"data parallelism that sums the data-parallel ranks' gradients too (dp times the true "
+                         f"gradient). Sum over the cp group only and let DDP/FSDP average over dp, or use "
+                         f"tokenring.training.SequenceParallel")
+    for p in model.parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "device_mesh"):
+            shared = set()
+            for dim in range(g.device_mesh.ndim):
+                shared |= _ranks(g.device_mesh.get_group(dim)) & mine
+            if len(shared) > 1:
+                raise ValueError("tokenring.hf.all_reduce_grads: FSDP already reduces these gradients over ranks "
+                                 f"{sorted(shared)} of the tokenring group; shard the model over dp only "
+                                 "(fully_shard(model, mesh=mesh['dp'])), or use FSDP over all ranks with "
+                                 "tokenring.training.SequenceParallel and no all_reduce_grads")
+            break
+
+
 def all_reduce_grads(model: torch.nn.Module, group=None, bucket_bytes: int = 32 << 20) -> None:
     """Sum every parameter's ``.grad`` over the ranks (in place), after ``loss.backward()`` on each rank's
     loss share: the result equals the single-process gradient of the global mean loss. Gradients are
@@ -405,22 +451,24 @@ def all_reduce_grads(model: torch.nn.Module, group=None, bucket_bytes: int = 32 
     group = group if group is not None else _settings.group
     if group_info(group)[1] == 1:
         return
+    _check_reduction(model, group)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     buckets, cur, size = [], [], 0
     for p in params:
-        key = (p.grad.dtype, p.grad.device)
-        if cur and (size + p.grad.numel() * p.grad.element_size() > bucket_bytes or key != cur[0][0]):
+        g = _local(p.grad)
+        key = (g.dtype, g.device)
+        if cur and (size + g.numel() * g.element_size() > bucket_bytes or key != cur[0][0]):
             buckets.append(cur)
             cur, size = [], 0
         cur.append((key, p))
-        size += p.grad.numel() * p.grad.element_size()
+        size += g.numel() * g.element_size()
     if cur:
         buckets.append(cur)
     for bucket in buckets:
-        grads = [p.grad for _, p in bucket]
+        grads = [_local(p.grad) for _, p in bucket]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         offset = 0
@@ -429,24 +477,51 @@ def all_reduce_grads(model: torch.nn.Module, group=None, bucket_bytes: int = 32 
             offset += g.numel()
 
 
-def causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunk: int = 2048,
-                   num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's share of the global mean next-token loss of ``model`` (a ``...ForCausalLM``) on ``batch``
-    (from :func:`shard_batch`), with the language-model head and the loss tiled over ``chunk`` tokens
-    (:func:`tokenring.loss.chunked_cross_entropy`): the same value and gradients as ``model(**batch).loss``
-    without the ``(tokens, vocab)`` logits. For a ``transformers.Trainer``, return it from
-    ``compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None)``."""
+@contextlib.contextmanager
+def tiled_loss(model: torch.nn.Module, chunk: int = 2048):
+    """Inside this block, ``model(**batch).loss`` (a ``...ForCausalLM``, bare or wrapped in DDP/FSDP) runs the
+    language-model head and the loss ``chunk`` tokens at a time (:func:`tokenring.loss.chunked_cross_entropy`):
+    the same loss and gradients, never the ``(tokens, vocab)`` logits. It happens inside the model's forward, so
+    DDP and FSDP see the head used as usual. ``out.logits`` then holds the final hidden states (the head runs in
+    the loss); the backward may run after the block."""
     from .loss import chunked_cross_entropy
     inner = getattr(model, "module", model)  # DDP and the like wrap the model
     if getattr(inner.config, "final_logit_softcapping", None):
-        raise ValueError("tokenring.hf.causal_lm_loss: final logit soft-capping is not supported")
-    labels = batch.get("shift_labels", batch.get("labels"))
-    if labels is None:
-        raise ValueError("tokenring.hf.causal_lm_loss needs labels: shard_batch(input_ids, labels=...)")
-    if "shift_labels" not in batch:
-        raise ValueError("tokenring.hf.causal_lm_loss takes a batch from tokenring.hf.shard_batch (labels shifted "
-                         "on the full sequence before sharding: the next token of a shard's last one is elsewhere)")
-    skip = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep")
-    hidden = inner.base_model(**{k: v for k, v in batch.items() if k not in skip}).last_hidden_state
-    items = num_items_in_batch if num_items_in_batch is not None else batch.get("num_items_in_batch")
-    return chunked_cross_entropy(hidden, inner.get_output_embeddings(), labels, chunk=chunk, num_items=items)
+        raise ValueError("tokenring.hf.tiled_loss: final logit soft-capping is not supported")
+    head = inner.get_output_embeddings()
+    real = head.forward
+    old = inner.__dict__.get("_loss_function")
+
+    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
+                      shift_labels=None, **kwargs):
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        return chunked_cross_entropy(logits, real, shift_labels.to(logits.device), chunk=chunk,
+                                     ignore_index=ignore_index, num_items=num_items_in_batch)
+
+    head.forward = lambda h: h  # the model's forward hands the hidden states to the loss
+    inner.loss_function = loss_function
+    try:
+        yield
+    finally:
+        del head.forward
+        if old is None:
+            inner.__dict__.pop("_loss_function", None)
+        else:
+            inner.loss_function = old
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunk: int = 2048) -> torch.Tensor:
+    """``model(**batch).loss`` with the head and the loss tiled over ``chunk`` tokens (:func:`tiled_loss`):
+    this rank's share of the global mean loss for a batch from :func:`shard_batch` (or a
+    :class:`tokenring.training.SequenceParallel`'s), with the same value and gradients and without the
+    ``(tokens, vocab)`` logits."""
+    with tiled_loss(model, chunk):
+        return model(**batch).loss
+
+
+def __getattr__(name: str):
+    if name == "SequenceParallelTrainer":  # imports transformers.Trainer (and accelerate) only when asked for
+        from .hf_trainer import SequenceParallelTrainer
+        return SequenceParallelTrainer
+    raise AttributeError(name)

@@ -43,8 +43,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor, *, c
     if num_items is None:
         num_items = (y != ignore_index).sum()
     total = h.new_zeros((), dtype=torch.float32)
+    owner = getattr(head, "__self__", head)  # a module's bound forward: its parameters count too
     grad = torch.is_grad_enabled() and (h.requires_grad or any(
-        p.requires_grad for p in getattr(head, "parameters", lambda: [])()))
+        p.requires_grad for p in getattr(owner, "parameters", lambda: [])()))
     for a in range(0, h.shape[0], chunk):
         hc, yc = h[a:a + chunk], y[a:a + chunk]
         if grad:  # keep only the chunk's input; its logits are made again in backward

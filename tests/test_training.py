@@ -1,0 +1,51 @@
+"""Training the way people train, on gloo ranks with a small Llama: transformers.Trainer, accelerate, FSDP2 and
+DDP over a (dp, cp) mesh give the first step's gradients and the logged loss of one process on the same global
+batch (1e-4 relative; float32); each misuse that used to train silently wrong raises ValueError on every rank."""
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import train_cases  # noqa: E402
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("P,dp,accumulate,tiled", [(2, 1, 1, None), (4, 2, 2, None), (2, 1, 1, 16)])
+def test_trainer_matches_single_process(pools, P, dp, accumulate, tiled):
+    """SequenceParallelTrainer: cp = P/dp ranks share each sample; gradient accumulation; the tiled loss; the
+    evaluation loss."""
+    r = pools(P).run(train_cases.trainer_step, dp, 64, 2, accumulate, tiled)[0]
+    assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
+
+
+def test_trainer_resumes_exactly(pools):
+    """A checkpoint after step 1 and a resumed step 2 end where two uninterrupted steps do (dp=2 x cp=2)."""
+    diffs = pools(4).run(train_cases.trainer_resume, 2, 32)
+    assert max(diffs) < 1e-6, diffs
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_accelerate_loop(pools, dp):
+    r = pools(4).run(train_cases.accelerate_step, dp, 64, 2)[0]
+    assert r["loss"] < TOL and r["grad"] < TOL, r
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_fsdp2(pools, flat):
+    """FSDP2 over the flattened dp x cp mesh (loss scaled), or over dp with all_reduce_grads over cp (DTensor
+    gradients)."""
+    r = pools(4).run(train_cases.fsdp_step, 2, 64, 2, flat)[0]
+    assert r["loss"] < TOL and r["grad"] < TOL, r
+
+
+def test_misuse_is_refused_on_every_rank(pools):
+    plain = pools(4).run(train_cases.accelerate_step, 2, 64, 2, True)
+    assert all("DDP averages" in m and "1/2" in m for m in plain), plain
+    stock = pools(2).run(train_cases.stock_trainer_refused, 64)
+    assert all("SequenceParallel" in m for m in stock), stock
+    for m in pools(4).run(train_cases.misuse_refused, 64):
+        assert "dp times the true gradient" in m["world"], m
+        assert "already reduces" in m["ddp"], m
+        assert "data loader" in m["samples"], m
+        assert "its shard_batch" in m["plain"], m

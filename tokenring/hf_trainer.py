@@ -1,0 +1,113 @@
+"""``transformers.Trainer`` over a data x sequence parallel mesh (:class:`SequenceParallelTrainer`).
+
+A stock Trainer script becomes sequence parallel by building the model with
+``attn_implementation="tokenring"`` and using this class with a :class:`tokenring.training.SequenceParallel`::
+
+    sp = SequenceParallel(init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")))
+    trainer = SequenceParallelTrainer(sp, model=model, args=args, train_dataset=ds, data_collator=collate)
+
+What it changes, and why:
+- the data loaders are sharded over the ``dp`` ranks only (the ranks of a ``cp`` group get the same samples);
+- each batch is sharded over the ``cp`` ranks after its labels are shifted on the full sequences;
+- ``get_cp_size`` is the ``cp`` size, so the Trainer's global target count (gathered over every rank, each
+  ``cp`` rank counting the same samples) is divided back to the true one and its ``W``-fold loss scale for
+  DDP's average over all ranks is right: gradients and the logged loss are those of the global mean;
+- evaluation loss likewise (logits stay sharded: ``prediction_loss_only`` is forced).
+Gradient accumulation, checkpoint save and resume are the Trainer's own. Needs the Trainer's default
+``average_tokens_across_devices=True`` and a model that takes ``num_items_in_batch`` (transformers' causal
+LMs). accelerate's ``ParallelismConfig(cp_size=...)`` cannot carry this: it accepts only its ``"torch"``
+context-parallel backend.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import Trainer
+
+from .training import SequenceParallel
+
+__all__ = ["SequenceParallelTrainer"]
+
+
+class SequenceParallelTrainer(Trainer):
+    """A :class:`transformers.Trainer` whose steps run over ``sp`` (see the module doc). ``tiled_loss``: a
+    chunk size to compute the loss with :func:`tokenring.hf.causal_lm_loss` (no ``(tokens, vocab)`` logits)."""
+
+    def __init__(self, sp: SequenceParallel, *args, tiled_loss: int | None = None, **kwargs):
+        self.sp, self.tiled_loss = sp, tiled_loss
+        super().__init__(*args, **kwargs)
+        if not self.args.average_tokens_across_devices:
+            raise ValueError("SequenceParallelTrainer needs average_tokens_across_devices=True (the default): the "
+                             "loss of a sharded sequence is a share of a count over every rank")
+        if not self.model_accepts_loss_kwargs:
+            raise ValueError("SequenceParallelTrainer needs a model whose forward takes num_items_in_batch "
+                             "(transformers' causal language models do)")
+        self.args.prediction_loss_only = True
+
+    def train(self, *args, **kwargs):
+        # transformers 5 / accelerate 1.x: an evaluate() before train() marks the bare model as prepared
+        # (evaluation needs no DDP), and train()'s prepare() then leaves it bare: the ranks would train
+        # without any gradient reduction (stock Trainer too). Undo that mark so train() wraps the model.
+        if self.accelerator.num_processes > 1 and self.model_wrapped is self.model and \
+                getattr(self.model, "_is_accelerate_prepared", False):
+            del self.model._is_accelerate_prepared
+            models = getattr(self.accelerator, "_models", [])
+            models[:] = [m for m in models if m is not self.model]
+        return super().train(*args, **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.accelerator.num_processes > 1 and not _reduces_grads(model):
+            raise ValueError(f"SequenceParallelTrainer: the model trains as a bare {type(model).__name__} on "
+                             f"{self.accelerator.num_processes} ranks, so no gradient would be reduced; the "
+                             f"loss is scaled for DDP/FSDP's average over every rank")
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def get_cp_size(self) -> int:
+        return self.sp.cp_size
+
+    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
+                        dataloader_key=None):
+        loader = super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        shard = getattr(loader, "batch_sampler", None)
+        if shard is None or not hasattr(shard, "num_processes"):
+            raise ValueError(f"SequenceParallelTrainer: cannot shard the {description} data loader over the dp "
+                             f"ranks only ({type(loader).__name__}); use a map-style dataset")
+        shard.num_processes, shard.process_index = self.sp.dp_size, self.sp.dp_rank  # the same on cp ranks
+        return loader
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ids = inputs["input_ids"]
+        labels = inputs.get("labels")
+        n = num_items_in_batch  # the Trainer's global count over its accumulated batch (see get_cp_size)
+        if labels is not None and n is None:  # evaluation: count this batch's targets over the dp ranks
+            n = self.sp.count(labels)
+        batch = self.sp.shard_batch(ids, labels=labels, position_ids=inputs.get("position_ids"),
+                                    attention_mask=inputs.get("attention_mask"),
+                                    num_items_in_batch=n if labels is not None else None)
+        if self.tiled_loss and labels is not None:
+            from .hf import tiled_loss
+            with tiled_loss(model, self.tiled_loss):
+                outputs = model(**batch)
+        else:
+            outputs = model(**batch)
+        loss = outputs.loss
+        # W * (this rank's loss sum) / N: DDP's average over the W ranks is the global mean's gradient, and so is
+        # the Trainer's average of the logged losses its value
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs).detach()
+        # the loss is this rank's W-scaled share: the Trainer averages it over the W ranks
+        return loss, None, None
+
+
+def _reduces_grads(model) -> bool:
+    """Whether ``model`` is wrapped (or sharded) by something that averages gradients over the ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        FSDPModule = FullyShardedDataParallel = DistributedDataParallel
+    return isinstance(model, (DistributedDataParallel, FSDPModule, FullyShardedDataParallel)) or \
+        type(model).__name__ in ("DeepSpeedEngine",)
