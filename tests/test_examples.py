@@ -24,6 +24,37 @@ def test_finetune_step(pools):
     assert r["param_diff"] < 1e-3, r
 
 
+def _torchrun(tmp_path, script: str, args: list[str], n: int, timeout: float = 120) -> list[str]:
+    """``script`` as torchrun would start it: ``n`` processes on gloo, a file:// rendezvous; their outputs."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", script)
+    cmd = [sys.executable, path, "--init-method", f"file://{tmp_path / 'rendezvous'}", "--backend", "gloo", *args]
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
+                   OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    try:
+        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * n, outs
+    return outs
+
+
+@pytest.mark.parametrize("stack", ["trainer", "fsdp2"])
+def test_train_dp_cp_example(tmp_path, stack):
+    """examples/train_dp_cp.py on 4 processes, dp=2 x cp=2: its first-step loss equals one process's."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    outs = _torchrun(tmp_path, "train_dp_cp.py", ["--dp", "2", "--stack", stack, "--seq", "64", "--steps", "2"], 4)
+    check = [line for line in outs[0].splitlines() if line.startswith("check vs one process")]
+    assert len(check) == 1 and check[0].endswith(": OK"), outs[0]
+
+
 def test_torchrun_example_cpu(tmp_path):
     """examples/torchrun_attention.py as torchrun would start it, 2 processes on gloo, file:// rendezvous."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "torchrun_attention.py")
