@@ -155,6 +155,14 @@ def refusals(rank: int, P: int, S: int) -> dict:
         # dropout
         drop = build("llama", "tokenring", num_hidden_layers=1, attention_dropout=0.1).train()
         expect("dropout", lambda: drop(**batch))
+        # unequal local lengths (a hand-made split): named as such on every rank, never a gloo abort
+        s = batch["input_ids"].shape[1]
+        n = 2 * s if rank == 0 else s
+        expect("lengths", lambda: model(input_ids=ids[:, :n], position_ids=torch.arange(n)[None] + rank * s))
+        # ranks of one group fed different samples (a per-rank sampler): caught by shard_batch(verify=True)
+        other = tokens(S, model.config.vocab_size, seed=10 + rank)
+        expect("samples", lambda: thf.shard_batch(other, labels=other, verify=True))
+        thf.shard_batch(ids, labels=ids, verify=True)  # the same samples pass
     return msgs
 
 

@@ -101,13 +101,17 @@ def test_plain_path(pools):
 
 
 def test_refusals(pools):
-    msgs = pools(4).run(hf_cases.refusals, 64)[0]
+    every = pools(4).run(hf_cases.refusals, 64)
+    msgs = every[0]
     assert "padding" in msgs["padding"] or "refused its attention mask" in msgs["padding"]
     assert "padding" in msgs["padding_full"]
     assert "position_ids" in msgs["positions"] and "tokenring.shard" in msgs["positions"]
     assert "use_cache=False" in msgs["cache"]
     assert "share one packing" in msgs["packing"]
     assert "dropout" in msgs["dropout"]
+    for m in every:  # each rank names what differs
+        assert "different local lengths" in m["lengths"] and "{0: 32, 1: 16, 2: 16, 3: 16}" in m["lengths"], m
+        assert "different samples" in m["samples"] and "data loader" in m["samples"], m
 
 
 def test_from_pretrained_single_process(tmp_path):

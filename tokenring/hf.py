@@ -188,16 +188,26 @@ def _check_inputs(module, attention_mask, position_ids, s: int, rank: int, P: in
     pos = position_ids.reshape(-1, s).to(torch.int64) if use_pos else None
     if P > 1 and (attention_mask is not None or position_ids is not None):
         B = pos.shape[0] if pos is not None else 0
-        mine = torch.zeros(2 + B * s, dtype=torch.int64, device=device)
-        mine[0], mine[1] = int(mask_problem is None), B
+        # A fixed-size exchange first, so that what differs is named (and the variable-size one below can
+        # not mismatch: gloo aborts the process on unequal sizes).
+        head = torch.tensor([int(mask_problem is None), B, s, int(pos is not None)], dtype=torch.int64)
+        heads = [torch.empty_like(head, device=device) for _ in range(P)]
+        dist.all_gather(heads, head.to(device), group=group)
+        heads = [h.cpu().tolist() for h in heads]
+        if not all(h[0] for h in heads):  # every rank stops here: no rank goes on to the gather below
+            raise _refuse(module, f"rank {rank}: {mask_problem}" if mask_problem is not None else
+                          f"rank {rank}: another rank refused its attention mask (see that rank's error)")
+        for i, what in ((2, "local lengths (tokens per rank)"), (1, "batch sizes of their position ids"),
+                        (3, "position ids (given on some ranks only)")):
+            if len({h[i] for h in heads}) > 1:
+                raise _refuse(module, f"rank {rank}: the ranks pass different {what}: "
+                              f"{ {r: h[i] for r, h in enumerate(heads)} }. Every rank must hold S/P tokens of "
+                              f"the same sequences: shard them with tokenring.hf.shard_batch or tokenring.shard")
         if pos is not None:
-            mine[2:] = pos.reshape(-1).to(device)
-        every = [torch.empty_like(mine) for _ in range(P)]
-        dist.all_gather(every, mine, group=group)
-        if mask_problem is None and not all(bool(e[0]) for e in every):
-            raise _refuse(module, f"rank {rank}: another rank refused its attention mask (see that rank's error)")
-        if pos is not None:
-            local = [e[2:].view(B, s).cpu() for e in every]
+            mine = pos.reshape(-1).to(device)
+            every = [torch.empty_like(mine) for _ in range(P)]
+            dist.all_gather(every, mine, group=group)
+            local = [e.view(B, s).cpu() for e in every]
             order = torch.argsort(torch.cat([local_positions(s * P, P, r, layout) for r in range(P)]))
             full = torch.cat(local, dim=1).index_select(1, order)
             default = all(bool((t == torch.arange(s)).all()) for t in local)
@@ -352,7 +362,7 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, layout: str | None = None, group=None,
-                ignore_index: int = IGNORE_INDEX, _scaled: bool = False) -> dict:
+                ignore_index: int = IGNORE_INDEX, verify: bool = False, _scaled: bool = False) -> dict:
     """This rank's shard of a batch given as full ``(B, S)`` tensors (identical on every rank), ready for
     ``model(**batch)``.
 
@@ -362,6 +372,9 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
     sequence, then sharded: transformers does not shift them again) and ``num_items_in_batch`` = the global
     number of targets, so ``model(**batch).loss`` is this rank's share of the global mean and the shares sum
     to it (:func:`reduce_loss`). An ``attention_mask`` must be all ones (padding cannot be expressed).
+    ``verify``: compare a checksum of the full inputs across the group first (one small all-gather; every
+    rank must call it): ranks holding different samples, what a per-rank data sampler gives, raise a
+    ValueError on every rank instead of training on a garbled sequence.
     """
     from .training import active
     if active() is not None and not _scaled:
@@ -375,6 +388,10 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
     if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
         raise ValueError("tokenring.hf.shard_batch: attention_mask masks tokens (padding); TokenRing cannot "
                          "express padding masks: use unpadded sequences of one length")
+    if verify:
+        from .training import same_batch
+        same_batch(group if group is not None else dist.group.WORLD,
+                   [t for t in (input_ids, labels, position_ids) if t is not None])
     if position_ids is None:
         position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
     out = dict(input_ids=shard(input_ids, dim=1, layout=layout, group=group),

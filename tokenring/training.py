@@ -85,17 +85,7 @@ class SequenceParallel:
 
     def check_same_batch(self, *tensors: torch.Tensor) -> None:
         """ValueError on every rank of the cp group unless all of them hold these very tensors (checksums)."""
-        if self.cp_size == 1:
-            return
-        mine = torch.tensor([_checksum(t) for t in tensors], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(self.cp_size)]
-        dev = _device(self.cp)
-        dist.all_gather([e.to(dev) for e in every] if dev != "cpu" else every, mine.to(dev), group=self.cp)
-        if any(not torch.equal(e.cpu(), every[0].cpu()) for e in every):
-            raise ValueError("tokenring: the ranks of one sequence-parallel (cp) group hold different samples; they "
-                             "must all get the same full sequences, which each shards. The data loader is the "
-                             "likely cause: it must be sharded over the dp ranks only (a DistributedSampler over "
-                             "dp, or tokenring.hf.SequenceParallelTrainer), not over every rank")
+        same_batch(self.cp, list(tensors))
 
     def shard_batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                     position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -121,6 +111,24 @@ class SequenceParallel:
         if self.world_size > 1:
             dist.all_reduce(total, group=self.world)
         return total.to(loss.device) / self.world_size
+
+
+def same_batch(group, tensors: list) -> None:
+    """ValueError on every rank of ``group`` unless all hold the same ``tensors`` (a checksum each, gathered)."""
+    P = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if P == 1:
+        return
+    dev = _device(group)
+    mine = torch.tensor([_checksum(t) for t in tensors] + [len(tensors)], dtype=torch.int64)
+    every = [torch.empty_like(mine, device=dev) for _ in range(P)]
+    dist.all_gather(every, mine.to(dev), group=group)
+    if any(not torch.equal(e.cpu(), every[0].cpu()) for e in every):
+        differ = [r for r, e in enumerate(every) if not torch.equal(e.cpu(), every[0].cpu())]
+        raise ValueError(f"tokenring: the ranks of one sequence-parallel group hold different samples (ranks "
+                         f"{differ} differ from rank 0); they must all get the same full sequences, which each "
+                         f"shards. The data loader is the likely cause: it must be sharded over the data-parallel "
+                         f"ranks only (a DistributedSampler over dp, or tokenring.hf.SequenceParallelTrainer), "
+                         f"not over every rank")
 
 
 def _device(group):
