@@ -504,3 +504,27 @@ def decode_mismatch(rank: int, P: int) -> str:
     except ValueError as e:
         return str(e)
     raise AssertionError(f"rank {rank}: no ValueError")
+
+
+def silent_case(rank: int, P: int, strategy: str, victim: int, when: str, timeout: float):
+    """Rank ``victim`` stops: ``when="first"`` never makes its first call (alive, sleeping), ``"later"`` makes a
+    first call and then never the second, ``"dead"`` exits before the second. The others return (seconds from
+    the start of the call that failed to its RuntimeError, the message)."""
+    import os
+    import time
+    tokenring.set_timeout(timeout)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, h, 8, generator=g).requires_grad_() for h in (4, 4, 4))
+    if when != "first":
+        tokenring.attention(q, k, v, strategy=strategy).sum().backward()
+    if rank == victim:
+        if when == "dead":
+            os._exit(0)
+        time.sleep(timeout + 6)
+        return None
+    t0 = time.monotonic()
+    try:
+        tokenring.attention(q, k, v, strategy=strategy).sum().backward()
+    except RuntimeError as e:
+        return time.monotonic() - t0, str(e)
+    raise AssertionError(f"rank {rank}: no RuntimeError although rank {victim} stopped ({when})")
