@@ -3,19 +3,21 @@
 them up.
 
     .venv/bin/python bench/plan_time.py [--ranks 64 256 1024] [--lookups 2000]
+    .venv/bin/python bench/plan_time.py --docs 16 --ranks 4 16 64 256 [--masks 3]   # a new mask per call
 
 What a call plans: the strategy from its spec (``tokenring.strategies.get``), the schedule
 (``Strategy.schedule``, cached per P/layout/causal/pass) and this rank's per-step plan with its read index
 (``tokenring.executor._rank_plan``, cached per schedule and rank). For each P, strategy and mask, forward and
-backward: the first (building) call once, and the median of ``--lookups`` later calls. Writes
-``bench/results/plan_time.json``.
+backward: the first (building) call once, and the median of ``--lookups`` later calls. With ``--docs N``: what
+packed training pays when every step brings new documents: ``--masks`` fresh masks of ``N`` random documents
+(causal, zigzag, local length 64), each planned from scratch (nothing cached for it), timed one by one. Writes
+``bench/results/plan_time.json`` (``plan_time_docs.json`` with ``--docs``).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from statistics import median
@@ -24,12 +26,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from tokenring.executor import _rank_plan  # noqa: E402
+from tokenring.masks import make_mask  # noqa: E402
 from tokenring.strategies import get  # noqa: E402
 
 
-def plan(spec: str, P: int, layout: str, causal: bool, backward: bool, rank: int):
-    sched = get(spec).schedule(P, layout, causal, backward)
-    return _rank_plan(sched, rank)
+def plan(spec: str, P: int, layout: str, causal: bool, backward: bool, rank: int, mask=None):
+    sched = get(spec).schedule(P, layout, causal, backward, mask)
+    return _rank_plan(sched, rank, True)
+
+
+def masked(a) -> list[dict]:
+    """Planning a call whose documents are new (packed training): one fresh mask at a time."""
+    import random
+    rows, s = [], 64
+    for P in a.ranks:
+        S = s * P
+        for spec in a.strategies:
+            for backward in (False, True):
+                laps = []
+                for i in range(a.masks):
+                    cuts = sorted(random.Random(1000 * P + i).sample(range(1, S), a.docs - 1))
+                    mask = make_mask(S, [0] + cuts + [S], None, True)
+                    t0 = time.perf_counter()
+                    plan(spec, P, "zigzag", True, backward, P // 3, mask)
+                    laps.append(time.perf_counter() - t0)
+                rows.append(dict(P=P, strategy=spec, backward=backward, docs=a.docs, local_length=s,
+                                 per_new_mask_ms=[x * 1e3 for x in laps], median_ms=median(laps) * 1e3))
+                print(f"P={P:5d} {spec:26s} {'bwd' if backward else 'fwd'}: a new mask of {a.docs} documents "
+                      f"plans in {median(laps) * 1e3:9.1f} ms (median of {a.masks})", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -37,7 +62,17 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--strategies", nargs="+", default=["token_ring:relay", "ring", "ring_bidir", "ulysses"])
     ap.add_argument("--lookups", type=int, default=2000)
+    ap.add_argument("--docs", type=int, default=0, help="plan fresh masks of this many documents instead")
+    ap.add_argument("--masks", type=int, default=3)
     a = ap.parse_args(argv)
+    from tokenring.tools.bench import machine as machine_of
+    machine = machine_of()
+    if a.docs:
+        out = dict(command="python bench/plan_time.py " + " ".join(argv or sys.argv[1:]), machine=machine,
+                   rows=masked(a))
+        with open(os.path.join(HERE, "results", "plan_time_docs.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        return 0
     rows = []
     for P in a.ranks:
         for spec in a.strategies:
@@ -59,8 +94,7 @@ def main(argv=None) -> int:
                           f"{first:8.3f} s, later calls median {r['cached_median_us']:.2f} us "
                           f"(max {r['cached_max_us']:.1f} us)", flush=True)
     out = dict(command="python bench/plan_time.py " + " ".join(argv or sys.argv[1:]),
-               machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
-                            python=platform.python_version()), rows=rows)
+               machine=machine, rows=rows)
     with open(os.path.join(HERE, "results", "plan_time.json"), "w") as f:
         json.dump(out, f, indent=1)
     return 0

@@ -66,14 +66,6 @@ def rank_run(rank: int, P: int, s: int, vocab: int, tiled: bool, chunk: int) -> 
                 loss=loss)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares ``y = a + b x``."""
     n = len(points)
@@ -85,6 +77,7 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
+    from tokenring.tools.bench import machine
     from tokenring.tools.launch import spawn
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
@@ -107,7 +100,7 @@ def main(argv=None) -> int:
                       f"MiB (baseline {worst['baseline_bytes'] / MiB:.0f} MiB), loss {rows[0]['loss']:.4f}", flush=True)
     lines = [f"# Tiled loss: peak memory of a training step per rank (P={P})", "",
              f"Command: `python bench/tiled_loss_memory.py {' '.join(argv or sys.argv[1:])}`".replace(" `", "`"),
-             f"Machine: {cpu_name()}, {os.cpu_count()} cores, Python "
+             f"Machine: {machine()['cpu']}, {os.cpu_count()} cores, Python "
              f"{platform.python_version()}; one thread per rank, gloo, float32; strategy token_ring; "
              f"MALLOC_MMAP_THRESHOLD_=65536.", "",
              f"Model: Llama, hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, heads "
@@ -137,8 +130,7 @@ def main(argv=None) -> int:
         lines.append(f"- V={vocab}: full logits / tiled step growth {ratio}; losses equal to "
                      f"{max(abs(f['loss'] - t['loss']) for f, t in zip(full, tile)):.1e}.")
     out = dict(command="python bench/tiled_loss_memory.py " + " ".join(argv or sys.argv[1:]),
-               machine=dict(cpu=cpu_name(), cores=os.cpu_count(),
-                            python=platform.python_version()),
+               machine=machine(),
                model=MODEL, ranks=P, chunk=a.chunk, budget_gib=a.budget_gib, runs=runs, budget=budget)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "tiled_loss_memory.json"), "w") as f:
