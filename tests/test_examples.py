@@ -57,23 +57,8 @@ def test_train_dp_cp_example(tmp_path, stack):
 
 def test_torchrun_example_cpu(tmp_path):
     """examples/torchrun_attention.py as torchrun would start it, 2 processes on gloo, file:// rendezvous."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "torchrun_attention.py")
-    args = [sys.executable, script, "--init-method", f"file://{tmp_path / 'rendezvous'}", "--backend", "gloo",
-            "--seq", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--causal", "--dtype", "float32",
-            "--iters", "2"]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                   GLOO_SOCKET_IFNAME="lo")
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + 120
-    try:
-        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = _torchrun(tmp_path, "torchrun_attention.py", ["--seq", "256", "--heads", "4", "--kv-heads", "2",
+                                                          "--head-dim", "16", "--causal", "--dtype", "float32",
+                                                          "--iters", "2"], 2)
     check = [line for line in outs[0].splitlines() if line.startswith("check vs float64 SDPA")]
     assert len(check) == 1 and check[0].endswith(": OK"), outs[0]

@@ -140,13 +140,23 @@ def accelerate_step(rank: int, P: int, dp: int, S: int, per_device: int, plain: 
         batch = sp.shard_batch(ids, labels=ids)
         loss = wrapped(**batch).loss
         acc.backward(loss)
-        got = sp.reduce_loss(loss).item()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        return compare(got, grads, want) if rank == 0 else {}
+        return _outcome(rank, model, sp.reduce_loss(loss).item(), want)
     finally:
-        if sp is not None:
-            sp.close()
-        thf.configure(group=dist.group.WORLD)
+        _reset(sp)
+
+
+def _outcome(rank: int, model, loss: float, want) -> dict:
+    """Rank 0: this step's loss and (full) gradients against the reference; the others: nothing (every rank
+    gathers FSDP's sharded gradients: that is a collective)."""
+    full = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for n, p in model.named_parameters()}
+    return compare(loss, full, want) if rank == 0 else {}
+
+
+def _reset(sp) -> None:
+    if sp is not None:
+        sp.close()
+    thf.configure(group=dist.group.WORLD)
 
 
 def fsdp_step(rank: int, P: int, dp: int, S: int, per_device: int, flat: bool) -> dict:
@@ -181,12 +191,9 @@ def fsdp_step(rank: int, P: int, dp: int, S: int, per_device: int, flat: bool) -
             total = thf.reduce_loss(loss, group=cp)  # this dp group's mean; average over dp
             dist.all_reduce(total, group=mesh["dp"].get_group())
             got = total.item() / dp
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        return compare(got, grads, want) if rank == 0 else {}
+        return _outcome(rank, model, got, want)
     finally:
-        if sp is not None:
-            sp.close()
-        thf.configure(group=dist.group.WORLD)
+        _reset(sp)
 
 
 def misuse_refused(rank: int, P: int, S: int) -> dict:
