@@ -344,3 +344,34 @@ def test_zero_chunks_or_lookahead_are_refused_when_named():
     for spec in ("token_ring:direct,c=0,k=1", "ring:direct,c=2,k=0"):
         with pytest.raises(ValueError, match="at least one chunk"):
             get(spec)
+
+
+def test_identity_cache_never_serves_a_changed_or_new_tensor():
+    """Value reads cached per tensor (a model's layers share their documents) are never reused for a tensor
+    changed in place, a new tensor that got a freed one's id, or an inference tensor (no version counter)."""
+    from tokenring.ops import IdentityCache
+    cache = IdentityCache(size=4)
+    t = torch.tensor([0, 3, 8])
+    cache.put([t, None], "docs")
+    assert cache.get([t, None]) == "docs"
+    t.add_(0)  # bumps the version: the values may differ now
+    assert cache.get([t, None]) is None
+    cache.put([t, None], "again")
+    ident = id(t)
+    del t
+    u = torch.tensor([0, 4, 8])  # may reuse the id; the weak reference tells them apart
+    assert cache.get([u, None]) is None or id(u) != ident
+    with torch.inference_mode():
+        w = torch.tensor([0, 8])
+        cache.put([w], "x")
+        assert cache.get([w]) is None
+
+
+def test_one_rank_masks_and_sinks_under_inference_mode():
+    import tokenring
+    q = torch.randn(1, 12, 4, 8)
+    cu = torch.tensor([0, 5, 12])
+    with torch.inference_mode():
+        a = tokenring.attention(q, q, q, causal=True, cu_seqlens=cu, sinks=torch.zeros(4))
+    b = tokenring.attention(q, q, q, causal=True, cu_seqlens=cu, sinks=torch.zeros(4))
+    assert torch.equal(a, b)

@@ -60,19 +60,26 @@ class IdentityCache:
         self.size, self.entries = size, {}
 
     @staticmethod
-    def _key(tensors) -> tuple:
+    def _key(tensors) -> tuple | None:
+        """``None`` for inference tensors: they keep no version counter, so nothing about them is cached."""
+        if any(t is not None and t.is_inference() for t in tensors):
+            return None
         return tuple((id(t), t._version) if t is not None else None for t in tensors)
 
     def get(self, tensors):
-        hit = self.entries.get(self._key(tensors))
+        key = self._key(tensors)
+        hit = self.entries.get(key) if key is not None else None
         if hit is None or any((r() if r is not None else None) is not t for r, t in zip(hit[0], tensors)):
             return None
         return hit[1]
 
     def put(self, tensors, value) -> None:
+        key = self._key(tensors)
+        if key is None:
+            return
         if len(self.entries) >= self.size:
             self.entries.pop(next(iter(self.entries)))
-        self.entries[self._key(tensors)] = ([weakref.ref(t) if t is not None else None for t in tensors], value)
+        self.entries[key] = ([weakref.ref(t) if t is not None else None for t in tensors], value)
 
 
 def resolve_group(name: str):
