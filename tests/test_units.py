@@ -375,3 +375,13 @@ def test_one_rank_masks_and_sinks_under_inference_mode():
         a = tokenring.attention(q, q, q, causal=True, cu_seqlens=cu, sinks=torch.zeros(4))
     b = tokenring.attention(q, q, q, causal=True, cu_seqlens=cu, sinks=torch.zeros(4))
     assert torch.equal(a, b)
+
+
+def test_bad_sinks_are_refused():
+    import pytest
+    import tokenring
+    q = torch.randn(1, 8, 4, 8)
+    for bad, needle in ((torch.zeros(3), "shape \\(4,\\)"), (torch.zeros(4, dtype=torch.int64), "floating"),
+                        (torch.zeros(4, device="meta"), "one device")):
+        with pytest.raises(ValueError, match=needle):
+            tokenring.attention(q, q, q, sinks=bad)

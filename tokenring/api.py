@@ -198,13 +198,16 @@ def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def _check_sinks(sinks, H: int, rank: int) -> None:
+def _check_sinks(sinks, q: torch.Tensor, rank: int) -> None:
     if sinks is None:
         return
+    H = q.shape[2]
     if not isinstance(sinks, torch.Tensor) or sinks.shape != (H,) or not sinks.is_floating_point():
         shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
         raise ValueError(f"rank {rank}: sinks must be a floating point tensor of shape ({H},) (one logit per query "
                          f"head), got {shape}")
+    if sinks.device != q.device:
+        raise ValueError(f"rank {rank}: sinks are on {sinks.device} and q on {q.device}; move them to one device")
 
 
 def _refuse_everywhere(problem: ValueError, group, rank: int, P: int):
@@ -275,7 +278,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) or cu_seqlens is None else None
     try:
         _check_local(q, k, v, rank)
-        _check_sinks(sinks, q.shape[2], rank)
+        _check_sinks(sinks, q, rank)
         backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
         if cu is not None:
             _bounds_tensor(cu)
