@@ -275,3 +275,27 @@ def test_fractional_or_nested_document_bounds_and_windows_are_refused():
     for window in ((1.5, 2), ("a", 1), (1,)):
         with pytest.raises(ValueError, match="window must be a pair"):
             make_mask(16, None, window, False)
+
+
+def test_batched_shard_pairs_equal_the_pairwise_ones():
+    """The schedule asks every (q owner, kv owner) pair which rows meet; the batched answer per q owner equals
+    Mask.pair on the two shards, for random documents and windows, every layout, P up to 9."""
+    import random
+
+    from tokenring.masks import _positions, make_mask, shard_pair
+    rng = random.Random(3)
+    for trial in range(60):
+        P = rng.randint(1, 9)
+        layout = rng.choice(["contiguous", "zigzag", "zigzag_docs"])
+        s = 2 * P * rng.randint(1, 3) if layout == "zigzag_docs" else rng.randint(1, 6) * 2
+        S = s * P
+        unit = 2 * P if layout == "zigzag_docs" else 1
+        cuts = sorted(rng.sample(range(1, S // unit), min(rng.randint(0, 4), S // unit - 1))) if S // unit > 1 else []
+        cu = [0] + [c * unit for c in cuts] + [S]
+        window = rng.choice([None, (rng.randint(0, 5), -1), (rng.randint(0, 3), rng.randint(0, 3))])
+        causal = rng.random() < 0.5
+        mask = make_mask(S, cu, window, causal, force=True)
+        for i in range(P):
+            for j in range(P):
+                want = mask.pair(_positions(mask, P, layout, i), _positions(mask, P, layout, j))
+                assert shard_pair(mask, P, layout, i, j) == want, (trial, P, layout, cu, window, causal, i, j)

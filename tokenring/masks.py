@@ -164,10 +164,28 @@ def shard_rows(mask: Mask, P: int, layout: str, owner: int, rows: slice) -> torc
     return _positions(mask, P, layout, owner)[rows]
 
 
-@lru_cache(maxsize=4096)
 def shard_pair(mask: Mask, P: int, layout: str, q_owner: int, kv_owner: int) -> tuple[slice, slice] | None:
     """Which rows of ``q_owner``'s shard see which rows of ``kv_owner``'s (:meth:`Mask.pair`)."""
-    return mask.pair(_positions(mask, P, layout, q_owner), _positions(mask, P, layout, kv_owner))
+    return _pair_row(mask, P, layout, q_owner)[kv_owner]
+
+
+@lru_cache(maxsize=1024)
+def _pair_row(mask: Mask, P: int, layout: str, q_owner: int) -> tuple:
+    """:meth:`Mask.pair` of ``q_owner``'s shard against every owner's at once (one batched search instead of
+    ``P`` small ones: a new mask's schedule asks for all ``P^2`` pairs)."""
+    qpos = _positions(mask, P, layout, q_owner)
+    keys = torch.stack([_positions(mask, P, layout, o) for o in range(P)])  # (P, s), each row sorted
+    lo, hi = (t.expand(P, -1).contiguous() for t in mask.reach(qpos))
+    a, b = torch.searchsorted(keys, lo), torch.searchsorted(keys, hi)
+    live = b > a
+    idx = torch.arange(qpos.numel())
+    first = torch.where(live, idx, qpos.numel()).min(1).values
+    last = torch.where(live, idx, -1).max(1).values
+    k0 = torch.where(live, a, keys.shape[1]).min(1).values
+    inside = (idx >= first[:, None]) & (idx <= last[:, None])
+    k1 = torch.where(inside, b, -1).max(1).values
+    rows = torch.stack([live.any(1).long(), first, last + 1, k0, k1], 1).tolist()
+    return tuple((slice(r0, r1), slice(c0, c1)) if any_ else None for any_, r0, r1, c0, c1 in rows)
 
 
 @lru_cache(maxsize=8192)
