@@ -49,3 +49,8 @@ def test_misuse_is_refused_on_every_rank(pools):
         assert "already reduces" in m["ddp"], m
         assert "data loader" in m["samples"], m
         assert "its shard_batch" in m["plain"], m
+
+
+def test_trainer_in_one_process():
+    """The same script on one process (no process group) trains as plain transformers would."""
+    assert train_cases.single_process_trainer()["loss"] < TOL

@@ -262,3 +262,24 @@ def trainer_resume(rank: int, P: int, dp: int, S: int) -> float:
     finally:
         sp.close()
         thf.configure(group=dist.group.WORLD)
+
+
+def single_process_trainer() -> dict:
+    """SequenceParallelTrainer with no process group (one process: nothing is split): the logged loss is the
+    model's own."""
+    from transformers import TrainingArguments, default_data_collator
+    sp = SequenceParallel()
+    try:
+        model = hf_cases.build("llama", "tokenring", **SMALL)
+        data = samples(2, 32, SMALL["vocab_size"])
+        want = reference(model, data)[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=2, max_steps=1, report_to=[],
+                                     use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1)
+            trainer = thf.SequenceParallelTrainer(sp, model=model, args=args, train_dataset=data,
+                                                  data_collator=default_data_collator)
+            trainer.train()
+        logged = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+        return dict(loss=abs(logged - want) / want)
+    finally:
+        sp.close()

@@ -67,6 +67,8 @@ class SequenceParallelTrainer(Trainer):
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
                         dataloader_key=None):
         loader = super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        if self.accelerator.num_processes == 1:
+            return loader
         shard = getattr(loader, "batch_sampler", None)
         if shard is None or not hasattr(shard, "num_processes"):
             raise ValueError(f"SequenceParallelTrainer: cannot shard the {description} data loader over the dp "

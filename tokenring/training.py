@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .layouts import group_info
+
 __all__ = ["SequenceParallel", "active", "check_ddp"]
 
 _active: "SequenceParallel | None" = None
@@ -59,7 +61,7 @@ class SequenceParallel:
             self.dp = mesh[dp_dim].get_group()
             self.flat_mesh = mesh[(dp_dim, cp_dim)]._flatten(f"{dp_dim}_{cp_dim}")
         self.world = self.flat_mesh.get_group() if self.flat_mesh is not None else dist.group.WORLD
-        self.cp_size = dist.get_world_size(self.cp)
+        self.cp_size = group_info(self.cp)[1]  # 1 without a process group: one process, nothing to split
         self.dp_size = dist.get_world_size(self.dp) if self.dp is not None else 1
         self.world_size = self.cp_size * self.dp_size
         self.dp_rank = dist.get_rank(self.dp) if self.dp is not None else 0
