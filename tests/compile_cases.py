@@ -2,7 +2,6 @@
 the same model in eager mode, on each rank of a RankPool."""
 from __future__ import annotations
 
-import torch
 
 import hf_cases
 import tokenring.api as api

@@ -3,7 +3,6 @@
 and PyTorch's own attention cannot express the call."""
 from __future__ import annotations
 
-import torch
 
 from .kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
 from .masks import whole_tiles
