@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import get_timeout, group_store
+from .comm import collective_device, get_timeout, group_store
 from .kernels import fold_scale, softmax_scale_of
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
-from .masks import make_mask, whole_numbers
+from .masks import check_bounds_tensor, make_mask, whole_numbers, window_pair
 from .ops import IdentityCache, register_extras
 from .schedules import Shapes
 from .strategies import (ALIASES, CODE_LEN, FAMILIES, code as strategy_code, from_code, get as get_strategy,
@@ -212,9 +212,8 @@ def _check_sinks(sinks, q: torch.Tensor, rank: int) -> None:
 
 def _refuse_everywhere(problem: ValueError, group, rank: int, P: int):
     """Tell the other ranks this rank refuses its arguments (they raise at once), then raise ``problem``."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     try:
-        _agree(list(_REFUSED), None, "", group, device, rank, P, remember=False)
+        _agree(list(_REFUSED), None, "", group, collective_device(group), rank, P, remember=False)
     except (ValueError, RuntimeError):  # its own error is the one to raise
         pass
     raise problem from None
@@ -281,7 +280,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         _check_sinks(sinks, q, rank)
         backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
         if cu is not None:
-            _bounds_tensor(cu)
+            check_bounds_tensor(cu)
         plan = _plan(tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, strategy, causal, softmax_scale,
                      layout, None if cu_seqlens is None or cu is not None else _frozen(cu_seqlens),
                      cu is not None, _frozen(window), sinks is not None, _group_name(group), inner_size, backward,
@@ -337,7 +336,7 @@ def _plan(q_shape, k_shape, dtype, device_type: str, strategy: str, causal: bool
     Hkv = k_shape[2]
     scale = softmax_scale_of(softmax_scale, d)
     cu_list = whole_numbers(cu_list, "cu_seqlens") if cu_list is not None else None
-    window = _window_list(window)
+    window = list(window_pair(window)) if window is not None else None
     if P > 1 and layout == "zigzag" and s % 2:
         raise ValueError(f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; pad the "
                          f"global sequence to a multiple of 2*P = {2 * P}")
@@ -353,27 +352,6 @@ def _plan(q_shape, k_shape, dtype, device_type: str, strategy: str, causal: bool
         strategy = trace_choice(q_shape, k_shape, dtype, device_type, strategy, causal, layout, window,
                                 cu_list is not None or cu_tensor, backward, group, n, scale, sinks)
     return strategy, scale, layout, window, n, cu_list, plain
-
-
-def _bounds_tensor(cu_seqlens) -> torch.Tensor | None:
-    """``cu_seqlens`` as a 1-D int64 tensor (lists are checked for whole numbers here: a tensor would truncate)."""
-    if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()
-                                       or cu_seqlens.is_complex()):
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, end_1, ..., S], got shape "
-                             f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
-        return cu_seqlens
-    return torch.tensor(whole_numbers(cu_seqlens, "cu_seqlens"), dtype=torch.int64)
-
-
-def _window_list(window) -> list[int] | None:
-    if window is None:
-        return None
-    try:
-        left, right = whole_numbers(window, "window")
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be a pair (left, right) of ints, -1 for unbounded; got {window!r}") from None
-    return [left, right]
 
 
 def _describe(q, k, causal, layout, strategy, mask, sinks) -> str:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .messages import KINDS, kind as message_kind
 from .schedules import HEADS, Message
 
-__all__ = ["Comm", "Trace", "Packed", "buffers", "pack", "get_timeout", "set_timeout"]
+__all__ = ["Comm", "Trace", "Packed", "buffers", "pack", "get_timeout", "set_timeout", "collective_device"]
 
 _PAIR_SLOTS = 256  # most messages one step may carry between the same two ranks (distinct tags)
 _ALIGN = 16        # byte alignment of each tensor in a packed buffer (any dtype's view stays aligned)
@@ -53,6 +53,11 @@ def set_timeout(seconds: float) -> None:
 
 def get_timeout() -> float:
     return _TIMEOUT_S
+
+
+def collective_device(group):
+    """Where this group's collectives take their tensors: the current CUDA device on NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
 
 
 def group_store(group):

@@ -55,9 +55,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .api import attention
+from .api import _group_name, attention
 from .strategies import get as get_strategy, node_size
 from .layouts import check_layout, gather, group_info, local_positions, shard
+from .comm import collective_device
 from .ops import IdentityCache
 from .training import check_ddp
 
@@ -178,12 +179,12 @@ def _documents(full: torch.Tensor, local_default: bool, S: int, layout: str) -> 
 
 
 def _check_inputs(module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group,
-                  device, check_positions: bool = True) -> list[int] | None:
+                  device) -> list[int] | None:
     """Mask and position checks, agreed on by all ranks (one small all-gather of the flags and position ids),
     so a problem on one rank's shard raises on every rank instead of leaving the others waiting in attention.
     Returns the documents (cu_seqlens over the global sequence) that the position ids pack, or ``None``."""
     mask_problem = _mask_problem(attention_mask)
-    use_pos = position_ids is not None and check_positions and position_ids.shape[-1] == s
+    use_pos = position_ids is not None and position_ids.shape[-1] == s  # the caller drops unchecked ones
     # (some models pass positions of another shape, e.g. mrope: left alone)
     pos = position_ids.reshape(-1, s).to(torch.int64) if use_pos else None
     if P > 1 and (attention_mask is not None or position_ids is not None):
@@ -273,8 +274,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise _refuse(module, _mask_problem(attention_mask))
     cu = None
     if attention_mask is not None or pos is not None or cu_q is not None:
-        cu = hf_documents(pos, attention_mask, cu_q, cu_k, s, _settings.layout, "" if group is None
-                          else group.group_name, _where(module))
+        cu = hf_documents(pos, attention_mask, cu_q, cu_k, s, _settings.layout, _group_name(group),
+                          _where(module))
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = kwargs.get("sliding_window")
@@ -310,9 +311,7 @@ def hf_documents(position_ids: Optional[torch.Tensor], attention_mask: Optional[
     from .ops import resolve_group
     grp = resolve_group(group)
     rank, P = group_info(grp)
-    device = "cpu"
-    if P > 1 and dist.get_backend(grp) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = collective_device(grp) if P > 1 else "cpu"
     cu = _check_inputs(where, attention_mask, position_ids, s, rank, P, layout, grp, device)
     if cu_q is not None:  # explicit documents (shard_batch, DataCollatorWithFlattening)
         if cu_k is not None and not torch.equal(cu_k.cpu(), cu_q.cpu()):

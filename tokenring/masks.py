@@ -110,6 +110,23 @@ def whole_numbers(values, what: str) -> list[int]:
         raise ValueError(f"{what} must be a sequence of whole numbers, got {values!r}") from None
 
 
+def check_bounds_tensor(cu_seqlens: torch.Tensor) -> None:
+    """ValueError unless ``cu_seqlens`` is a 1-D integer tensor."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, end_1, ..., S], got shape "
+                         f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+
+
+def window_pair(window) -> tuple[int, int]:
+    """``window`` as ``(left, right)`` whole numbers (ValueError otherwise); bounds are checked by make_mask."""
+    try:
+        left, right = (_whole(x, "window", window) for x in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right) of ints, -1 for unbounded; got {window!r}") \
+            from None
+    return left, right
+
+
 def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> Mask | None:
     """The :class:`Mask` for these arguments, or ``None`` when they mean plain full / causal attention (one
     document, no window that cuts anything) and not ``force`` (a layout whose shards only positions describe,
@@ -117,9 +134,7 @@ def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> 
     bounds = (0, S)
     if cu_seqlens is not None:
         if isinstance(cu_seqlens, torch.Tensor):
-            if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
-                raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, end_1, ..., S], got shape "
-                                 f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+            check_bounds_tensor(cu_seqlens)
             cu = [int(x) for x in cu_seqlens.tolist()]
         else:
             cu = [_whole(x, "cu_seqlens", cu_seqlens) for x in cu_seqlens]
@@ -132,11 +147,7 @@ def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> 
         bounds = tuple(dict.fromkeys(cu))  # empty documents change nothing
     left, right = -1, -1
     if window is not None:
-        try:
-            left, right = (_whole(x, "window", window) for x in window)
-        except (TypeError, ValueError):
-            raise ValueError(f"window must be a pair (left, right) of ints, -1 for unbounded; got {window!r}") \
-                from None
+        left, right = window_pair(window)
         if left < -1 or right < -1:
             raise ValueError(f"window=({left}, {right}): each side must be >= 0, or -1 for unbounded")
     if causal:

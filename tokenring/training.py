@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .comm import collective_device
 from .layouts import group_info
 
 __all__ = ["SequenceParallel", "active", "check_ddp"]
@@ -81,7 +82,7 @@ class SequenceParallel:
         """The global batch's targets (shifted on the full sequences), from this dp rank's full labels."""
         n = (labels[..., 1:] != ignore_index).sum().to(torch.float64)
         if self.dp is not None and self.dp_size > 1:
-            n = n.to(_device(self.dp))
+            n = n.to(collective_device(self.dp))
             dist.all_reduce(n, group=self.dp)
         return n.cpu()
 
@@ -109,7 +110,7 @@ class SequenceParallel:
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The global mean loss (every rank) from each rank's scaled loss: their average over all ranks."""
-        total = loss.detach().float().to(_device(self.world)).clone()
+        total = loss.detach().float().to(collective_device(self.world)).clone()
         if self.world_size > 1:
             dist.all_reduce(total, group=self.world)
         return total.to(loss.device) / self.world_size
@@ -120,7 +121,7 @@ def same_batch(group, tensors: list) -> None:
     P = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     if P == 1:
         return
-    dev = _device(group)
+    dev = collective_device(group)
     mine = torch.tensor([_checksum(t) for t in tensors] + [len(tensors)], dtype=torch.int64)
     every = [torch.empty_like(mine, device=dev) for _ in range(P)]
     dist.all_gather(every, mine.to(dev), group=group)
@@ -131,10 +132,6 @@ def same_batch(group, tensors: list) -> None:
                          f"shards. The data loader is the likely cause: it must be sharded over the data-parallel "
                          f"ranks only (a DistributedSampler over dp, or tokenring.hf.SequenceParallelTrainer), "
                          f"not over every rank")
-
-
-def _device(group):
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
 
 
 def _checksum(t: torch.Tensor) -> int:
