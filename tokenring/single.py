@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
 from .masks import whole_tiles
-from .merge import acc_dtype, merge_sink_, sink_grad
+from .merge import merge_sink_, sink_grad
 from .strategies.base import Strategy, row_delta
 
 __all__ = ["SINGLE"]
@@ -49,16 +49,6 @@ class Single(Strategy):
             dk, dv = (t.unflatten(2, (-1, g)).sum(3) for t in (dk, dv))
         dsinks = sink_grad(lse, delta, cfg.sinks) if cfg.sinks is not None else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
-
-    def saved_extra(self, saved):
-        return list(saved[4:])
-
-    def saved_full(self, extra, q, k, v, out):
-        return (q, k, v, out, *extra)
-
-    def extra_like(self, q, k, v, cfg):
-        B, s, H, _ = q.shape
-        return [q.new_empty((B, H, s), dtype=acc_dtype(q.dtype))]
 
 
 SINGLE = Single()

@@ -89,13 +89,15 @@ class Strategy:
         return dk, dv
 
     def saved_extra(self, saved) -> list[torch.Tensor]:
-        return list(saved)
+        return list(saved[4:])  # saved = (q, k, v, out, lse, ...): the first four are the op's inputs and output
 
     def saved_full(self, extra, q, k, v, out) -> tuple:
-        return tuple(extra)
+        return (q, k, v, out, *extra)
 
     def extra_like(self, q, k, v, cfg: "Config") -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The rows' final log-sum-exp, (B, H, s) in the accumulator dtype."""
+        B, s, H, _ = q.shape
+        return [q.new_empty((B, H, s), dtype=acc_dtype(q.dtype))]
 
     def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
         raise NotImplementedError
@@ -511,15 +513,9 @@ class ScheduledStrategy(Strategy):
         dsinks = sink_grad(lse, delta, cfg.sinks) if cfg.sinks is not None else None
         return ops.dq.to(q.dtype), ops.dk.to(k.dtype), ops.dv.to(v.dtype), dsinks
 
-    def saved_extra(self, saved) -> list[torch.Tensor]:
-        return list(saved[4:])  # q, k, v, out: the op's inputs and output
-
-    def saved_full(self, extra, q, k, v, out) -> tuple:
-        return (q, k, v, out, *extra)
-
     def extra_like(self, q, k, v, cfg: Config) -> list[torch.Tensor]:
         sh = shapes_of(q, k, cfg.P)
-        extra = [q.new_empty((sh.B, sh.H, sh.s), dtype=acc_dtype(q.dtype))]
+        extra = super().extra_like(q, k, v, cfg)
         for _, rows in self.kept_pieces(cfg):
             extra += [q.new_empty(shape, dtype=dt) for shape, dt, _ in payload("kv", rows, sh)]
         return extra

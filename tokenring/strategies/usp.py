@@ -260,6 +260,12 @@ class Usp(Strategy):
             return dk, dv
         return tuple(t.unflatten(2, (Hkv, -1)).sum(3) for t in (dk, dv))
 
+    def saved_extra(self, saved) -> list[torch.Tensor]:
+        return list(saved)  # (qn, kn, vn, on, lsen): all in node layout, none the op's own
+
+    def saved_full(self, extra, q, k, v, out) -> tuple:
+        return tuple(extra)
+
     def extra_like(self, q, k, v, cfg: Config) -> list[torch.Tensor]:
         """``(qn, kn, vn, on, lsen)``: the node rows of this rank's head group (``k`` already prepared)."""
         n = self.node_size(cfg.P)
