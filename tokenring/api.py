@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import collective_device, get_timeout, group_store
+from .device import autocast_dtype, device_type as device_kind, values_travel
 from .kernels import fold_scale, softmax_scale_of
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
 from .masks import check_bounds_tensor, make_mask, whole_numbers, window_pair
@@ -31,6 +32,12 @@ _exchanges: dict = {}  # per group: signature exchanges so far (the same count o
 def forget_choices() -> None:
     """Drop the verified signatures and the cached ``auto`` choices (``set_topology`` calls this)."""
     _checked.clear()
+
+
+def forget_groups() -> None:
+    """Forget every group's verified signatures and exchange count (after its process group is destroyed)."""
+    _checked.clear()
+    _exchanges.clear()
 
 
 def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
@@ -120,7 +127,7 @@ def _signature_of(q_shape, k_shape, dtype, device_type: str, causal, layout, str
 
 def _signature(q, k, causal, layout, strategy, scale, backward, mask_code: int, inner: int,
                sinks: bool = False) -> list[float]:
-    return _signature_of(q.shape, k.shape, q.dtype, q.device.type, causal, layout, strategy, scale, backward,
+    return _signature_of(q.shape, k.shape, q.dtype, device_kind(q), causal, layout, strategy, scale, backward,
                          mask_code, inner, sinks)
 
 
@@ -159,6 +166,12 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
     except Exception:
         store = None
     work = dist.all_gather(allsig, mine, group=group, async_op=True)
+    if not values_travel(group):  # PyTorch's fake process group: nothing to compare, each rank decides
+        work.wait()
+        if decide is None:
+            return None
+        chosen = _checked[key] = get_strategy(decide().name)
+        return chosen
     try:
         work.wait(datetime.timedelta(seconds=get_timeout()))
     except Exception as e:
@@ -269,8 +282,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     the group form node ``a``. With a node size known (or a multi-node topology set), ``"auto"`` considers
     them too.
     """
-    if torch.is_autocast_enabled(q.device.type) if isinstance(q, torch.Tensor) else False:
-        dt = torch.get_autocast_dtype(q.device.type)  # as scaled_dot_product_attention does
+    dt = autocast_dtype(q) if isinstance(q, torch.Tensor) else None
+    if dt is not None:  # as scaled_dot_product_attention does
         q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     compiling = torch.compiler.is_compiling()
     rank, P = group_info(group)
@@ -281,7 +294,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
         if cu is not None:
             check_bounds_tensor(cu)
-        plan = _plan(tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, strategy, causal, softmax_scale,
+        plan = _plan(tuple(q.shape), tuple(k.shape), q.dtype, device_kind(q), strategy, causal, softmax_scale,
                      layout, None if cu_seqlens is None or cu is not None else _frozen(cu_seqlens),
                      cu is not None, _frozen(window), sinks is not None, _group_name(group), inner_size, backward,
                      compiling)
@@ -403,12 +416,12 @@ def run_forward(q, k, v, sinks, cu, strategy: str, causal: bool, scale: float, l
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
         return resolve(strategy, q.shape, k.shape, P, dtype=q.dtype, causal=causal, layout=layout,
-                       backward=backward, device_type=q.device.type, mask=mask, inner_size=n or None)
+                       backward=backward, device_type=device_kind(q), mask=mask, inner_size=n or None)
 
     sig = _signature(q, k, causal, layout, strategy, scale, backward, mask.key if mask is not None else 0, n,
                      sinks is not None)
     strat = _agree(sig, decide, _describe(q, k, causal, layout, strategy, mask, sinks), group,
-                   q.device if dist.get_backend(group) == "nccl" else "cpu", rank, P)
+                   collective_device(group), rank, P)
     q, scale = fold_scale(q, scale)
     cfg = _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras)
     q, k, v = strat.prepare(q, k, v, P)

@@ -30,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import device
 from .messages import KINDS, kind as message_kind
 from .schedules import HEADS, Message
 
@@ -55,9 +56,7 @@ def get_timeout() -> float:
     return _TIMEOUT_S
 
 
-def collective_device(group):
-    """Where this group's collectives take their tensors: the current CUDA device on NCCL, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+collective_device = device.collective_device
 
 
 def group_store(group):
@@ -111,20 +110,20 @@ class Trace:
         self.cuda = False
         self._ref = None  # (CUDA event, wall-clock seconds at that event)
 
-    def use(self, device) -> None:
-        """Take timestamps for work on ``device`` (CUDA events on a CUDA device)."""
-        self.cuda = torch.device(device).type == "cuda"
+    def use(self, where) -> None:
+        """Take timestamps for work on device ``where`` (CUDA events on a CUDA device)."""
+        self.cuda = device.is_cuda(where)
 
     def now(self):
         if not self.cuda:
             return time.perf_counter()
         if self._ref is None:
-            torch.cuda.synchronize()
-            ref = torch.cuda.Event(enable_timing=True)
+            device.synchronize()
+            ref = device.Event()
             ref.record()
             ref.synchronize()
             self._ref = (ref, time.perf_counter())
-        e = torch.cuda.Event(enable_timing=True)
+        e = device.Event()
         e.record()
         return e
 
@@ -136,10 +135,10 @@ class Trace:
         if self._ref is None:
             return
         ref, wall = self._ref
-        torch.cuda.synchronize()
+        device.synchronize()
         for e in self.events:
             for key in ("start", "end"):
-                if isinstance(e[key], torch.cuda.Event):
+                if not isinstance(e[key], float):
                     e[key] = wall + ref.elapsed_time(e[key]) / 1e3
 
 
@@ -247,7 +246,7 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         backend = dist.get_backend(group)
-        self.bounded = backend != "nccl"
+        self.bounded = not device.nccl(group)
         # Receives may be posted before their message's step (Message.ready) only where operations between two
         # ranks are matched by tag and complete one by one: gloo. NCCL matches a pair's operations in posting
         # order (and may complete a step's batch as one work), so there every receive is posted at its
@@ -339,6 +338,7 @@ class Comm:
                 meta.append((direction, m, buf))
                 records.append(dict(step=step, due=due, direction=direction, peer=peer, kind=m.kind,
                                     owner=m.owner, part=m.part, heads=m.heads, staged=staged,
+                                    device=buf.device.type,
                                     bytes=sum(t.numel() * t.element_size() for t in tensors)))
         if not ops:
             return []

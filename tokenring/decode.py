@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import get_timeout
+from .device import collective_device, nccl, values_travel
 from .kernels import block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .merge import merge_, new_accumulator
@@ -94,7 +95,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, new: 
             merge_(o[:, b:], lse[:, :, b:], *block_forward(q[:, b:], kn, vn, False, scale))
     if P == 1:
         return o.to(q.dtype)
-    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = collective_device(group)
     if check:
         header = torch.tensor([B, t, H, k.shape[2], d, _code(q.dtype), *map(float, state)], dtype=torch.float64,
                               device=device)
@@ -116,6 +117,8 @@ def _exchange_header(header: torch.Tensor, rank: int, P: int, group, state) -> N
     every = [torch.empty_like(header) for _ in range(P)]
     work = dist.all_gather(every, header, group=group, async_op=True)
     _wait(work, rank, "the decode step's shapes", group)
+    if not values_travel(group):
+        return
     names = ["batch", "new tokens", "query heads", "key/value heads", "head dim", "dtype"] + \
         [f"state[{i}]" for i in range(len(state))]
     for r, other in enumerate(every):
@@ -128,7 +131,7 @@ def _exchange_header(header: torch.Tensor, rank: int, P: int, group, state) -> N
 
 
 def _wait(work, rank: int, what: str, group) -> None:
-    if dist.get_backend(group) == "nccl":  # the process group's own timeout and watchdog apply; no host block
+    if nccl(group):  # the process group's own timeout and watchdog apply; no host block
         work.wait()
         return
     try:

@@ -8,9 +8,10 @@ square diagonal blocks, where every row sees at least one key.
 Backends, forward and backward:
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (tiled, GQA-aware). The
   backward is used for the dtypes this CPU runs it fast in (:func:`cpu_backward_choice`).
-- CUDA: PyTorch's flash ops (fp16/bf16, head dim a multiple of 8 up to 256; GQA-native) or memory-efficient
-  ops (fp32, head dim a multiple of 4; equal heads: the strategies repeat each visiting K/V block's heads once,
-  see :func:`needs_equal_heads`). float64 and other head dims take the math path.
+- CUDA (:func:`cuda_kernel`): PyTorch's cuDNN ops on sm90+ (fp16/bf16, head dim a multiple of 8 up to 128),
+  flash ops (fp16/bf16 up to 256; both GQA-native) or memory-efficient ops (fp32, head dim a multiple of 4;
+  equal heads: the strategies repeat each visiting K/V block's heads once, see :func:`needs_equal_heads`).
+  float64 and other head dims take the math path. Each op's lse layout is normalised in :func:`_lse_from`.
 - math: row-chunked matmul + softmax in the accumulator dtype; any device and dtype; memory stays
   O(chunk * m), never (n * m). The reference and the fallback.
 
@@ -27,10 +28,11 @@ from functools import lru_cache
 
 import torch
 
+from .device import gpu, is_cuda
 from .merge import acc_dtype
 
 __all__ = ["block_forward", "block_backward", "tiled_forward", "tiled_backward", "math_forward", "math_backward",
-           "out_for_delta", "cpu_backward_choice", "needs_equal_heads", "BACKENDS"]
+           "out_for_delta", "cpu_backward_choice", "needs_equal_heads", "cuda_kernel", "BACKENDS"]
 
 BACKENDS = ("auto", "cpu_flash", "cuda", "math")
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -45,7 +47,7 @@ def _pick(q: torch.Tensor, backend: str, mask: torch.Tensor | None = None) -> st
         return backend
     if q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
         return "cpu_flash"
-    if q.device.type == "cuda" and _cuda_op(q) is not None and mask is None:
+    if is_cuda(q) and _cuda_op(q) is not None and mask is None:
         return "cuda"
     return "math"
 
@@ -131,14 +133,37 @@ def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 def _cuda_forward(q, k, v, causal, scale):
     n, H = q.shape[1], q.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if _cuda_op(q) == "flash":
+    op = _cuda_op(q)
+    if op == "cudnn":  # GQA-native
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False,
+                                                                 scale=scale)
+    elif op == "flash":  # GQA-native
         res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
     else:  # equal heads only (callers repeat a visiting block's K/V heads once, see needs_equal_heads)
         kt, vt = _repeat_heads(kt, H), _repeat_heads(vt, H)
         res = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal,
                                                                       scale=scale)
-    o, lse = res[0], res[1][..., :n]  # the efficient op pads lse's row dim to a multiple of 32
-    return o.transpose(1, 2), lse.to(acc_dtype(q.dtype)).contiguous()
+    return res[0].transpose(1, 2), _lse_from(op, res[1], n, acc_dtype(q.dtype))
+
+
+def _lse_from(op: str, lse: torch.Tensor, n: int, acc: torch.dtype) -> torch.Tensor:
+    """The one place each CUDA op's log-sum-exp becomes ours, (B, H, n) natural-log in ``acc``: flash gives
+    (B, H, n); cuDNN (B, H, n, 1); the efficient op (B, H, ceil(n / 32) * 32), rows padded."""
+    if op == "cudnn":
+        lse = lse.squeeze(-1)
+    elif op == "efficient":
+        lse = lse[..., :n]
+    return lse.to(acc).contiguous()
+
+
+def _lse_for(op: str, lse: torch.Tensor) -> torch.Tensor:
+    """Our (B, H, n) log-sum-exp in the layout op ``op``'s backward reads (the inverse of :func:`_lse_from`)."""
+    if op == "cudnn":
+        return lse.unsqueeze(-1)
+    if op == "efficient":
+        pad = -lse.shape[-1] % 32
+        return torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+    return lse
 
 
 def _grouped(q: torch.Tensor, Hkv: int) -> torch.Tensor:
@@ -301,22 +326,37 @@ def cpu_backward_choice(dtype: torch.dtype, d: int) -> str:
     return "math" if best["cpu_flash"] > _MATH_MARGIN * best["math"] else "cpu_flash"
 
 
-def _cuda_op(q: torch.Tensor) -> str | None:
-    """The fused CUDA kernel for ``q``'s dtype and head dim, or ``None`` (math path): flash for fp16/bf16 (head
-    dims that are multiples of 8, up to 256), memory-efficient for fp32 (multiples of 4); neither has float64."""
-    d = q.shape[-1]
-    if q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
+# Which CUDA op runs a block, by dtype, head dim and compute capability. One H200, bf16, d=128 (the table shipped
+# as tokenring/data/h200_sdpa.json): cuDNN runs 1.7-1.9x the flash op's TFLOP/s from 2K-token blocks up, forward
+# and forward+backward, causal or not; the efficient op runs at about half of flash. So: cuDNN on sm90 and newer
+# where it takes the head dim, flash on older GPUs and for head dims up to 256, the efficient op for fp32 (neither
+# of the others takes it), the math path for everything else (float64, odd head dims).
+CUDNN_MIN_CAPABILITY = (9, 0)
+
+
+def cuda_kernel(dtype: torch.dtype, d: int, capability: tuple[int, int]) -> str | None:
+    """``"cudnn"``, ``"flash"``, ``"efficient"`` or ``None`` (math path) for blocks of ``dtype`` and head dim
+    ``d`` on a GPU of compute ``capability`` (see the table above)."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half and d % 8 == 0 and d <= 128 and tuple(capability) >= CUDNN_MIN_CAPABILITY:
+        return "cudnn"
+    if half and d % 8 == 0 and d <= 256:
         return "flash"
-    if q.dtype in (torch.float32, torch.float16, torch.bfloat16) and d % 4 == 0:
+    if dtype in (torch.float32, torch.float16, torch.bfloat16) and d % 4 == 0:
         return "efficient"
     return None
+
+
+def _cuda_op(q: torch.Tensor) -> str | None:
+    """:func:`cuda_kernel` for ``q``'s blocks on its GPU."""
+    return cuda_kernel(q.dtype, q.shape[-1], gpu(q.device).capability)
 
 
 def needs_equal_heads(q: torch.Tensor, backend: str = "auto") -> bool:
     """Whether the kernel that runs ``q``'s blocks takes only K/V with as many heads as ``q`` (the CUDA
     memory-efficient op); then callers repeat a visiting K/V block's heads once, not the kernel per block.
-    The CPU ops, CUDA flash (FlashAttention-2 takes grouped K/V heads) and the math path are GQA-native."""
-    return backend in ("auto", "cuda") and q.device.type == "cuda" and _cuda_op(q) == "efficient"
+    The CPU ops, cuDNN and flash on CUDA and the math path are GQA-native."""
+    return backend in ("auto", "cuda") and is_cuda(q) and _cuda_op(q) == "efficient"
 
 
 def _repeat_heads(k: torch.Tensor, H: int) -> torch.Tensor:
@@ -334,19 +374,22 @@ def _cuda_backward(dout, q, k, v, o, lse, causal, scale):
     n, m, H, Hkv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     qt, ot, dot = q.transpose(1, 2), o.transpose(1, 2), dout.transpose(1, 2)
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    op = _cuda_op(q)
+    lse = _lse_for(op, lse)
     # Dropout is 0: the random-state arguments are never read.
     seed = torch.empty((), dtype=torch.long, device=q.device)
-    if _cuda_op(q) == "flash":  # GQA-native: dK/dV come back with the K/V's heads
+    if op == "cudnn":  # GQA-native: dK/dV come back with the K/V's heads
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dot, qt, kt, vt, ot, lse, seed, seed, None, None, None, n, m, 0.0, causal, scale=scale)
+    elif op == "flash":  # GQA-native
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dot, qt, kt, vt, ot, lse, None, None, n, m, 0.0, causal, seed, seed, scale=scale)[:3]
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    # The efficient op takes equal heads and reads lse in rows padded to a multiple of 32, as its forward gives it.
-    kt, vt = _repeat_heads(kt, H), _repeat_heads(vt, H)
-    pad = -n % 32
-    lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dot, qt, kt, vt, None, ot, lse_p, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)[:3]
-    return dq.transpose(1, 2), _sum_heads(dk, Hkv).transpose(1, 2), _sum_heads(dv, Hkv).transpose(1, 2)
+    else:  # the efficient op takes equal heads
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dot, qt, _repeat_heads(kt, H), _repeat_heads(vt, H), None, ot, lse, seed, seed, 0.0,
+            [True, True, True, False], causal, scale=scale)[:3]
+        dk, dv = _sum_heads(dk, Hkv), _sum_heads(dv, Hkv)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,

@@ -14,6 +14,8 @@ import warnings
 
 import torch
 
+from .device import is_cuda, pretended
+
 __all__ = ["acc_dtype", "new_accumulator", "merge_", "merge_eager_", "merge_sink_", "sink_grad"]
 
 # On CUDA the merge runs as one compiled kernel (torch.compile fuses its ~12 elementwise ops, which eagerly
@@ -46,8 +48,11 @@ def merge_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: tor
     seconds per shape).
     """
     global _COMPILE, _compiled
-    if compiled if compiled is not None else (_COMPILE and acc_o.is_cuda):
+    if compiled if compiled is not None else (_COMPILE and is_cuda(acc_o)):
         try:
+            if pretended() is not None:  # meta tensors: the compiled kernel's eager twin, same arguments
+                merge_eager_(acc_o, acc_lse, o, lse)
+                return
             if _compiled is None:
                 _compiled = torch.compile(merge_eager_, dynamic=True, fullgraph=True)
             _compiled(acc_o, acc_lse, o, lse)

@@ -20,6 +20,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from .device import no_autocast, pretended
+
 __all__ = ["attention_op", "register_extras", "IdentityCache"]
 
 # Instrumentation fields for Config (tests and benchmarks: tracing, byte logs); eager only. The forward's ctx
@@ -82,6 +84,14 @@ class IdentityCache:
         self.entries[key] = ([weakref.ref(t) if t is not None else None for t in tensors], value)
 
 
+def _pretended_meta(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain meta tensor inside ``pretend_cuda`` (the dispatcher sends meta tensors to an op's
+    fake implementation; there they stand for CUDA tensors and take the real one). Tracing's fake tensors are
+    not."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return pretended() is not None and t.device.type == "meta" and not isinstance(t, FakeTensor)
+
+
 def resolve_group(name: str):
     """The process group named ``name`` (``""``: the default group)."""
     if not name:
@@ -95,7 +105,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opti
                   window: Optional[List[int]], group: str, inner: int, backward: bool,
                   extras: int) -> List[torch.Tensor]:
     from .api import run_forward
-    with torch.autocast(q.device.type, enabled=False):  # the inputs are already in the autocast dtype
+    with no_autocast(q):  # the inputs are already in the autocast dtype
         out, strat, extra = run_forward(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window,
                                         resolve_group(group), inner, backward, _extras(extras))
     return [out, _choice(strat), *_unaliased([out, *extra], (q, k, v))[1:]]
@@ -130,6 +140,9 @@ def _unaliased(outputs: list, inputs) -> list:
 def _(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window, group, inner, backward, extras):
     from .api import fake_extra
     from .strategies import CODE_LEN
+    if _pretended_meta(q):  # tokenring.testing.pretend_cuda: run the CUDA path on meta tensors
+        return attention_fwd._init_fn(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window, group,
+                                      inner, backward, extras)
     return [q.new_empty(q.shape), torch.empty(CODE_LEN, dtype=torch.float64),
             *fake_extra(q, k, v, cu_seqlens, strategy, causal, layout, window, resolve_group(group), inner)]
 
@@ -140,7 +153,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   extra: List[torch.Tensor], causal: bool, scale: float, layout: str, window: Optional[List[int]],
                   group: str, extras: int) -> List[torch.Tensor]:
     from .api import run_backward
-    with torch.autocast(q.device.type, enabled=False):
+    with no_autocast(q):
         grads = run_backward(dout, q, k, v, out, sinks, cu_seqlens, _chosen(choice), list(extra), causal,
                              scale, layout, window, resolve_group(group), _extras(extras))
     return list(grads)
@@ -148,6 +161,9 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, sinks, cu_seqlens, choice, extra, causal, scale, layout, window, group, extras):
+    if _pretended_meta(q):
+        return attention_bwd._init_fn(dout, q, k, v, out, sinks, cu_seqlens, choice, extra, causal, scale, layout,
+                                      window, group, extras)
     grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
     return grads + ([sinks.new_empty(sinks.shape)] if sinks is not None else [])
 

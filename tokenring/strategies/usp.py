@@ -19,6 +19,7 @@ the ring phase is then a single compute over the whole sequence.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 import torch
 
@@ -99,6 +100,17 @@ class _NodeBackward(_NodeTiles, BackwardOps):
         return [t.to(dt) for t, dt in zip((self.dq, self.dk, self.dv), self.dtypes)]
 
 
+@lru_cache(maxsize=64)
+def _node_rows(S: int, P: int, node: int, n: int, layout: str, docs, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tensors on ``device``: ``order`` takes the concatenation of node ``node``'s ``n`` shards to its rows
+    in global order, ``inverse`` back. Built and checked on the host once per shape, not per call."""
+    pos = torch.cat([local_positions(S, P, node * n + j, layout, None, docs) for j in range(n)])
+    order = torch.argsort(pos)
+    if not torch.equal(pos[order], local_positions(S, P // n, node, layout, None, docs)):
+        raise RuntimeError(f"usp: node {node}'s rows are not its {layout} shard over nodes")
+    return order.to(device), torch.argsort(order).to(device)
+
+
 class _UspOps:
     """The all-to-alls here; the ring between them is :class:`ForwardOps` / :class:`BackwardOps` over the node's
     rows (``self.ring``, made once the first all-to-all has arrived)."""
@@ -109,14 +121,9 @@ class _UspOps:
         self.local = local  # the all-to-all's kind -> my rows over all heads
         self.got: dict[int, list[torch.Tensor]] = {}
         self.make_ring, self.ring = make_ring, None
-        S = sh.s * sh.P
         docs = cfg.documents
-        pos = torch.cat([local_positions(S, sh.P, self.node * n + j, cfg.layout, device, docs) for j in range(n)])
-        self.order = torch.argsort(pos)     # node's concatenation -> global order
-        self.inverse = torch.argsort(self.order)
-        want = local_positions(S, sh.P // n, self.node, cfg.layout, device, docs)
-        if not torch.equal(pos[self.order], want):  # the property the ring over nodes relies on
-            raise RuntimeError(f"usp: node {self.node}'s rows are not its {cfg.layout} shard over nodes")
+        self.order, self.inverse = _node_rows(sh.s * sh.P, sh.P, self.node, n, cfg.layout,
+                                              tuple(docs) if docs is not None else None, device)
         self.result: list[torch.Tensor] | None = None
 
     def _group(self, t: torch.Tensor, j: int) -> torch.Tensor:

@@ -1,0 +1,235 @@
+"""The CUDA path on a CPU: meta tensors as CUDA tensors (``tokenring.testing.pretend_cuda``), one process as rank r
+of P over PyTorch's fake process group (``fake_rank``). Values are not computed; what is checked is which CUDA op
+runs with which arguments, the shapes, dtypes, devices and strides that come back, that every message buffer is
+on the device, and that a call after the first makes no host sync."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tokenring
+from tokenring import kernels, ops as tr_ops
+from tokenring.comm import Trace
+from tokenring.merge import acc_dtype, merge_, new_accumulator
+from tokenring.testing import fake_rank, meta_like, pretend_cuda
+
+H100, A100 = ("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA A100-SXM4-80GB", (8, 0))
+CUDA_OPS = {"_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_flash_attention": "flash",
+            "_scaled_dot_product_efficient_attention": "efficient"}
+SYNCS = ("_local_scalar_dense", "equal", "is_nonzero")  # what .item(), .tolist(), torch.equal, bool() run
+
+
+class Ops(TorchDispatchMode):
+    """Records every aten op: its name and arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple, dict]] = []
+        self.schemas: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func.overloadpacket.__name__, args, kwargs or {}))
+        self.schemas[func.overloadpacket.__name__] = func._schema
+        impl = getattr(getattr(tr_ops, func.overloadpacket.__name__, None), "_init_fn", None)
+        if func.namespace == "tokenring" and impl is not None:  # record inside tokenring's own ops too
+            with self:
+                return impl(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+    def named(self, name: str) -> list[dict]:
+        """The calls of op ``name``, each as {argument name: value} (defaults filled in)."""
+        out = []
+        for n, a, k in self.calls:
+            if n == name:
+                schema = self.schemas[n].arguments
+                out.append({x.name: a[i] if i < len(a) else k.get(x.name, x.default_value)
+                            for i, x in enumerate(schema)})
+        return out
+
+    def attention_ops(self) -> list[str]:
+        return [n for n, _, _ in self.calls if n.removesuffix("_backward") in CUDA_OPS]
+
+    def host_syncs(self) -> list[str]:
+        """Ops that read a device value on the host or copy between host and device."""
+        out = []
+        for n, a, k in self.calls:
+            tensors = [x for x in a if isinstance(x, torch.Tensor)]
+            if n in SYNCS and any(t.device.type != "cpu" for t in tensors):
+                out.append(n)
+            if n in ("_to_copy", "copy_") and len({t.device.type for t in tensors} | {str(k.get("device", ""))}
+                                                   - {"", "None"}) > 1:
+                out.append(n)
+        return out
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b`` or a view of it (the same storage)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def block(B=2, n=96, m=160, H=8, Hkv=2, d=128, dtype=torch.bfloat16):
+    q = meta_like(B, n, H, d, dtype=dtype)
+    k, v = meta_like(B, m, Hkv, d, dtype=dtype), meta_like(B, m, Hkv, d, dtype=dtype)
+    return q, k, v
+
+
+# --- the kernel choice -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,d,capability,expected", [
+    (torch.bfloat16, 128, (9, 0), "cudnn"), (torch.float16, 64, (9, 0), "cudnn"), (torch.bfloat16, 72, (10, 0), "cudnn"),
+    (torch.bfloat16, 128, (8, 0), "flash"), (torch.bfloat16, 256, (9, 0), "flash"), (torch.float16, 80, (8, 9), "flash"),
+    (torch.float32, 128, (9, 0), "efficient"), (torch.bfloat16, 100, (9, 0), "efficient"),
+    (torch.float64, 128, (9, 0), None), (torch.bfloat16, 66, (9, 0), None)])
+def test_choice_table(dtype, d, capability, expected):
+    assert kernels.cuda_kernel(dtype, d, capability) == expected
+
+
+@pytest.mark.parametrize("gpu", [H100, A100], ids=["sm90", "sm80"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("d", [64, 72, 80, 128, 256])
+@pytest.mark.parametrize("causal,Hkv", [(False, 2), (True, 8)])
+def test_block_forward_backward_ops(gpu, dtype, d, causal, Hkv):
+    """Each branch calls its op with q, k, v (and dO, O, lse) in the schema's order, K/V heads as the op takes
+    them, and returns out (B, n, H, d) in q's dtype, lse (B, H, n) in the accumulator dtype, grads shaped like
+    their inputs."""
+    n = m = 96 if causal else None
+    q, k, v = block(n=n or 96, m=m or 160, Hkv=Hkv, d=d, dtype=dtype)
+    B, n, H, _ = q.shape
+    with pretend_cuda(*gpu):
+        expected = kernels.cuda_kernel(dtype, d, gpu[1])
+        with Ops() as ops:
+            out, lse = kernels.block_forward(q, k, v, causal, 0.3)
+        assert out.shape == q.shape and out.dtype == dtype and out.device.type == "meta"
+        assert lse.shape == (B, H, n) and lse.dtype == acc_dtype(dtype) and lse.is_contiguous()
+        assert ops.attention_ops() == ([f"_scaled_dot_product_{expected}_attention"] if expected else [])
+        if expected:
+            a, = ops.named(f"_scaled_dot_product_{expected}_attention")
+            assert same(a["query"], q) and a["scale"] == 0.3
+            assert (same(a["key"], k) and same(a["value"], v)) or (expected == "efficient" and Hkv < H)
+            heads = k.shape[2] if expected in ("cudnn", "flash") else H
+            assert a["key"].shape == (B, heads, k.shape[1], d) and a["query"].shape == (B, H, n, d)
+            assert a["is_causal"] is causal and a["dropout_p"] == 0.0
+            if expected != "flash":
+                assert a["compute_log_sumexp"] is True and a["attn_bias"] is None
+        dout = meta_like(*q.shape, dtype=dtype)
+        delta = meta_like(B, H, n, dtype=acc_dtype(dtype))
+        with Ops() as ops:
+            dq, dk, dv = kernels.block_backward(dout, q, k, v, lse, delta, causal, 0.3, out=out)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        assert {t.device.type for t in (dq, dk, dv)} == {"meta"}
+        if expected:
+            a, = ops.named(f"_scaled_dot_product_{expected}_attention_backward")
+            assert same(a.get("grad_out", a.get("grad_out_")), dout) and same(a["query"], q) and same(a["out"], out) and a["scale"] == 0.3
+            assert (same(a["key"], k) and same(a["value"], v)) or (expected == "efficient" and Hkv < H)
+            lse_in = a["logsumexp"]
+            want = {"cudnn": (B, H, n, 1), "flash": (B, H, n), "efficient": (B, H, -(-n // 32) * 32)}[expected]
+            assert tuple(lse_in.shape) == want  # each op reads lse in its own layout
+            assert a["is_causal"] is causal and a["dropout_p"] == 0.0
+            if expected != "efficient":
+                assert (a["max_q"], a["max_k"]) == (n, k.shape[1])
+        assert ops.host_syncs() == []
+
+
+def test_masked_tiles_take_the_math_path():
+    from tokenring.masks import Tile
+    q, k, v = block(n=64, m=64, Hkv=8)
+    tiles = [Tile(0, 32, 0, 64, "mask"), Tile(32, 64, 0, 32, "causal")]
+    with pretend_cuda(*H100), Ops() as ops:
+        o, lse = kernels.tiled_forward(q, k, v, tiles, lambda t: (torch.ones(t.q1 - t.q0, t.k1 - t.k0, dtype=torch.bool,
+                                                                             device="meta")
+                                                                  if t.kind == "mask" else None), 0.2)
+    assert o.shape == q.shape and lse.shape == (2, 8, 64)
+    assert ops.attention_ops() == ["_scaled_dot_product_cudnn_attention"]  # the unmasked causal tile only
+
+
+def test_merge_on_cuda_runs_the_compiled_kernels_twin():
+    from tokenring import merge
+    with pretend_cuda(*H100):
+        acc_o, acc_lse = new_accumulator(2, 64, 8, 128, torch.bfloat16, "meta")
+        o, lse = meta_like(2, 64, 8, 128), meta_like(2, 8, 64, dtype=torch.float32)
+        with Ops() as ops:
+            merge_(acc_o[:, 16:48], acc_lse[:, :, 16:48], o[:, 16:48], lse[:, :, 16:48])
+    assert merge._compiled is None and ops.host_syncs() == []
+    assert acc_o.dtype == torch.float32 and acc_lse.shape == (2, 8, 64)
+
+
+# --- a whole call as rank r of P ---------------------------------------------------------------------------------
+
+STRATEGIES = ["token_ring:relay", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c=2,k=1", "ring_bidir", "ulysses",
+              "auto", "token_ring", "usp:n=2", "double_ring:n=2", "token_ring_2d:n=2", "double_ring:n=2,keep"]
+
+
+def _call(strategy, causal, masks, P, trace=None, log=None, sinks=False):
+    s = 64
+    q = meta_like(1, s, 8, 128, requires_grad=True)
+    k, v = (meta_like(1, s, 4, 128, requires_grad=True) for _ in range(2))
+    kw = {}
+    if masks:
+        kw = dict(window=(48, 0) if causal else (40, 40), cu_seqlens=[0, 24 * P, 64 * P])
+    sk = meta_like(8, dtype=torch.float32, requires_grad=True) if sinks else None
+    config = {k: x for k, x in (("trace", trace), ("comm_log", log)) if x is not None}
+    out = tokenring.attention(q, k, v, causal=causal, strategy=strategy, sinks=sk, _config=config or None, **kw)
+    out.sum().backward()
+    return q, k, v, out, sk
+
+
+@pytest.mark.parametrize("P,rank", [(2, 1), (4, 2), (8, 5)])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masks", [False, True], ids=["plain", "masks"])
+def test_attention_as_rank_r_of_P(P, rank, strategy, causal, masks):
+    if strategy.endswith(":n=2") or "n=2," in strategy:
+        if P == 2:
+            pytest.skip("two-level strategies need two nodes of two ranks")
+    with pretend_cuda(*H100), fake_rank(rank, P):
+        log = []
+        q, k, v, out, _ = _call(strategy, causal, masks, P, log=log)
+        assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == "meta" and out.is_contiguous()
+        for t in (q, k, v):
+            assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
+        records = [r for _, recs in log for r in recs]
+        assert {what.split()[-1] for what, _ in log} == {"forward", "backward"} and records
+        assert {r["device"] for r in records} == {"meta"}  # every buffer on the GPU, none staged via the host
+        assert not any(r["staged"] for r in records)
+        with Ops() as ops:  # a second call: no host sync, no signature exchange
+            _call(strategy, causal, masks, P)
+        assert ops.host_syncs() == []
+        assert not ops.named("allgather_") and not ops.named("all_gather")
+        if not masks:
+            assert ops.attention_ops() and set(ops.attention_ops()) <= {"_scaled_dot_product_cudnn_attention",
+                                                                        "_scaled_dot_product_cudnn_attention_backward"}
+
+
+def test_sinks_and_timeline_on_cuda():
+    with pretend_cuda(*H100), fake_rank(0, 4):
+        trace = Trace(0)
+        _, _, _, out, sk = _call("token_ring:direct,c=2,k=1", True, False, 4, trace=trace, sinks=True)
+        assert sk.grad.shape == (8,) and sk.grad.dtype == torch.float32
+        trace.resolve()
+        assert trace.cuda and trace.events
+        assert all(isinstance(e["start"], float) and e["end"] >= e["start"] for e in trace.events)
+        assert {e["lane"] for e in trace.events} >= {"compute", "send", "recv"}
+
+
+def test_nccl_semantics_no_host_timeout():
+    from tokenring.comm import Comm
+    with pretend_cuda(*H100), fake_rank(1, 4):
+        comm = Comm(None)
+        assert not comm.bounded and not comm.early_receives and not comm.stage
+        assert tokenring.comm.collective_device(None).type == "meta"
+
+
+def test_decode_on_cuda():
+    with pretend_cuda(*H100), fake_rank(2, 4):
+        q = meta_like(1, 3, 8, 128)
+        k, v = meta_like(1, 40, 2, 128), meta_like(1, 40, 2, 128)
+        out = tokenring.decode_attention(q, k, v)
+        assert out.shape == q.shape and out.device.type == "meta"
+
+
+def test_fake_rank_refuses_an_existing_group():
+    with fake_rank(0, 2):
+        with pytest.raises(RuntimeError, match="exists already"):
+            with fake_rank(0, 2):
+                pass
