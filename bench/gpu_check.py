@@ -564,6 +564,12 @@ def _sdpa_times(backend, q, k, v, do, causal: bool, scale: float, dev, warmup: i
     return tf, tb, out.detach().transpose(1, 2), grads
 
 
+def _our_op(q) -> str:
+    """The CUDA op tokenring's block kernels pick for ``q`` (tokenring.kernels.cuda_kernel)."""
+    from tokenring.kernels import _cuda_op
+    return (_cuda_op(q) or "math") if q.device.type == "cuda" else "cpu_flash"
+
+
 def run_kernels(report: Report, args, sets: dict, budget: Budget) -> None:
     from tokenring.kernels import block_backward, block_forward
     dev = _setup(args.device)
@@ -605,7 +611,7 @@ def run_kernels(report: Report, args, sets: dict, budget: Budget) -> None:
                 del ref_o, ref_g
             flops = 4 * n * n * H * d * (0.5 if causal else 1.0)
             row = dict(n=n, H=H, d=d, dtype="bfloat16", causal=causal, ours_fwd_ms=t_fwd, ours_bwd_ms=t_bwd,
-                       backward_kernel=fused, sdpa=sd, agreement=agree)
+                       backward_kernel=fused, op=_our_op(q), sdpa=sd, agreement=agree)
             if agree is None:
                 report.fail(f"kernels n={n} causal={causal}: no SDPA backend ran, nothing to compare with")
             for pas, ours_ms, fl in (("fwd", t_fwd, flops), ("bwd", t_bwd, 2.5 * flops)):

@@ -233,3 +233,46 @@ def test_fake_rank_refuses_an_existing_group():
         with pytest.raises(RuntimeError, match="exists already"):
             with fake_rank(0, 2):
                 pass
+
+
+# --- device-aware defaults ---------------------------------------------------------------------------------------
+
+L40S = ("NVIDIA L40S", (8, 9), 4, "pcie")
+H100_NODE = ("NVIDIA H100 80GB HBM3", (9, 0), 8, "nvlink")
+
+
+def _auto_runs(gpu, shape=(1, 16384, 32, 8, 128), causal=True):
+    """The strategy ``auto`` runs as rank 0 of one node of ``gpu`` s, and what ``explain`` says."""
+    B, s, H, Hkv, d = shape
+    with pretend_cuda(*gpu), fake_rank(0, gpu[2]):
+        q = meta_like(B, s, H, d, requires_grad=True)
+        k, v = (meta_like(B, s, Hkv, d, requires_grad=True) for _ in range(2))
+        log = []
+        tokenring.attention(q, k, v, causal=causal, _config={"comm_log": log})
+        text = tokenring.explain(q, k, causal=causal, file=None)
+    return log[0][0].rsplit(" ", 1)[0], text
+
+
+def test_auto_detects_the_machine():
+    from tokenring.device import GPU
+    from tokenring.schedules import Shapes
+    from tokenring.sim.auto import choose
+    from tokenring.sim.topology import detected_topology
+    h100, h_text = _auto_runs(H100_NODE)
+    l40s, l_text = _auto_runs(L40S)
+    assert "detected: NVIDIA H100 80GB HBM3 (sm90), 8 per node, nvlink" in h_text and "block kernel: cudnn" in h_text
+    assert "detected: NVIDIA L40S (sm89), 4 per node, pcie" in l_text and "block kernel: flash" in l_text
+    assert "kernel model: h100" in h_text and "kernel model: l40s" in l_text
+    sh = lambda P: Shapes(1, 16384, 32, 8, 128, torch.bfloat16, P)  # noqa: E731
+    for gpu, ran in ((H100_NODE, h100), (L40S, l40s)):  # what ran is the model's pick on the detected topology
+        topo = detected_topology(GPU(*gpu), gpu[2])
+        assert choose(sh(gpu[2]), True, "zigzag", True, topology=topo)[0] == ran
+    assert h100 != l40s  # on this shape the model puts NVLink's and PCIe's best apart
+    two_nodes = detected_topology(GPU(*H100_NODE), 16)
+    assert two_nodes.node.P == 8 and "InfiniBand" in two_nodes.source
+
+
+def test_unknown_gpu_falls_back_to_h100_figures():
+    from tokenring.sim.topology import gpu_model
+    assert gpu_model("Some Future GPU")[0] == "h100" and "unknown GPU" in gpu_model("Some Future GPU")[2]
+    assert gpu_model("NVIDIA B200")[0] == "b200" and gpu_model("AMD Instinct MI300X")[0] == "mi300x"

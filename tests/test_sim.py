@@ -128,11 +128,13 @@ def test_user_topology_files(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- kernel model
 
 
-def test_h200_model_reproduces_table():
-    m = kernel_model("h200")
+# cuDNN's MHA and GQA rows at 2048 causal differ by 21%; the model averages rows of one size.
+@pytest.mark.parametrize("backend,rel", [("flash", 0.05), ("cudnn", 0.11)])
+def test_h200_model_reproduces_table(backend, rel):
+    m = kernel_model("h200", backend=backend)
     for r in h200_table()["rows"]:
         t = m.block_time(r["n"], r["n"], r["hq"], r["hkv"], r["d"], r["causal"], False) * 1e3
-        assert t == pytest.approx(r["flash_fwd_ms"], rel=0.05)
+        assert t == pytest.approx(r[f"{backend}_fwd_ms"], rel=rel)
     # beyond the table: linear in FLOPs
     a = m.block_time(65536, 65536, 32, 32, 128, False, False)
     b = m.block_time(131072, 65536, 32, 32, 128, False, False)

@@ -3,7 +3,8 @@
 Which interconnect: :func:`set_topology` (a preset name, ``"mesh:200mbit"``, a JSON/YAML path, a dict or a
 :class:`~tokenring.sim.topology.Topology`), else ``$TOKENRING_TOPOLOGY`` (same forms), else a documented
 default: ``loopback`` (local gloo ranks sharing one host, a switch-like model of the loopback's ~1.4 GB/s)
-on CPU, ``h100-nvswitch-8`` on CUDA. The kernel model is the topology's device (``cpu``: a fixed analytic
+on CPU; on CUDA the machine's own (:func:`~tokenring.sim.topology.detected_topology`: the GPU model from its
+name, GPUs per node from ``$LOCAL_WORLD_SIZE``, NVLink or PCIe between them). The kernel model is the topology's device (``cpu``: a fixed analytic
 model, never a timing taken on this rank). ``tokenring.attention`` asks the model on rank 0 only and sends its
 choice to every rank with the signature check, so ranks never disagree. Choices are cached per
 (shapes, dtype, causal, layout, pass, topology).
@@ -19,11 +20,12 @@ import torch
 from ..schedules import Shapes
 from .kernel_model import cpu_share, kernel_model
 from .simulator import SimResult, fastest, simulate, variant_candidates
-from .topology import Topology, get_topology
+from ..device import device_type as device_kind, gpu
+from .topology import Topology, detected_topology, get_topology
 
 __all__ = ["set_topology", "get_current_topology", "choose", "explain", "DEFAULT_TOPOLOGY"]
 
-DEFAULT_TOPOLOGY = {"cpu": "loopback", "cuda": "h100-nvswitch-8"}
+DEFAULT_TOPOLOGY = {"cpu": "loopback"}
 _explicit: object = None
 _cache: dict = {}
 
@@ -47,6 +49,10 @@ def get_current_topology(P: int, device_type: str = "cpu") -> tuple[Topology, st
     env = os.environ.get("TOKENRING_TOPOLOGY")
     if env:
         return get_topology(env, P), f"$TOKENRING_TOPOLOGY={env}"
+    if device_type == "cuda":
+        g = gpu()
+        return detected_topology(g, P), (f"detected: {g.name} (sm{g.capability[0]}{g.capability[1]}), "
+                                         f"{g.per_node} per node, {g.link}")
     name = DEFAULT_TOPOLOGY.get(device_type, "loopback")
     return get_topology(name, P), f"default for {device_type} (set tokenring.set_topology or $TOKENRING_TOPOLOGY)"
 
@@ -100,6 +106,19 @@ def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_
     return _cache[key]
 
 
+def _kernel_choice(dtype, d: int) -> str:
+    """Which CUDA op runs this rank's blocks, and why (tokenring.kernels.cuda_kernel's table)."""
+    from ..kernels import CUDNN_MIN_CAPABILITY, cuda_kernel
+    cap = gpu().capability
+    op = cuda_kernel(dtype, d, cap)
+    why = {"cudnn": f"cuDNN on sm{CUDNN_MIN_CAPABILITY[0]}{CUDNN_MIN_CAPABILITY[1]}+ for fp16/bf16, head dim <= 128 "
+                    f"(1.7-1.9x the flash op on an H200)",
+           "flash": "flash for fp16/bf16 below sm90 or head dim 129-256",
+           "efficient": "memory-efficient for fp32 (or head dims flash does not take)",
+           None: "no fused op takes this dtype / head dim: the math path"}[op]
+    return f"{op or 'math'} ({str(dtype).replace('torch.', '')}, d={d}, sm{cap[0]}{cap[1]}: {why})"
+
+
 def fmt_time(t: float) -> str:
     for unit, f in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if t >= f or unit == "us":
@@ -112,11 +131,13 @@ def _shape(x) -> tuple:
 
 
 def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: int | None = None, group=None,
-            topology=None, backward: bool = True, dtype=None, strategy: str = "auto", file="stdout") -> str:
+            topology=None, backward: bool = True, dtype=None, strategy: str = "auto", file="stdout",
+            device_type: str | None = None) -> str:
     """Print (to ``file``; ``None``: don't) and return why ``strategy`` (``"auto"``, or a family choice such as
     ``"token_ring"``) runs the variant it runs for this rank's shard ``q`` (B, s, H, d) and ``k``
     (B, s, Hkv, d) -- tensors or shape tuples -- on ``P`` ranks (default: the size of ``group`` / the default
-    group): the predicted time of every candidate variant on the topology, fastest first."""
+    group): the predicted time of every candidate variant on the topology, fastest first. ``device_type``
+    (default: ``q``'s, else ``"cpu"``) picks the default topology: on ``"cuda"`` the detected machine."""
     from ..layouts import default_layout, group_info
 
     qs = _shape(q)
@@ -128,7 +149,8 @@ def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: in
     B, s, H, d = qs
     if dtype is None:
         dtype = q.dtype if isinstance(q, torch.Tensor) else torch.bfloat16
-    device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    if device_type is None:
+        device_type = device_kind(q) if isinstance(q, torch.Tensor) else "cpu"
     layout = layout or default_layout(causal)
     sh = Shapes(B, s, H, ks[2], d, dtype, P)
     out = io.StringIO()
@@ -141,6 +163,8 @@ def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: in
               f"P={P} causal={causal} layout={layout} {'forward+backward' if backward else 'forward'}; "
               f"strategy={strategy!r}", file=out)
         print(f"topology: {topo.describe()} [{origin}]; kernel model: {_kernel(topo, P).name}", file=out)
+        if device_type == "cuda":
+            print(f"block kernel: {_kernel_choice(dtype, d)}", file=out)
         w = max(12, *(len(r.strategy) + 1 for r in results))
         print(f"{'strategy':<{w}}{'predicted':>12}{'vs best':>9}{'compute':>12}{'exposed comm':>14}"
               f"{'MB sent/rank':>14}  regime", file=out)

@@ -133,10 +133,12 @@ def fit_table(rows: list[dict], backend: str = "flash", name: str = "h200", mem_
 
 
 @lru_cache(maxsize=None)
-def _h200() -> KernelModel:
+@lru_cache(maxsize=None)
+def _h200(backend: str = "flash") -> KernelModel:
     d = h200_table()
-    return fit_table(d["rows"], "flash", "h200", mem_bw=d.get("d2d_copy_TBps", 4.2) * 1e12,
-                     source="fitted to tokenring/data/h200_sdpa.json (H200, PyTorch flash SDPA, bf16): " + d["provenance"])
+    return fit_table(d["rows"], backend, "h200", mem_bw=d.get("d2d_copy_TBps", 4.2) * 1e12,
+                     source=f"fitted to tokenring/data/h200_sdpa.json (H200, PyTorch {backend} SDPA op, bf16): "
+                            + d["provenance"])
 
 
 # Other devices: the H200 curve scaled by (datasheet dense bf16/fp16 peak x FlashAttention-2 fraction there) /
@@ -152,7 +154,16 @@ DEVICES = {
                                         "(estimate)"),
     "mi300x": (1307e12, 1.0, 5.3e12, "MI300X: 1307 TFLOP/s dense fp16, 5.3 TB/s; CK FlashAttention ~35% of "
                                      "peak (estimate)"),
+    "b200": (2250e12, 1.0, 8e12, "B200: 2250 TFLOP/s dense bf16, 8 TB/s HBM3e; the H200's fraction of peak "
+                                 "(estimate)"),
+    "a100": (312e12, 1.7, 2.0e12, "A100 SXM: 312 TFLOP/s dense bf16, 2.0 TB/s; FlashAttention-2 reaches ~60% of "
+                                  "peak on Ampere vs ~35% on Hopper (FA2 paper), hence x1.7"),
+    "l40s": (362e12, 1.4, 0.864e12, "L40S: 362 TFLOP/s dense bf16, 864 GB/s GDDR6; ~50% of peak in FA2 "
+                                    "(estimate)"),
 }
+# Devices whose kernel is cuDNN's (compute capability 9.0 and newer, see tokenring.kernels.cuda_kernel); the
+# others run the flash op. A device's model is the H200's fit of that op, scaled.
+CUDNN_DEVICES = ("h200", "h100", "b200")
 
 
 # CPU, analytic (for ``auto``, deterministic): one x86 core (AVX-512) running the CPU flash forward at ~80
@@ -270,10 +281,11 @@ def cpu_share(P: int, threads: int, cores: int | None = None) -> float:
 
 
 def kernel_model(device: str = "h200", threads: int = 1, calibrated: bool = False, dtype=None,
-                 share: float = 1.0, concurrent: int = 1) -> KernelModel:
-    """The model for a device name: ``h200``, ``h100``, ``a10``, ``ascend910b``, ``mi300x`` or ``cpu``
-    (analytic unless ``calibrated``; calibration times this machine; ``share`` < 1 slows it for ranks that
-    share cores, see :func:`cpu_share`)."""
+                 share: float = 1.0, concurrent: int = 1, backend: str | None = None) -> KernelModel:
+    """The model for a device name: ``h200``, ``h100``, ``b200``, ``a100``, ``l40s``, ``a10``, ``ascend910b``,
+    ``mi300x`` or ``cpu`` (analytic unless ``calibrated``; calibration times this machine; ``share`` < 1 slows
+    it for ranks that share cores, see :func:`cpu_share`). ``backend``: the SDPA op the GPU model is fitted to
+    (default: ``cudnn`` on :data:`CUDNN_DEVICES`, ``flash`` elsewhere, as the kernels choose)."""
     if device == "cpu":
         if not calibrated:
             return _cpu_analytic(threads, share)
@@ -282,8 +294,10 @@ def kernel_model(device: str = "h200", threads: int = 1, calibrated: bool = Fals
                                              f"; x{share:.2g} for ranks sharing cores")
     if device not in DEVICES:
         raise ValueError(f"no kernel model for device {device!r}; choose one of {', '.join(DEVICES)} or cpu")
-    base = _h200()
+    backend = backend or ("cudnn" if device in CUDNN_DEVICES else "flash")
+    base = _h200(backend)
     if device == "h200":
         return base
     peak, rel, mem, note = DEVICES[device]
-    return base.scaled(device, peak / _H200_PEAK * rel, mem / _H200_MEM, source=f"{note}; shape of the H200 fit")
+    return base.scaled(device, peak / _H200_PEAK * rel, mem / _H200_MEM,
+                       source=f"{note}; shape of the H200 {backend} fit")

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 __all__ = ["Topology", "SwitchTopology", "MeshTopology", "RingTopology", "ClusterTopology", "GraphTopology",
-           "PRESETS", "get_topology", "parse_rate", "parse_time", "topology_from_dict", "preset_names"]
+           "PRESETS", "get_topology", "parse_rate", "parse_time", "topology_from_dict", "preset_names",
+           "detected_topology", "gpu_model"]
 
 INF = float("inf")
 
@@ -552,6 +553,45 @@ def _loopback(P=4):
                                  "total, sending both ways at once gives no more).")
 
 
+# GPU models by name, for a topology built from the machine (tokenring.sim.auto, when none is set): the kernel
+# model's device name and the NVLink bandwidth per direction per GPU (datasheets; 80% of it achievable).
+_GPU_MODELS = (  # (name contains, kernel model, NVLink B/s per direction)
+    ("H200", "h200", 450e9), ("H100", "h100", 450e9), ("H800", "h100", 200e9), ("GH200", "h200", 450e9),
+    ("B200", "b200", 900e9), ("B100", "b200", 900e9), ("A100", "a100", 300e9), ("A800", "a100", 200e9),
+    ("L40", "l40s", 0.0), ("A10", "a10", 0.0), ("MI300", "mi300x", 0.0))
+_PCIE_GEN = {"h100": 64e9, "h200": 64e9, "b200": 64e9}  # x16 per direction: Gen5 on these, Gen4 elsewhere
+
+
+def gpu_model(name: str) -> tuple[str, float, str]:
+    """``(kernel model, NVLink B/s per direction, note)`` for a GPU's name; unknown GPUs get the H100's (said so)."""
+    for key, device, nvlink in _GPU_MODELS:
+        if key in name.upper():
+            return device, nvlink, f"{name}: kernel model {device}"
+    return "h100", 450e9, f"{name}: unknown GPU, using the H100 kernel model and NVLink figures"
+
+
+def detected_topology(gpu, P: int) -> Topology:
+    """The topology of ``P`` ranks on GPUs like ``gpu`` (a :class:`tokenring.device.GPU`): nodes of
+    ``gpu.per_node`` GPUs (capped at ``P``) on NVSwitch (``link="nvlink"``; MI300X: its xGMI mesh) or on PCIe
+    (one x16 port each, 80% achievable, GPUs in pairs under a PCIe switch as in common 4- and 8-GPU servers);
+    between nodes one 400 Gb/s InfiniBand NIC per GPU."""
+    device, nvlink, note = gpu_model(gpu.name)
+    n = max(1, min(int(gpu.per_node or P), P))
+    name = f"detected-{device}-{gpu.link}-{n}"
+    if device == "mi300x" and gpu.link == "nvlink":
+        node = _mi300x(n)
+        node = MeshTopology(name, n, device="mi300x", link_bw=node.link_bw, latency=node.latency, source=node.source)
+    elif gpu.link == "nvlink":
+        node = SwitchTopology(name, n, device=device, port_bw=0.8 * nvlink, latency=10e-6,
+                              source=f"{note}; NVLink/NVSwitch {nvlink / 1e9:.0f} GB/s per direction, 80% achievable")
+    else:
+        pcie = _PCIE_GEN.get(device, 32e9)
+        node = SwitchTopology(name, n, device=device, port_bw=0.8 * pcie, latency=15e-6, group=2 if n > 2 else 0,
+                              uplink_bw=0.8 * pcie, source=f"{note}; PCIe x16 {pcie / 1e9:.0f} GB/s per direction, "
+                                                           f"80% achievable, two GPUs per PCIe switch")
+    return _grown(node, P, _IB_NDR, "InfiniBand NDR 400 Gb/s per GPU, 90% achievable (assumed, not detected).")
+
+
 PRESETS = {
     "a10-pcie-4": _a10,
     "h100-nvswitch-8": _h100,
@@ -668,9 +708,3 @@ def get_topology(spec, P: int | None = None) -> Topology:
             raise ValueError(f"only the testbed kinds take a rate ('switch:200mbit'), not {name!r}")
         return _preset(name, P, rate=rate)
     return _preset(name, P)
-
-
-def env_topology(P: int | None = None) -> Topology | None:
-    """The topology named by ``$TOKENRING_TOPOLOGY`` (preset, ``kind:RATE`` or file), or ``None``."""
-    spec = os.environ.get("TOKENRING_TOPOLOGY")
-    return get_topology(spec, P) if spec else None

@@ -29,11 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pass", dest="mode", choices=["fwd", "bwd", "both"], default="both",
                     help="forward only, backward only (--plan) or forward+backward")
     ap.add_argument("--topology", default=None, help="interconnect for auto (preset, mesh:RATE, JSON/YAML file)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="whose default topology and kernel (default: cuda where a GPU is visible; on CUDA the "
+                         "machine's GPUs, links and node size are detected)")
     ap.add_argument("--plan", action="store_true", help="print the per-rank, per-step schedule")
     ap.add_argument("--strategy", default="auto", help="auto, a family (token_ring, ring, ring:auto, ulysses, "
                     "ring_bidir) or a variant such as token_ring:direct,c=2,k=3")
     ap.add_argument("--rank", type=int, action="append", help="only these ranks in --plan (repeatable)")
     a = ap.parse_args(argv)
+    import torch
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     P, Hkv = a.ranks, a.kv_heads or a.heads
     layout = a.layout or default_layout(a.causal)
     if a.seq % (2 * P if layout == "zigzag" else P):
@@ -49,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     if name == "auto" or get(name).mode == "auto" or not a.plan:
         from ..sim.auto import choose, explain
         text = explain(q, k, causal=a.causal, layout=layout, P=P, topology=a.topology,
-                       backward=a.mode != "fwd", dtype=sh.dtype, strategy=name, file=None)
+                       backward=a.mode != "fwd", dtype=sh.dtype, strategy=name, file=None, device_type=device)
         if not a.plan:
             print(text, end="")
             return 0
-        requested, name = name, choose(sh, a.causal, layout, a.mode != "fwd", "cpu", a.topology, name)[0]
+        requested, name = name, choose(sh, a.causal, layout, a.mode != "fwd", device, a.topology, name)[0]
         print(f"{requested} -> {name}")
     why = get(name).check(a.heads, Hkv, P, sh.s, a.causal and layout == "zigzag")
     if why:
