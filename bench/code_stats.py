@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Legibility figures of the core (``tokenring/`` less ``tools/``) at this checkout and at an older commit: lines,
+the share of docstring and comment lines, the longest functions, import time and per-call overhead at P=4
+(fwd+bwd at a tiny shape, local gloo ranks, medians of interleaved calls). Writes ``bench/results/code_stats.json``:
+
+    .venv/bin/python bench/code_stats.py [--base 408278b] [--calls 60]
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import tokenize
+from statistics import median
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _prose_lines(src: str) -> set[int]:
+    """Line numbers holding a docstring or a comment."""
+    lines: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            lines.add(tok.start[0])
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                      str):
+                lines.update(range(first.lineno, first.end_lineno + 1))
+    return lines
+
+
+def static(root: str) -> dict:
+    files, total, prose, funcs = 0, 0, 0, []
+    core = os.path.join(root, "tokenring")
+    for dirpath, _, names in os.walk(core):
+        if os.path.relpath(dirpath, core).startswith("tools"):
+            continue
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            src = open(path).read()
+            code = [i + 1 for i, line in enumerate(src.splitlines()) if line.strip()]
+            files, total = files + 1, total + len(code)
+            prose += len(_prose_lines(src) & set(code))
+            for node in ast.walk(ast.parse(src)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    funcs.append((node.end_lineno - node.lineno + 1, f"{os.path.relpath(path, root)}:{node.name}"))
+    funcs.sort(reverse=True)
+    return dict(files=files, nonblank_lines=total, prose_lines=prose, prose_share=prose / total,
+                longest_functions=funcs[:8])
+
+
+PROBE = ("import json, time; import torch; t = time.perf_counter(); import tokenring; "
+         "print(json.dumps((time.perf_counter() - t) * 1e3))")
+
+
+def overhead(rank: int, P: int, calls: int) -> list[float]:
+    import time
+
+    import torch
+
+    import tokenring
+    torch.manual_seed(rank)
+    q, k, v = (torch.randn(1, 16, 4, 16, requires_grad=True) for _ in range(3))
+    times = []
+    for i in range(calls + 5):
+        t = time.perf_counter()
+        tokenring.attention(q, k, v, causal=True, strategy="token_ring:direct,c=1,k=1").sum().backward()
+        if i >= 5:
+            times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def per_call(root: str, calls: int) -> list[float]:
+    code = (f"import json, sys; sys.path.insert(0, {root!r}); sys.path.insert(1, {HERE!r})\n"
+            f"from code_stats import overhead\nfrom tokenring.tools.launch import spawn\n"
+            f"if __name__ == '__main__':\n    print(json.dumps(spawn(overhead, 4, {calls})[0]))\n")
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+    try:
+        out = subprocess.run([sys.executable, f.name], capture_output=True, text=True, check=True, cwd=root,
+                             env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")).stdout
+    finally:
+        os.unlink(f.name)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="408278b")
+    ap.add_argument("--calls", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args(argv)
+    res = dict(command="python bench/code_stats.py", base=a.base, machine=platform.processor() or platform.machine(),
+               cores=os.cpu_count(), shape="B=1 s=16/rank H=4 d=16 fp32 causal, token_ring:direct,c=1,k=1, P=4 gloo")
+    with tempfile.TemporaryDirectory() as old:
+        subprocess.run(f"git -C {ROOT} archive {a.base} tokenring | tar -x -C {old}", shell=True, check=True)
+        roots = {"before": old, "after": ROOT}
+        for label, root in roots.items():
+            res[label] = static(root)
+        imports = {k: [] for k in roots}
+        calls = {k: [] for k in roots}
+        for _ in range(a.rounds):  # interleaved
+            for label, root in roots.items():
+                imports[label] += [json.loads(subprocess.run([sys.executable, "-c", PROBE], cwd=root, text=True,
+                                                             capture_output=True, check=True,
+                                                             env=dict(os.environ, PYTHONPATH=root)).stdout)
+                                   for _ in range(3)]
+                calls[label] += per_call(root, a.calls)
+        for label in roots:
+            res[label].update(import_ms=imports[label], import_median_ms=median(imports[label]),
+                              call_median_ms=median(calls[label]), call_ms_quartiles=[
+                                  sorted(calls[label])[len(calls[label]) // 4],
+                                  sorted(calls[label])[3 * len(calls[label]) // 4]])
+    with open(os.path.join(HERE, "results", "code_stats.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    for label in ("before", "after"):
+        r = res[label]
+        print(f"{label:>6}: {r['nonblank_lines']} lines, prose {r['prose_share']:.1%}, longest "
+              f"{r['longest_functions'][0]}, import {r['import_median_ms']:.0f} ms, call {r['call_median_ms']:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
