@@ -181,8 +181,8 @@ def _check_one(rank: int, P: int, dev: torch.device, ref_dev: torch.device, case
     ref_max = [r.abs().max().item() for r in ref]
     local = [tokenring.shard(t, dim=1, layout=layout).to(dev).detach().clone().requires_grad_() for t in full]
     log: list = []
-    out = tokenring.attention(*local, causal=causal, strategy=case["strategy"], layout=layout,
-                              _config=dict(comm_log=log))
+    with tokenring.instrument(comm_log=log):
+        out = tokenring.attention(*local, causal=causal, strategy=case["strategy"], layout=layout)
     out.backward(tokenring.shard(dout, dim=1, layout=layout).to(dev))
     got = [out.detach(), local[0].grad, local[1].grad, local[2].grad]
     if inject:  # test hook: a wrong output must make the script fail and name this case
@@ -234,8 +234,8 @@ def timeline_rank(rank: int, P: int, device_type: str, shape: dict, strategy: st
 
     def call(trace=None):
         q, k, v = (t.detach().clone().requires_grad_() for t in local[:3])
-        out = tokenring.attention(q, k, v, causal=True, strategy=strategy, layout="zigzag",
-                                  _config=dict(trace=trace) if trace is not None else None)
+        with tokenring.instrument(trace=trace):
+            out = tokenring.attention(q, k, v, causal=True, strategy=strategy, layout="zigzag")
         n_fwd = len(trace.events) if trace is not None else 0
         out.backward(local[3])
         return n_fwd

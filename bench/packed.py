@@ -78,8 +78,8 @@ def rank_fn(rank: int, P: int, S: int, causal: bool, layout: str, name: str, kw:
         log: list = []
         dist.barrier()
         t0 = time.perf_counter()
-        out = tokenring.attention(q, k, v, causal=causal, layout=layout, strategy=name, _config=dict(comm_log=log),
-                                  **kw)
+        with tokenring.instrument(comm_log=log):
+            out = tokenring.attention(q, k, v, causal=causal, layout=layout, strategy=name, **kw)
         out.backward(local[3])
         t1 = time.perf_counter()
         slow = torch.tensor([t1 - t0])

@@ -101,9 +101,10 @@ def check_case(rank: int, P: int, case: dict) -> dict:
     before = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout,
-                                  cu_seqlens=case.get("cu_seqlens"), window=case.get("window"),
-                                  inner_size=case.get("inner_size"), sinks=sinks, _config=case.get("config"))
+        with tokenring.instrument(**case.get("config", {})):
+            out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout,
+                                      cu_seqlens=case.get("cu_seqlens"), window=case.get("window"),
+                                      inner_size=case.get("inner_size"), sinks=sinks)
     finally:
         if topo:
             tokenring.set_topology(None)
@@ -153,9 +154,9 @@ def comm_log_case(rank: int, P: int, case: dict) -> list:
     k = torch.randn(B, s, Hkv, d, dtype=dtype, requires_grad=True)
     v = torch.randn(B, s, Hkv, d, dtype=dtype, requires_grad=True)
     log: list = []
-    out = tokenring.attention(q, k, v, causal=case["causal"], strategy=case["strategy"], layout=case["layout"],
-                              cu_seqlens=case.get("cu_seqlens"), window=case.get("window"),
-                              _config=dict(comm_log=log))
+    with tokenring.instrument(comm_log=log):
+        out = tokenring.attention(q, k, v, causal=case["causal"], strategy=case["strategy"], layout=case["layout"],
+                                  cu_seqlens=case.get("cu_seqlens"), window=case.get("window"))
     out.sum().backward()
     return [(what, records) for what, records in log]
 
@@ -301,7 +302,8 @@ def chosen_strategy(rank: int, P: int, topology: str, strategy: str) -> str:
     try:
         q = torch.randn(1, 64, 4, 16, dtype=torch.float64)
         log: list = []
-        tokenring.attention(q, q, q, strategy=strategy, _config=dict(comm_log=log))
+        with tokenring.instrument(comm_log=log):
+            tokenring.attention(q, q, q, strategy=strategy)
         return log[0][0]
     finally:
         tokenring.set_topology(None)
@@ -317,7 +319,8 @@ def held_case(rank: int, P: int, strategy: str, s: int, causal: bool) -> list:
     layout = "zigzag" if causal else "contiguous"
     q, k, v = (torch.randn(1, s, H, d, dtype=torch.float32, requires_grad=True) for _ in range(3))
     held: list = []
-    out = tokenring.attention(q, k, v, causal=causal, strategy=strategy, layout=layout, _config=dict(held_log=held))
+    with tokenring.instrument(held_log=held):
+        out = tokenring.attention(q, k, v, causal=causal, strategy=strategy, layout=layout)
     out.sum().backward()
     return [(what, max(xs)) for what, xs in held]
 

@@ -12,10 +12,13 @@ from .api import STRATEGY_NAMES, attention, choose_strategy
 from .comm import get_timeout, set_timeout
 from .decode import decode_attention
 from .layouts import gather, local_positions, shard
+from .instrument import instrument
+from .settings import configure, options
 
 __version__ = "0.1.0"
 __all__ = ["attention", "decode_attention", "shard", "gather", "local_positions", "choose_strategy", "explain",
-           "set_topology", "get_current_topology", "set_timeout", "get_timeout", "STRATEGY_NAMES", "__version__"]
+           "set_topology", "get_current_topology", "set_timeout", "get_timeout", "configure", "options", "instrument",
+           "STRATEGY_NAMES", "__version__"]
 
 _LAZY = {"explain", "set_topology", "get_current_topology"}  # from tokenring.sim.auto, imported when first used
 

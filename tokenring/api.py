@@ -8,11 +8,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import settings
 from .comm import collective_device, get_timeout, group_store
 from .device import autocast_dtype, device_type as device_kind, values_travel
 from .kernels import fold_scale, softmax_scale_of
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
 from .masks import check_bounds_tensor, make_mask, whole_numbers, window_pair
+from .instrument import NONE as NO_HOOKS, current as current_instruments
 from .ops import IdentityCache, register_extras
 from .schedules import Shapes
 from .strategies import (ALIASES, CODE_LEN, FAMILIES, code as strategy_code, from_code, get as get_strategy,
@@ -32,6 +34,9 @@ _exchanges: dict = {}  # per group: signature exchanges so far (the same count o
 def forget_choices() -> None:
     """Drop the verified signatures and the cached ``auto`` choices (``set_topology`` calls this)."""
     _checked.clear()
+
+
+settings.on_change(lambda name: forget_choices() if name == "topology" else None)
 
 
 def forget_groups() -> None:
@@ -243,7 +248,7 @@ def _group_name(group) -> str:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: float | None = None, strategy: str = "auto", layout: str | None = None,
               cu_seqlens=None, window: tuple[int, int] | None = None, sinks: torch.Tensor | None = None,
-              group=None, inner_size: int | None = None, _config: dict | None = None) -> torch.Tensor:
+              group=None, inner_size: int | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across the ranks of ``group``.
 
     ``q``: (B, s, H, d), ``k``/``v``: (B, s, Hkv, d), this rank's shard (laid out by ``layout``; default
@@ -308,9 +313,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if plain:  # one rank, nothing to mask: PyTorch's own attention
         q, scale = fold_scale(q, scale)
         return _single_device(q, k, v, causal, scale)
-    if _config and compiling:
-        raise ValueError("tokenring.attention: _config (tracing, byte logs) works in eager mode only")
-    extras_id, holder = register_extras(_config)
+    hooks = current_instruments()
+    if hooks is not None and compiling:
+        raise ValueError("tokenring.attention: tokenring.instrument() (tracing, byte logs) works in eager mode only")
+    extras_id, holder = register_extras(hooks)
     from .ops import attention_op
     out = attention_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, _group_name(group), n,
                        backward, extras_id)
@@ -373,9 +379,9 @@ def _describe(q, k, causal, layout, strategy, mask, sinks) -> str:
             + (", with sinks" if sinks is not None else ""))
 
 
-def _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras: dict) -> Config:
+def _config_of(group, rank, P, causal, layout, scale, mask, sinks, hooks) -> Config:
     return Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=scale, mask=mask,
-                  sinks=sinks, **extras)
+                  sinks=sinks, hooks=hooks or NO_HOOKS)
 
 
 _masks = IdentityCache()
@@ -397,7 +403,7 @@ def _mask_of(s: int, P: int, cu, window, causal: bool, layout: str):
 
 
 def run_forward(q, k, v, sinks, cu, strategy: str, causal: bool, scale: float, layout: str, window, group,
-                inner: int, backward: bool, extras: dict):
+                inner: int, backward: bool, extras):
     """The forward of :func:`attention` on ``P > 1`` ranks once its local arguments are checked (the body of
     the ``tokenring::attention_fwd`` op): the mask, the cross-rank agreement, the strategy's schedule.
     Returns ``(out, strategy, extra)`` (``extra``: what backward needs besides the inputs and ``out``)."""
@@ -430,7 +436,7 @@ def run_forward(q, k, v, sinks, cu, strategy: str, causal: bool, scale: float, l
 
 
 def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, causal: bool, scale: float, layout: str,
-                 window, group, extras: dict):
+                 window, group, extras):
     """The backward of :func:`run_forward` (the body of ``tokenring::attention_bwd``): ``[dq, dk, dv]``, and
     ``dsinks`` (this rank's rows' share) with sinks."""
     rank, P = group_info(group)

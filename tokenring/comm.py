@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import device
+from . import device, settings
 from .messages import KINDS, kind as message_kind
 from .schedules import HEADS, Message
 
@@ -39,21 +39,19 @@ __all__ = ["Comm", "Trace", "Packed", "buffers", "pack", "get_timeout", "set_tim
 _PAIR_SLOTS = 256  # most messages one step may carry between the same two ranks (distinct tags)
 _ALIGN = 16        # byte alignment of each tensor in a packed buffer (any dtype's view stays aligned)
 
-_TIMEOUT_S = float(os.environ.get("TOKENRING_TIMEOUT", "300"))
 _REPORT_WAIT_S = 1.0     # how long a failed rank waits for the others' reports before naming a silent one
 
 
 def set_timeout(seconds: float) -> None:
     """Bound on any single wait for a peer on gloo (default 300 s, or ``$TOKENRING_TIMEOUT``); on NCCL the
-    process group's own timeout applies."""
-    global _TIMEOUT_S
-    if seconds <= 0:
-        raise ValueError(f"timeout must be positive, got {seconds}")
-    _TIMEOUT_S = float(seconds)
+    process group's own timeout applies. Shortcut for ``tokenring.configure(timeout=seconds)``."""
+    if seconds is None:
+        raise ValueError("timeout must be a positive number of seconds, got None")
+    settings.configure(timeout=seconds)
 
 
 def get_timeout() -> float:
-    return _TIMEOUT_S
+    return settings.get("timeout")
 
 
 collective_device = device.collective_device
@@ -253,7 +251,7 @@ class Comm:
         # message's step, in the order the sender posts.
         self.early_receives = backend == "gloo"
         self.stage = backend == "gloo" if stage is None else stage
-        self.timeout = _TIMEOUT_S if timeout is None else timeout
+        self.timeout = settings.get("timeout") if timeout is None else timeout
         self.trace = trace
         self.what = what
         self.log: list[dict] = []

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from .api import _group_name, attention
+from .instrument import instrument
 from .strategies import get as get_strategy, node_size
 from .layouts import check_layout, gather, group_info, local_positions, shard
 from .comm import collective_device
@@ -85,7 +86,7 @@ class _Settings:
     group: object = None
     check_positions: bool = True
     inner_size: int | None = None  # ranks per node for the hierarchical strategies (None: $LOCAL_WORLD_SIZE)
-    config_fn: object = None  # private: module -> extra ``_config`` for tokenring.attention (tracing), or None
+    config_fn: object = None  # private: module -> tokenring.instrument() fields for its call (tracing), or None
 
 
 _settings = _Settings()
@@ -283,9 +284,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     window = (window - 1, 0 if causal else window - 1) if window is not None else None
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     extra = _settings.config_fn(module) if _settings.config_fn is not None else None
-    out = attention(q, k, v, causal=causal, softmax_scale=scaling, strategy=_settings.strategy,
-                    layout=_settings.layout, cu_seqlens=cu, window=window, sinks=sinks, group=group,
-                    inner_size=_settings.inner_size, _config=extra)
+    with instrument(**extra) if extra else contextlib.nullcontext():
+        out = attention(q, k, v, causal=causal, softmax_scale=scaling, strategy=_settings.strategy,
+                        layout=_settings.layout, cu_seqlens=cu, window=window, sinks=sinks, group=group,
+                        inner_size=_settings.inner_size)
     return out, None
 
 

@@ -22,12 +22,12 @@ themselves, get an equivalent ``O'`` (:func:`out_for_delta`) when the real outpu
 from __future__ import annotations
 
 import math
-import os
 import time
 from functools import lru_cache
 
 import torch
 
+from . import settings
 from .device import gpu, is_cuda
 from .merge import acc_dtype
 
@@ -292,7 +292,6 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-@lru_cache(maxsize=64)
 def cpu_backward_choice(dtype: torch.dtype, d: int) -> str:
     """``"cpu_flash"`` or ``"math"``: the CPU backward for ``dtype`` and head dim ``d`` on this machine.
 
@@ -300,12 +299,13 @@ def cpu_backward_choice(dtype: torch.dtype, d: int) -> str:
     the type (AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16), else the math path; the same answer on every
     rank and every run. Where the flags cannot be read (non-x86, non-Linux) both kernels run once per process
     on one 256x256 block of 4 heads and the math path is taken only when the fused one is more than 1.5x
-    slower. ``$TOKENRING_CPU_BACKWARD=cpu_flash|math`` overrides."""
-    forced = os.environ.get("TOKENRING_CPU_BACKWARD")
-    if forced:
-        if forced not in ("cpu_flash", "math"):
-            raise ValueError(f"$TOKENRING_CPU_BACKWARD={forced!r}: use 'cpu_flash' or 'math'")
-        return forced
+    slower. The ``cpu_backward`` setting (:mod:`tokenring.settings`, ``$TOKENRING_CPU_BACKWARD``) overrides."""
+    return settings.get("cpu_backward") or _cpu_backward_measured(dtype, d)
+
+
+@lru_cache(maxsize=64)
+def _cpu_backward_measured(dtype: torch.dtype, d: int) -> str:
+    """:func:`cpu_backward_choice` without the setting: from the CPU's flags, else timed once per process."""
     if dtype in _CPU_FUSED_ALWAYS:
         return "cpu_flash"
     flags = _cpu_flags()
@@ -345,6 +345,9 @@ def cuda_kernel(dtype: torch.dtype, d: int, capability: tuple[int, int]) -> str 
     if dtype in (torch.float32, torch.float16, torch.bfloat16) and d % 4 == 0:
         return "efficient"
     return None
+
+
+cpu_backward_choice.cache_clear = _cpu_backward_measured.cache_clear
 
 
 def _cuda_op(q: torch.Tensor) -> str | None:

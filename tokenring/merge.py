@@ -9,19 +9,20 @@ Shapes: ``o`` (B, n, H, d), ``lse`` (B, H, n). A row that saw no key has ``lse =
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
+from . import settings
 from .device import is_cuda, pretended
 
 __all__ = ["acc_dtype", "new_accumulator", "merge_", "merge_eager_", "merge_sink_", "sink_grad"]
 
 # On CUDA the merge runs as one compiled kernel (torch.compile fuses its ~12 elementwise ops, which eagerly
 # read and write the accumulator many times: about a quarter of one 8K-token block's forward on an H200).
-# $TOKENRING_COMPILE_MERGE=0 keeps the eager ops; so does any failure to compile (with one warning).
-_COMPILE = os.environ.get("TOKENRING_COMPILE_MERGE", "1") != "0"
+# The compile_merge setting (tokenring.settings; $TOKENRING_COMPILE_MERGE=0) keeps the eager ops; so does any
+# failure to compile (with one warning).
+_compile_failed = False
 _compiled = None
 
 
@@ -47,8 +48,8 @@ def merge_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: tor
     kernel; default: on CUDA tensors only (on CPU the eager ops are already memory-bound and compiling costs
     seconds per shape).
     """
-    global _COMPILE, _compiled
-    if compiled if compiled is not None else (_COMPILE and is_cuda(acc_o)):
+    global _compile_failed, _compiled
+    if compiled if compiled is not None else (is_cuda(acc_o) and not _compile_failed and settings.get("compile_merge")):
         try:
             if pretended() is not None:  # meta tensors: the compiled kernel's eager twin, same arguments
                 merge_eager_(acc_o, acc_lse, o, lse)
@@ -61,7 +62,7 @@ def merge_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: tor
             if compiled:
                 raise
             warnings.warn(f"tokenring: the compiled merge failed ({type(e).__name__}: {e}); using eager ops")
-            _COMPILE = False
+            _compile_failed = True
     merge_eager_(acc_o, acc_lse, o, lse)
 
 

@@ -24,33 +24,35 @@ from .device import no_autocast, pretended
 
 __all__ = ["attention_op", "register_extras", "IdentityCache"]
 
-# Instrumentation fields for Config (tests and benchmarks: tracing, byte logs); eager only. The forward's ctx
-# holds the object, so an entry lives as long as the autograd graph that may still run its backward.
+# A call's tokenring.instrument() fields travel into the op as an id (ops take no Python objects); eager only.
+# The forward's ctx holds the object, so an entry lives as long as the autograd graph that may still run its
+# backward.
 _EXTRAS: "weakref.WeakValueDictionary[int, _Extras]" = weakref.WeakValueDictionary()
 
 
 class _Extras:
-    def __init__(self, fields: dict):
-        self.fields = fields
+    def __init__(self, hooks):
+        self.hooks = hooks
 
 
-def register_extras(fields: dict | None) -> tuple[int, object]:
-    """An id for ``fields`` (0: none) and the object that keeps it alive."""
-    if not fields:
+def register_extras(hooks) -> tuple[int, object]:
+    """An id for ``hooks`` (a :class:`tokenring.instrument.Instruments`; 0: none) and the object that keeps it
+    alive."""
+    if hooks is None:
         return 0, None
-    holder = _Extras(dict(fields))
+    holder = _Extras(hooks)
     _EXTRAS[id(holder)] = holder
     return id(holder), holder
 
 
-def _extras(extras_id: int) -> dict:
+def _extras(extras_id: int):
     if not extras_id:
-        return {}
+        return None
     holder = _EXTRAS.get(extras_id)
     if holder is None:
-        raise RuntimeError("tokenring: the instrumentation (_config=) of this call is gone; run backward while "
-                           "the forward's graph is alive")
-    return holder.fields
+        raise RuntimeError("tokenring: the instrumentation (tokenring.instrument) of this call is gone; run "
+                           "backward while the forward's graph is alive")
+    return holder.hooks
 
 
 class IdentityCache:

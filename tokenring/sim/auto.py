@@ -1,8 +1,8 @@
 """``strategy="auto"``: pick the strategy the cost model predicts fastest, and say why.
 
-Which interconnect: :func:`set_topology` (a preset name, ``"mesh:200mbit"``, a JSON/YAML path, a dict or a
-:class:`~tokenring.sim.topology.Topology`), else ``$TOKENRING_TOPOLOGY`` (same forms), else a documented
-default: ``loopback`` (local gloo ranks sharing one host, a switch-like model of the loopback's ~1.4 GB/s)
+Which interconnect: the ``topology`` setting (:mod:`tokenring.settings`: :func:`set_topology` /
+``tokenring.configure(topology=...)``, else ``$TOKENRING_TOPOLOGY``; a preset name, ``"mesh:200mbit"``, a JSON/YAML
+path, a dict or a :class:`~tokenring.sim.topology.Topology`), else a documented default: ``loopback`` (local gloo ranks sharing one host, a switch-like model of the loopback's ~1.4 GB/s)
 on CPU; on CUDA the machine's own (:func:`~tokenring.sim.topology.detected_topology`: the GPU model from its
 name, GPUs per node from ``$LOCAL_WORLD_SIZE``, NVLink or PCIe between them). The kernel model is the topology's device (``cpu``: a fixed analytic
 model, never a timing taken on this rank). ``tokenring.attention`` asks the model on rank 0 only and sends its
@@ -12,7 +12,6 @@ choice to every rank with the signature check, so ranks never disagree. Choices 
 from __future__ import annotations
 
 import io
-import os
 import sys
 
 import torch
@@ -20,35 +19,36 @@ import torch
 from ..schedules import Shapes
 from .kernel_model import cpu_share, kernel_model
 from .simulator import SimResult, fastest, simulate, variant_candidates
+from .. import settings
 from ..device import device_type as device_kind, gpu
 from .topology import Topology, detected_topology, get_topology
 
 __all__ = ["set_topology", "get_current_topology", "choose", "explain", "DEFAULT_TOPOLOGY"]
 
 DEFAULT_TOPOLOGY = {"cpu": "loopback"}
-_explicit: object = None
 _cache: dict = {}
 
 
 def set_topology(spec=None) -> None:
     """Tell ``auto`` which interconnect the group runs on (``None``: back to ``$TOKENRING_TOPOLOGY`` / default).
-    Call it with the same value on every rank."""
-    global _explicit
-    if spec is not None:
-        get_topology(spec)  # validate now, not at the first attention call
-    _explicit = spec
-    _cache.clear()
-    from ..api import forget_choices
-    forget_choices()  # calls after this re-decide (rank 0) and re-verify
+    Call it with the same value on every rank. Shortcut for ``tokenring.configure(topology=spec)``; calls
+    after it re-decide (on rank 0) and re-verify."""
+    settings.configure(topology=spec)
+
+
+def _forget(name: str) -> None:
+    if name == "topology":
+        _cache.clear()
+
+
+settings.on_change(_forget)
 
 
 def get_current_topology(P: int, device_type: str = "cpu") -> tuple[Topology, str]:
     """The topology ``auto`` uses for ``P`` ranks and where it came from."""
-    if _explicit is not None:
-        return get_topology(_explicit, P), "tokenring.set_topology"
-    env = os.environ.get("TOKENRING_TOPOLOGY")
-    if env:
-        return get_topology(env, P), f"$TOKENRING_TOPOLOGY={env}"
+    spec, origin = settings.source("topology")
+    if spec is not None:
+        return get_topology(spec, P), "tokenring.set_topology" if origin == "tokenring.configure" else origin
     if device_type == "cuda":
         g = gpu()
         return detected_topology(g, P), (f"detected: {g.name} (sm{g.capability[0]}{g.capability[1]}), "
@@ -94,8 +94,7 @@ def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_
         topo, origin = get_topology(topology, sh.P), "argument"
     else:
         topo, origin = get_current_topology(sh.P, device_type)
-    key = (sh, causal, layout, backward, topo.name, topo.P, repr(_explicit), os.environ.get("TOKENRING_TOPOLOGY"),
-           torch.get_num_threads(),
+    key = (sh, causal, layout, backward, topo.name, topo.P, repr(settings.get("topology")), torch.get_num_threads(),
            topology if isinstance(topology, (str, type(None))) else repr(topology), requested, mask, inner)
     if key not in _cache:
         results = _evaluate(sh, causal, layout, backward, topo, requested, mask, inner)

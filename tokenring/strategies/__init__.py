@@ -15,8 +15,9 @@ API, ``auto``, the simulator, the benchmark, the demo, the tests) reads this reg
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
+
+from .. import settings
 
 from . import double_ring, ring, ring_bidir, token_ring, token_ring_2d, ulysses, usp
 from .base import Strategy
@@ -79,14 +80,13 @@ def from_code(values) -> Strategy:
 
 
 def node_size(inner_size: int | None = None) -> int:
-    """Ranks per node for the hierarchical strategies: ``inner_size``, else ``$LOCAL_WORLD_SIZE`` (torchrun
-    sets it), else 0 (unknown)."""
+    """Ranks per node for the hierarchical strategies: ``inner_size``, else the ``node_size`` setting
+    (:mod:`tokenring.settings`: ``configure``, else ``$LOCAL_WORLD_SIZE``, which torchrun sets), else 0."""
     if inner_size is not None:
         if int(inner_size) < 1:
             raise ValueError(f"inner_size must be a positive number of ranks per node, got {inner_size}")
         return int(inner_size)
-    env = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(env) if env.isdigit() and int(env) > 0 else 0
+    return settings.get("node_size")
 
 
 def with_node_size(st: Strategy, n: int) -> Strategy:

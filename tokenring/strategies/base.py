@@ -15,8 +15,9 @@ from functools import lru_cache
 
 import torch
 
-from ..comm import Comm, Trace, buffers
+from ..comm import Comm, buffers
 from ..executor import execute
+from ..instrument import NONE as NO_HOOKS, Instruments
 from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
 from ..masks import block_tiles
 from ..merge import acc_dtype, merge_, merge_sink_, new_accumulator, sink_grad
@@ -191,13 +192,7 @@ class Config:
     causal: bool
     layout: str
     scale: float
-    timeout: float | None = None
-    trace: Trace | None = None     # filled with timeline events when set
-    comm_log: list | None = None   # receives the per-message byte records of forward and backward
-    held_log: list | None = None   # receives (pass, bytes of visiting data held after each step)
-    backward_kernel: str = "auto"  # kernels.block_backward backend: "auto", "math", "cpu_flash", "cuda"
-    stage: bool | str | None = None  # Comm's host staging (None: on gloo; "always": CPU tensors too, for tests)
-    expand_kv: bool | None = None  # repeat K/V heads once per stored block (None: where the kernel needs it)
+    hooks: Instruments = NO_HOOKS  # tests' and benchmarks' records and forced paths (tokenring.instrument)
     mask: object = None            # tokenring.masks.Mask: packed documents / sliding window, or None
     sinks: torch.Tensor | None = None  # (H,) attention-sink logits, or None
 
@@ -207,15 +202,16 @@ class Config:
         return self.mask.bounds if self.layout == "zigzag_docs" else None
 
     def held(self, what: str) -> list | None:
-        if self.held_log is None:
+        if self.hooks.held_log is None:
             return None
-        self.held_log.append((what, []))
-        return self.held_log[-1][1]
+        self.hooks.held_log.append((what, []))
+        return self.hooks.held_log[-1][1]
 
     def comm(self, what: str) -> Comm:
-        c = Comm(self.group, self.timeout, self.trace, what, self.stage)
-        if self.comm_log is not None:
-            self.comm_log.append((what, c.log))
+        h = self.hooks
+        c = Comm(self.group, h.timeout, h.trace, what, h.stage)
+        if h.comm_log is not None:
+            h.comm_log.append((what, c.log))
         return c
 
 
@@ -326,7 +322,7 @@ class _OpsBase:
 
     def kv_repeat(self, q: torch.Tensor, backend: str = "auto") -> int:
         """How many times each K/V head is repeated before the kernel (1: the kernel takes grouped heads)."""
-        want = self.cfg.expand_kv if self.cfg.expand_kv is not None else needs_equal_heads(q, backend)
+        want = self.cfg.hooks.expand_kv if self.cfg.hooks.expand_kv is not None else needs_equal_heads(q, backend)
         return self.sh.H // self.sh.Hkv if want else 1
 
     def rows(self, part: str) -> slice:
@@ -337,7 +333,7 @@ class _OpsBase:
         return block_forward(q, k, v, diag, self.cfg.scale)
 
     def block_backward(self, dout, q, k, v, lse, delta, diag: bool, out=None):
-        return block_backward(dout, q, k, v, lse, delta, diag, self.cfg.scale, self.cfg.backward_kernel, out=out)
+        return block_backward(dout, q, k, v, lse, delta, diag, self.cfg.scale, self.cfg.hooks.backward_kernel, out=out)
 
     def tiles(self, c: Compute):
         """A masked compute's tiles and the function that builds a tile's mask (:mod:`tokenring.masks`)."""
@@ -356,7 +352,7 @@ class _OpsBase:
         take it instead of forming an equivalent from ``delta``)."""
         if self.cfg.mask is None:
             return self.block_backward(dout, q, k, v, lse, delta, c.diag, out)
-        return tiled_backward(dout, q, k, v, lse, delta, *self.tiles(c), self.cfg.scale, self.cfg.backward_kernel,
+        return tiled_backward(dout, q, k, v, lse, delta, *self.tiles(c), self.cfg.scale, self.cfg.hooks.backward_kernel,
                               out=out)
 
 
@@ -419,7 +415,7 @@ class BackwardOps(_OpsBase):
         self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         self.dv = torch.zeros_like(self.dk)
-        self.g = self.kv_repeat(q, cfg.backward_kernel)
+        self.g = self.kv_repeat(q, cfg.hooks.backward_kernel)
 
     def _add_dkv(self, owner: int, part: str, heads: str, dk, dv) -> None:
         """Add a dK/dV contribution for rows ``part`` of ``owner``'s K/V (head half ``heads``): into this rank's

@@ -138,13 +138,17 @@ class _Runner:
     # -- one call of one strategy, timed on this rank; returns (seconds, events, comm log, outputs)
     def _ours(self, name: str, traced: bool):
         from ..comm import Trace
+        from ..instrument import instrument
         trace = Trace(self.rank) if traced else None
         log: list = []
-        cfg = dict(trace=trace, comm_log=log, timeout=self.spec["timeout"],
-                   backward_kernel=self.spec.get("backward_kernel", "auto"))
+        with instrument(trace=trace, comm_log=log, timeout=self.spec["timeout"],
+                        backward_kernel=self.spec.get("backward_kernel", "auto")):
+            return self._ours_instrumented(name, trace, log)
+
+    def _ours_instrumented(self, name: str, trace, log: list):
         q, k, v, do = self.local
         mode, dist = self.spec["pass"], self.dist
-        kw = dict(causal=self.spec["causal"], strategy=name, layout=self.layout, _config=cfg)
+        kw = dict(causal=self.spec["causal"], strategy=name, layout=self.layout)
         grads = None
         if mode == "fwd":
             _sync(self.device)
@@ -205,6 +209,7 @@ class _Runner:
         from ..comm import Trace
         from ..executor import execute
         from ..schedules import Shapes
+        from ..instrument import Instruments
         from ..strategies.base import Config
         strat = self._concrete(name)
         Fwd, Bwd = _comm_only_ops()
@@ -213,7 +218,7 @@ class _Runner:
         sh = Shapes(B, s, H, k.shape[2], d, q.dtype, self.P)
         trace = Trace(self.rank)
         cfg = Config(group=None, rank=self.rank, P=self.P, causal=self.spec["causal"], layout=self.layout,
-                     scale=self.scale, timeout=self.spec["timeout"], trace=trace)
+                     scale=self.scale, hooks=Instruments(timeout=self.spec["timeout"], trace=trace))
         mode = self.spec["pass"]
         _sync(self.device)
         self.dist.barrier()

@@ -20,6 +20,7 @@ from ..sim.kernel_model import kernel_model
 from ..sim.simulator import candidates, shapes_for, simulate
 from ..sim.topology import get_topology
 from ..strategies import STRATEGIES, runnable, why_not
+from .. import settings
 from . import DTYPES
 
 __all__ = ["main", "sweep", "plot_curves", "save_figure", "HARDWARE_PRESETS"]
@@ -138,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     dtype, backward = DTYPES[a.dtype], a.mode == "both"
     Hkv = a.kv_heads or a.heads
-    topologies = a.topology or ([os.environ["TOKENRING_TOPOLOGY"]] if os.environ.get("TOKENRING_TOPOLOGY")
-                                else HARDWARE_PRESETS)
+    configured = settings.get("topology")
+    topologies = a.topology or ([configured] if configured is not None else HARDWARE_PRESETS)
     try:
         for t in topologies:
             get_topology(t)

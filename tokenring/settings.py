@@ -1,0 +1,133 @@
+"""Every setting of tokenring, in one place, with one precedence rule.
+
+    tokenring.configure(timeout=60, topology="mesh:200mbit")   # this process, until changed
+    tokenring.options()                                         # each setting's value and where it came from
+
+A setting's value is the first of: the call's own argument (where a call takes one, e.g. ``inner_size=``),
+:func:`configure` (``set_timeout`` / ``set_topology`` are shortcuts), its environment variable, its default.
+Call :func:`configure` with the same values on every rank.
+
+=================  ===========================  ===================================================
+setting            environment variable         default
+=================  ===========================  ===================================================
+``timeout``        ``TOKENRING_TIMEOUT``        300 s: the longest wait for a peer on gloo (NCCL: the
+                                                process group's own timeout)
+``topology``       ``TOKENRING_TOPOLOGY``       what ``auto`` models: loopback on CPU, the detected
+                                                machine on CUDA (a preset, ``mesh:200mbit``, a file)
+``compile_merge``  ``TOKENRING_COMPILE_MERGE``  on: the merge runs as one compiled kernel on CUDA
+``cpu_backward``   ``TOKENRING_CPU_BACKWARD``   by the CPU's flags: ``cpu_flash`` or ``math`` backward
+``node_size``      ``LOCAL_WORLD_SIZE``         0 (unknown): ranks per node of the hierarchical
+                                                strategies (torchrun sets the variable)
+=================  ===========================  ===================================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["configure", "options", "get", "SETTINGS"]
+
+
+def _positive_seconds(x) -> float:
+    v = float(x)
+    if not v > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {x!r}")
+    return v
+
+
+def _flag(x) -> bool:
+    if isinstance(x, bool):
+        return x
+    if str(x) in ("0", "1"):
+        return str(x) == "1"
+    raise ValueError(f"expected 0 or 1 (or a bool), got {x!r}")
+
+
+def _cpu_backward(x) -> str | None:
+    if x not in ("cpu_flash", "math"):
+        raise ValueError(f"cpu_backward must be 'cpu_flash' or 'math', got {x!r}")
+    return x
+
+
+def _ranks(x) -> int:
+    v = int(x)
+    if v < 0:
+        raise ValueError(f"node_size must be a number of ranks per node, got {x!r}")
+    return v
+
+
+def _topology(x):
+    from .sim.topology import get_topology
+    get_topology(x)  # validate now, not at the first attention call
+    return x
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    env: str
+    default: Any
+    parse: Callable[[Any], Any]
+    doc: str
+    from_env: Callable[[str], Any] | None = None  # how the variable's text reads, if not as ``parse`` does
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("timeout", "TOKENRING_TIMEOUT", 300.0, _positive_seconds, "longest wait for a peer on gloo, seconds"),
+    Setting("topology", "TOKENRING_TOPOLOGY", None, _topology, "the interconnect auto models"),
+    Setting("compile_merge", "TOKENRING_COMPILE_MERGE", True, _flag, "compiled merge kernel on CUDA",
+            lambda text: text != "0"),
+    Setting("cpu_backward", "TOKENRING_CPU_BACKWARD", None, _cpu_backward, "fused or math backward on CPU"),
+    Setting("node_size", "LOCAL_WORLD_SIZE", 0, _ranks, "ranks per node for the hierarchical strategies",
+            lambda text: int(text) if text.isdigit() else 0),
+)}
+_configured: dict[str, Any] = {}
+_listeners: list[Callable[[str], None]] = []  # called with a setting's name when configure changes it
+
+
+def _setting(name: str) -> Setting:
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise ValueError(f"tokenring has no setting {name!r}; the settings are {', '.join(SETTINGS)}") from None
+
+
+def configure(**values) -> None:
+    """Set settings for this process (``None``: back to the environment variable / default)."""
+    parsed = {name: None if v is None else _setting(name).parse(v) for name, v in values.items()}
+    for name, v in parsed.items():  # all valid: apply
+        if v is None:
+            _configured.pop(name, None)
+        else:
+            _configured[name] = v
+        for fn in _listeners:
+            fn(name)
+
+
+def source(name: str) -> tuple[Any, str]:
+    """A setting's value and where it came from (``"configure"``, ``"$VAR=..."``, ``"default"``)."""
+    s = _setting(name)
+    if name in _configured:
+        return _configured[name], "tokenring.configure"
+    env = os.environ.get(s.env, "")
+    if env:
+        try:
+            return (s.from_env or s.parse)(env), f"${s.env}={env}"
+        except ValueError as e:
+            raise ValueError(f"${s.env}={env!r}: {e}") from None
+    return s.default, "default"
+
+
+def get(name: str) -> Any:
+    return source(name)[0]
+
+
+def options() -> dict[str, tuple[Any, str]]:
+    """Every setting's value and where it came from."""
+    return {name: source(name) for name in SETTINGS}
+
+
+def on_change(fn: Callable[[str], None]) -> None:
+    """Call ``fn(name)`` whenever :func:`configure` changes a setting (caches that depend on one)."""
+    _listeners.append(fn)
