@@ -17,14 +17,14 @@ from .masks import check_bounds_tensor, make_mask, whole_numbers, window_pair
 from .instrument import NONE as NO_HOOKS, current as current_instruments
 from .ops import IdentityCache, register_extras
 from .schedules import Shapes
-from .strategies import (ALIASES, CODE_LEN, FAMILIES, code as strategy_code, from_code, get as get_strategy,
+from .strategies import (CODE_LEN, NAMES, code as strategy_code, from_code, get as get_strategy,
                          node_size, with_node_size)
 from .single import SINGLE
 from .strategies.base import Config
 
 __all__ = ["attention", "choose_strategy", "resolve", "STRATEGY_NAMES", "forget_choices"]
 
-STRATEGY_NAMES = FAMILIES + tuple(ALIASES) + ("auto",)
+STRATEGY_NAMES = NAMES
 # (group, signature) -> the strategy that runs: signatures already verified identical on every rank, with the
 # choice rank 0 made for "auto" / a family choice (set_topology clears it on every rank: calls re-decide).
 _checked: dict = {}

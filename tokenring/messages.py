@@ -15,20 +15,43 @@ Tensor specs name a row shape per message row ``n`` (``B`` batch, ``H`` query he
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-__all__ = ["Kind", "KINDS", "FLOWS", "kind"]
+__all__ = ["Kind", "KINDS", "FLOWS", "Flow", "Receive", "Handling", "kind"]
 
-# The two traffic flows of the TokenRing paper: inputs going out to be computed on, results coming home.
-FLOWS = {"data": "#1f77b4", "results": "#ff7f0e"}
+
+class Flow(StrEnum):
+    """The two traffic flows of the TokenRing paper: inputs going out to be computed on, results coming home."""
+    DATA = "data"
+    RESULTS = "results"
+
+
+class Receive(StrEnum):
+    """What an arrival does on the receiver."""
+    STORE = "store"        # kept for the computes that need it
+    MERGE = "merge"        # merged into the owner's output accumulator (a partial out + lse)
+    ADD_DQ = "add_dq"      # added into the owner's dQ
+    ADD_DKV = "add_dkv"    # added into a travelling or home dK/dV accumulator
+    COLLECT = "collect"    # an all-to-all piece, placed by the strategy (Ulysses)
+
+
+class Handling(StrEnum):
+    """What handling an arrival costs the receiver, for the simulator."""
+    MERGE = "merge"
+    ADD = "add"
+    COPY = "copy"
+
+
+FLOWS = {Flow.DATA: "#1f77b4", Flow.RESULTS: "#ff7f0e"}
 
 
 @dataclass(frozen=True)
 class Kind:
     name: str
-    tensors: tuple[str, ...]   # tensor specs, see the module docstring
-    flow: str                  # "data" or "results"
-    receive: str               # what an arrival does: "store", "merge", "add_dq", "add_dkv", "collect"
-    handling: str | None       # simulator cost of that on the receiver: "merge", "add", "copy" or None
+    tensors: tuple[str, ...]    # tensor specs, see the module docstring
+    flow: Flow
+    receive: Receive
+    handling: Handling | None   # None: nothing to do beyond landing in its buffer
     doc: str
 
     @property
@@ -42,18 +65,18 @@ class Kind:
 
 
 _ROWS = (
-    Kind("q", ("q",), "data", "store", None, "queries travelling to the K/V they attend to (pass-Q)"),
-    Kind("kv", ("kv", "kv"), "data", "store", None, "keys and values travelling to the queries (pass-KV)"),
-    Kind("out", ("q", "stat"), "results", "merge", "merge", "a partial output and its lse, going home"),
-    Kind("qgrad", ("q", "q", "stat", "stat"), "data", "store", None,
+    Kind("q", ("q",), Flow.DATA, Receive.STORE, None, "queries travelling to the K/V they attend to (pass-Q)"),
+    Kind("kv", ("kv", "kv"), Flow.DATA, Receive.STORE, None, "keys and values travelling to the queries (pass-KV)"),
+    Kind("out", ("q", "stat"), Flow.RESULTS, Receive.MERGE, Handling.MERGE, "a partial output and its lse, going home"),
+    Kind("qgrad", ("q", "q", "stat", "stat"), Flow.DATA, Receive.STORE, None,
          "backward pass-Q: queries, dO, lse and delta"),
-    Kind("dq", ("q",), "results", "add_dq", "add", "a partial dQ going home"),
-    Kind("dkv", ("kv_acc", "kv_acc"), "results", "add_dkv", "add",
+    Kind("dq", ("q",), Flow.RESULTS, Receive.ADD_DQ, Handling.ADD, "a partial dQ going home"),
+    Kind("dkv", ("kv_acc", "kv_acc"), Flow.RESULTS, Receive.ADD_DKV, Handling.ADD,
          "a dK/dV accumulator travelling from contributor to contributor, then home"),
-    Kind("u_qkv", ("uq", "ukv", "ukv"), "data", "collect", None, "Ulysses: my rows of your Q/K/V head group"),
-    Kind("u_out", ("uq",), "results", "collect", "copy", "Ulysses: your rows of my head group's output"),
-    Kind("u_dout", ("uq",), "data", "collect", None, "Ulysses backward: my rows of your dO head group"),
-    Kind("u_grad", ("uq", "ukv", "ukv"), "results", "collect", "copy",
+    Kind("u_qkv", ("uq", "ukv", "ukv"), Flow.DATA, Receive.COLLECT, None, "Ulysses: my rows of your Q/K/V head group"),
+    Kind("u_out", ("uq",), Flow.RESULTS, Receive.COLLECT, Handling.COPY, "Ulysses: your rows of my head group's output"),
+    Kind("u_dout", ("uq",), Flow.DATA, Receive.COLLECT, None, "Ulysses backward: my rows of your dO head group"),
+    Kind("u_grad", ("uq", "ukv", "ukv"), Flow.RESULTS, Receive.COLLECT, Handling.COPY,
          "Ulysses backward: your rows of my head group's dQ, dK, dV"),
 )
 _ORDER = [k.name for k in _ROWS]

@@ -29,7 +29,7 @@ from math import gcd
 import torch
 
 from .merge import acc_dtype
-from .messages import kind as message_kind
+from .messages import Receive, kind as message_kind
 
 __all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
            "part_slice", "part_union", "part_intersection", "covers", "overlaps", "part_rows", "chunk", "rows",
@@ -223,7 +223,7 @@ class Schedule:
         plan = self.for_rank(r)
         for t, (computes, _, recvs) in enumerate(plan):
             for m in recvs:
-                if message_kind(m.kind).receive != "store":
+                if message_kind(m.kind).receive != Receive.STORE:
                     continue
                 fills.setdefault((m.kind, m.owner), []).append((t if m.due < 0 else m.due, m.part))
             for c in computes:

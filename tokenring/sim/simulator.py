@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from ..layouts import default_layout
-from ..messages import kind as message_kind
+from ..messages import Handling, kind as message_kind
 from ..schedules import Message, Shapes, message_bytes
-from ..strategies import HIERARCHICAL, get as get_strategy, runnable as runnable_strategies
+from ..strategies import HIERARCHICAL, STRATEGIES, get as get_strategy, runnable as runnable_strategies
 from .kernel_model import KernelModel, kernel_model
 from .topology import Topology
 
@@ -176,7 +176,7 @@ def _message_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> tuple[n
         how = message_kind(kind).handling
         # elements of its row tensors (partial outputs, gradients; not the lse row statistics)
         elems = sum(math.prod(shape) for shape, _, seq_dim in spec(kind, part, sh, heads) if seq_dim == 1)
-        cost = {"merge": km.merge_time, "add": km.add_time, "copy": lambda _: km.copy_time(b)}
+        cost = {Handling.MERGE: km.merge_time, Handling.ADD: km.add_time, Handling.COPY: lambda _: km.copy_time(b)}
         handle.append(cost[how](elems) if how else 0.0)
     return np.array(nbytes, dtype=np.float64), np.array(handle)
 
@@ -369,7 +369,7 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
 
 # What ``auto`` chooses among: every family (and so every variant of token_ring and pass-KV); validated against
 # the testbed by bench/token_ring_wins.py (bench/results/token_ring_wins.md).
-AUTO_STRATEGIES = ("token_ring", "ring:auto", "ulysses", "ring_bidir")
+AUTO_STRATEGIES = tuple(st.auto_spec for st in STRATEGIES.values() if not st.hierarchical)
 
 
 def candidates(H: int, P: int, Hkv: int | None = None, inner=()) -> list[str]:

@@ -21,62 +21,44 @@ from .. import settings
 
 from . import double_ring, ring, ring_bidir, token_ring, token_ring_2d, ulysses, usp
 from .base import Strategy
+from .spec import CODE_LEN, Spec
 
-__all__ = ["STRATEGIES", "FAMILIES", "HIERARCHICAL", "Strategy", "get", "why_not", "runnable", "code", "from_code",
+__all__ = ["STRATEGIES", "FAMILIES", "HIERARCHICAL", "NAMES", "Strategy", "Spec", "get", "why_not", "runnable",
+           "code", "from_code",
            "CODE_LEN", "node_size", "with_node_size"]
 
 _MODULES = (token_ring, ring, ulysses, ring_bidir, double_ring, token_ring_2d, usp)
 STRATEGIES: dict[str, Strategy] = {m.STRATEGY.family or m.STRATEGY.name: m.STRATEGY for m in _MODULES}
 FAMILIES = tuple(STRATEGIES)
 ALIASES = {"token_ring_paper": "token_ring:relay"}
-_MODES = ("", "auto", "relay", "direct")
-_PARAMS = {"c": "chunks", "k": "lookahead", "n": "inner", "o": "outer"}
+NAMES = FAMILIES + tuple(ALIASES) + ("auto",)  # every name strategy= takes besides variants
 HIERARCHICAL = tuple(name for name, st in STRATEGIES.items() if st.hierarchical)
 
 
 @lru_cache(maxsize=1024)
-def get(spec: str) -> Strategy:
-    """The strategy named by ``spec``; ``ValueError`` saying what is accepted otherwise."""
-    spec = ALIASES.get(spec, spec)
-    family, _, params = spec.partition(":")
+def get(text: str) -> Strategy:
+    """The strategy named by ``text`` (a :class:`Spec` in its text form); ``ValueError`` saying what is
+    accepted otherwise."""
+    text = ALIASES.get(text, text)
+    family = str(text).partition(":")[0]
     if family not in STRATEGIES:
-        raise ValueError(f"strategy={spec!r} is unknown; choose one of {FAMILIES + tuple(ALIASES) + ('auto',)} "
-                         f"(variants: 'token_ring:relay', 'token_ring:direct,c=2,k=1', 'ring:direct,c=1,k=3', "
-                         f"'double_ring:n=8')")
-    if not params:
+        raise ValueError(f"strategy={text!r} is unknown; choose one of {NAMES} (variants: 'token_ring:relay', "
+                         f"'token_ring:direct,c=2,k=1', 'ring:direct,c=1,k=3', 'double_ring:n=8')")
+    spec = Spec.parse(text)
+    if not spec.given():
         return STRATEGIES[family]
-    items = params.split(",")
-    mode = "" if "=" in items[0] or items[0] == "keep" else items.pop(0)
-    if mode not in _MODES:
-        raise ValueError(f"strategy={spec!r}: unknown mode {mode!r}; modes are relay, direct and auto")
-    args = {}
-    for item in items:
-        if item == "keep":
-            args["keep"] = True
-            continue
-        key, _, value = item.partition("=")
-        if key not in _PARAMS or not value.isdigit():
-            raise ValueError(f"strategy={spec!r}: parameters are c=<chunks>, k=<lookahead blocks> and, for the "
-                             f"hierarchical strategies, n=<ranks per node>, keep and o=<outer chunks>; e.g. "
-                             f"'{family}:direct,c=2,k=1'")
-        args[_PARAMS[key]] = int(value)
-    st = STRATEGIES[family].make(mode, **args)
-    return st if st.name == spec else get(st.name)  # one object per canonical spec (schedules cache on it)
-
-
-CODE_LEN = 7
+    st = STRATEGIES[family].make(spec)
+    return st if st.name == text else get(st.name)  # one object per canonical spec (schedules cache on it)
 
 
 def code(st: Strategy) -> list[float]:
-    """``st`` as seven numbers (family, mode, chunks, lookahead, ranks per node, keep, outer chunks), to travel
-    with the cross-rank signature."""
-    return [float(FAMILIES.index(st.family or st.name)), float(_MODES.index(st.mode)), float(st.chunks),
-            float(st.lookahead), float(st.inner), float(st.keep), float(st.outer)]
+    """``st`` as numbers (:meth:`Spec.code`), to travel with the cross-rank signature."""
+    return st.spec.code(FAMILIES)
 
 
 def from_code(values) -> Strategy:
-    fam, mode, c, k, n, keep, outer = (int(x) for x in values)
-    return get(STRATEGIES[FAMILIES[fam]].make(_MODES[mode], c, k, n, bool(keep), outer).name)
+    spec = Spec.from_code(values, FAMILIES)
+    return get(STRATEGIES[spec.family].make(spec).name)
 
 
 def node_size(inner_size: int | None = None) -> int:

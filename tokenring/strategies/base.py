@@ -18,10 +18,11 @@ import torch
 from ..comm import Comm, buffers
 from ..executor import execute
 from ..instrument import NONE as NO_HOOKS, Instruments
+from .spec import Spec
 from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
 from ..masks import block_tiles
 from ..merge import acc_dtype, merge_, merge_sink_, new_accumulator, sink_grad
-from ..messages import kind as message_kind
+from ..messages import Receive, kind as message_kind
 from ..schedules import (Compute, Message, Schedule, Shapes, chunk, covers, direct, head_slice, overlaps,
                          all_own_pieces, part_rows, part_slice, part_union, payload)
 
@@ -70,12 +71,31 @@ class Strategy:
     keep: bool = False        # keep the K/V that crossed nodes in forward for backward (two-level strategies)
     outer: int = 1            # sub-rounds per visiting round, K/V rows cut that many ways (two-level strategies)
 
-    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0,
-             keep: bool = False, outer: int = 1) -> "Strategy":
-        """The member of this family with these parameters (registry use: :func:`tokenring.strategies.get`)."""
-        if mode or (chunks, lookahead, inner, keep, outer) != (1, 1, 0, False, 1):
-            raise ValueError(f"strategy {self.name!r} takes no parameters")
-        return self
+    default_mode: str = ""
+    PARAMS: tuple[str, ...] = ()  # the Spec fields this family takes (its constructor's keyword arguments)
+
+    @property
+    def spec(self) -> Spec:
+        return Spec(self.family or self.name, self.mode, self.chunks, self.lookahead, self.inner, self.keep,
+                    self.outer)
+
+    def make(self, spec: Spec) -> "Strategy":
+        """The member of this family that ``spec`` names (registry use: :func:`tokenring.strategies.get`)."""
+        extra = [f for f in spec.given() if f not in self.PARAMS]
+        if extra:
+            from . import HIERARCHICAL
+            shown = {"mode": "a mode", "chunks": "c=", "lookahead": "k=", "inner": "n=", "keep": "keep", "outer": "o="}
+            takes = f"only {', '.join(shown[f] for f in self.PARAMS)}" if self.PARAMS else "no parameters"
+            hint = (f"; node sizes (n=), keep and o= are for the hierarchical strategies "
+                    f"({', '.join(HIERARCHICAL)})" if {"inner", "keep", "outer"} & set(extra) else "")
+            raise ValueError(f"strategy {spec.family!r} takes {takes}; {spec.text()!r} sets "
+                             f"{', '.join(shown[f] for f in extra)}{hint}")
+        return type(self)(**{f: getattr(spec, f) for f in self.PARAMS}) if self.PARAMS else self
+
+    @property
+    def auto_spec(self) -> str:
+        """The spec under which ``auto`` considers this family (a family choice where it has variants)."""
+        return self.name
 
     def variants(self, P: int) -> list["Strategy"]:
         return [self]
@@ -162,14 +182,6 @@ def lookaheads(P: int) -> list[int]:
         ks.append(k)
         k *= 2
     return ks + [max(1, P - 1)]
-
-
-def spec_name(family: str, mode: str, chunks: int, lookahead: int, default: str = "auto") -> str:
-    """The canonical spec of a strategy variant: ``family`` for its default mode, ``family:mode`` otherwise,
-    ``family:direct,c=C,k=K`` for a direct one."""
-    if mode == "direct":
-        return f"{family}:direct,c={chunks},k={lookahead}"
-    return family if mode == default else f"{family}:{mode}"
 
 
 @lru_cache(maxsize=256)
@@ -388,9 +400,9 @@ class ForwardOps(_OpsBase):
 
     def receive(self, m: Message, tensors) -> None:
         action = message_kind(m.kind).receive
-        if action == "merge":
+        if action == Receive.MERGE:
             self._merge(m.part, m.heads, *tensors)
-        elif action == "store":
+        elif action == Receive.STORE:
             self.store.put(m.kind, m.owner, m.part, tensors, m.heads)
             if m.kind == "kv" and m.owner in self.keep:
                 self.kept[m.owner, m.part] = tensors
@@ -458,11 +470,11 @@ class BackwardOps(_OpsBase):
 
     def receive(self, m: Message, tensors) -> None:
         action = message_kind(m.kind).receive
-        if action == "add_dq":
+        if action == Receive.ADD_DQ:
             self.dq[:, self.rows(m.part), head_slice(m.heads, self.sh.H)] += tensors[0]
-        elif action == "add_dkv":
+        elif action == Receive.ADD_DKV:
             self._add_dkv(m.owner, m.part, m.heads, *tensors)
-        elif action == "store":
+        elif action == Receive.STORE:
             self.store.put(m.kind, m.owner, m.part, tensors, m.heads)
         else:
             raise ValueError(f"backward cannot receive a {m.kind!r} message ({action})")
@@ -524,6 +536,7 @@ class RelayOrDirect(ScheduledStrategy):
     ``mover`` (``"q"`` or ``"kv"``) and ``relay_schedule``."""
     default_mode = "relay"
     mover = ""
+    PARAMS = ("mode", "chunks", "lookahead")
 
     def __init__(self, mode: str | None = None, chunks: int = 1, lookahead: int = 1):
         mode = mode or self.default_mode
@@ -536,14 +549,11 @@ class RelayOrDirect(ScheduledStrategy):
             raise ValueError(f"{self.family}:direct needs at least one chunk (c=) and one block of lookahead (k=), "
                              f"got c={chunks}, k={lookahead}")
         self.mode, self.chunks, self.lookahead = mode, int(chunks), int(lookahead)
-        self.name = spec_name(self.family, mode, self.chunks, self.lookahead, self.default_mode)
+        self.name = self.spec.text(self.default_mode)
 
-    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0,
-             keep: bool = False, outer: int = 1) -> Strategy:
-        if inner or keep or outer != 1:
-            raise ValueError(f"strategy {self.family!r} is flat and takes no node size (n=), keep or o=; the "
-                             f"hierarchical ones are double_ring, token_ring_2d and usp")
-        return type(self)(mode or None, chunks, lookahead)
+    @property
+    def auto_spec(self) -> str:
+        return Spec(self.family, "auto").text(self.default_mode)
 
     def variants(self, P: int) -> list[Strategy]:
         if self.mode != "auto":

@@ -172,6 +172,7 @@ class TwoLevel(RelayOrDirect):
     family (relay, or direct with ``lookahead`` up to ``inner - 1``); ``inner=0``: the node size is not known
     yet (``tokenring.attention`` takes it from ``inner_size=`` or ``$LOCAL_WORLD_SIZE``)."""
     hierarchical = True
+    PARAMS = ("mode", "chunks", "lookahead", "inner", "keep", "outer")
 
     def __init__(self, mode: str | None = None, chunks: int = 1, lookahead: int = 1, inner: int = 0,
                  keep: bool = False, outer: int = 1):
@@ -181,18 +182,11 @@ class TwoLevel(RelayOrDirect):
             raise ValueError(f"{self.family}: the node size n= must be positive, got {inner}")
         if self.outer < 1:
             raise ValueError(f"{self.family}: the outer chunks o= must be at least 1, got {outer}")
-        for flag, on in ((f"n={self.inner}", self.inner), ("keep", self.keep), (f"o={self.outer}", self.outer > 1)):
-            if on:
-                self.name += ("," if ":" in self.name else ":") + flag
-
-    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0,
-             keep: bool = False, outer: int = 1) -> "TwoLevel":
-        return type(self)(mode or None, chunks, lookahead, inner or self.inner, keep or self.keep,
-                          outer if outer != 1 else self.outer)
+        self.name = self.spec.text(self.default_mode)
 
     def with_inner(self, n: int) -> "TwoLevel":
         from . import get
-        return get(type(self)(self.mode, self.chunks, self.lookahead, n, self.keep, self.outer).name)
+        return get(replace(self.spec, inner=n).text(self.default_mode))
 
     def variants(self, P: int) -> list["TwoLevel"]:
         if self.mode != "auto":

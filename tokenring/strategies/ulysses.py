@@ -19,13 +19,10 @@ __all__ = ["Ulysses", "STRATEGY"]
 class Ulysses(Usp):
     name = family = "ulysses"
     hierarchical = False
+    PARAMS = ()
 
     def __init__(self):
         self.inner = 0  # flat: the head exchange spans the whole group
-
-    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0,
-             keep: bool = False, outer: int = 1) -> "Ulysses":
-        return Strategy.make(self, mode, chunks, lookahead, inner, keep, outer)
 
     def node_size(self, P: int) -> int:
         return P

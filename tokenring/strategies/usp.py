@@ -187,18 +187,13 @@ class Usp(Strategy):
     """Ulysses over the ``node_size(P)`` ranks of each node, a ring over the nodes."""
     name = family = "usp"
     hierarchical = True
+    PARAMS = ("inner",)
 
     def __init__(self, inner: int = 0):
         self.inner = int(inner)
         if self.inner < 0:
             raise ValueError(f"usp: the node size n= must be positive, got {inner}")
-        self.name = f"usp:n={self.inner}" if self.inner else "usp"
-
-    def make(self, mode: str = "", chunks: int = 1, lookahead: int = 1, inner: int = 0, keep: bool = False,
-             outer: int = 1) -> "Usp":
-        if mode or (chunks, lookahead, keep, outer) != (1, 1, False, 1):
-            raise ValueError("strategy 'usp' takes only the node size, e.g. 'usp:n=8'")
-        return Usp(inner or self.inner)
+        self.name = self.spec.text()
 
     def node_size(self, P: int) -> int:
         """Ranks that exchange head groups (Ulysses: all ``P``)."""
