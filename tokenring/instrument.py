@@ -9,7 +9,6 @@ only (a traced graph cannot carry Python objects into the op).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 
 __all__ = ["Instruments", "instrument", "current"]
@@ -27,18 +26,18 @@ class Instruments:
 
 
 NONE = Instruments()
-_current: contextvars.ContextVar[Instruments | None] = contextvars.ContextVar("tokenring_instruments", default=None)
+_stack: list[Instruments] = []  # a plain global, which torch.compile can read while tracing (a ContextVar it cannot)
 
 
 @contextlib.contextmanager
 def instrument(**fields):
     """Within this block, :func:`tokenring.attention` calls record / force ``fields`` (see :class:`Instruments`)."""
-    token = _current.set(Instruments(**fields))
+    _stack.append(Instruments(**fields))
     try:
-        yield _current.get()
+        yield _stack[-1]
     finally:
-        _current.reset(token)
+        _stack.pop()
 
 
 def current() -> Instruments | None:
-    return _current.get()
+    return _stack[-1] if _stack else None

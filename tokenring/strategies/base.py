@@ -23,7 +23,7 @@ from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_ba
 from ..masks import block_tiles
 from ..merge import acc_dtype, merge_, merge_sink_, new_accumulator, sink_grad
 from ..messages import Receive, kind as message_kind
-from ..schedules import (Compute, Message, Schedule, Shapes, chunk, covers, direct, head_slice, overlaps,
+from ..schedules import (Compute, Message, Schedule, Shapes, chunk, covers, head_slice, overlaps,
                          all_own_pieces, part_rows, part_slice, part_union, payload)
 
 __all__ = ["Strategy", "BlockDims", "Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy",
@@ -530,7 +530,7 @@ class ScheduledStrategy(Strategy):
 
 
 class RelayOrDirect(ScheduledStrategy):
-    """A family with a relay schedule and direct variants (:func:`~tokenring.schedules.direct`): ``mode`` is
+    """A family with a relay schedule and direct variants (:func:`~tokenring.strategies.token_ring.direct`): ``mode`` is
     ``"relay"``, ``"direct"`` (``chunks`` row chunks per visiting block, ``lookahead`` blocks sent ahead) or
     ``"auto"`` (the cost model picks among :meth:`variants`). Subclasses set ``family``, ``default_mode``,
     ``mover`` (``"q"`` or ``"kv"``) and ``relay_schedule``."""
@@ -587,4 +587,5 @@ class RelayOrDirect(ScheduledStrategy):
                              f"'{self.family}:direct,c=2,k=1'")
         if self.mode == "relay":
             return self.relay_schedule(P, layout, causal, backward, mask)
+        from .token_ring import direct  # TokenRing's direct builder; the pass-KV families run it with mover="kv"
         return direct(self.name, P, layout, causal, backward, self.mover, self.chunks, self.lookahead, mask)

@@ -6,7 +6,7 @@ a buffer that travels with them from one contributing rank to the next and final
 
 :func:`pass_kv` takes *lanes*: ``(head half, direction)`` pairs; ring is one lane, ``ring_bidir`` two.
 
-``ring:direct,c=C,k=K`` (:func:`tokenring.schedules.direct` with ``mover="kv"``): every owner sends its K/V
+``ring:direct,c=C,k=K`` (:func:`tokenring.strategies.token_ring.direct` with ``mover="kv"``): every owner sends its K/V
 straight to every rank in ``c`` row chunks, up to ``k`` blocks ahead (``k = P-1``: an all-gather overlapped
 with compute); partials merge locally, and in backward each chunk's dK/dV goes straight home. ``ring`` alone
 is the classic ring above; ``ring:auto`` lets the cost model pick among the variants.

@@ -30,11 +30,11 @@ from dataclasses import replace
 from fractions import Fraction
 from functools import lru_cache
 
-from ..schedules import (Compute, Message, Schedule, Step, block_pair, chunk, direct_steps, drop_empty_tail,
+from ..schedules import (Compute, Message, Schedule, Step, block_pair, chunk, drop_empty_tail,
                          all_own_pieces, part_intersection, part_rows, part_union, relay)
 from .base import RelayOrDirect, chunk_choices, lookaheads, outer_choices
 from .ring import pass_kv_steps
-from .token_ring import pass_q_steps
+from .token_ring import direct_steps, pass_q_steps
 
 __all__ = ["two_level", "TwoLevel", "inner_size_error"]
 

@@ -10,7 +10,6 @@ It is USP (:mod:`.usp`) with a single node of all ``P`` ranks: the ring over nod
 """
 from __future__ import annotations
 
-from .base import Strategy
 from .usp import Usp
 
 __all__ = ["Ulysses", "STRATEGY"]
