@@ -48,6 +48,7 @@ blocks in some vision-language models) would silently get plain causal attention
 from __future__ import annotations
 
 import contextlib
+import zlib
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -69,7 +70,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("tokenring.hf needs transformers: pip install 'tokenring-attn[hf]'") from e
 
-from .hf_cache import ShardedCache, decode_step, prefill, take_step  # noqa: E402  (needs transformers)
+from .hf_cache import ShardedCache, decode_step, take_step  # noqa: E402  (needs transformers)
 
 __all__ = ["NAME", "register", "configure", "settings", "attention_forward", "shard_batch", "gather_logits",
            "reduce_loss", "all_reduce_grads", "shift_labels", "prefill", "ShardedCache", "causal_lm_loss",
@@ -543,3 +544,43 @@ def __getattr__(name: str):
         from .hf_trainer import SequenceParallelTrainer
         return SequenceParallelTrainer
     raise AttributeError(name)
+
+
+def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = None) -> ShardedCache:
+    """Run the prompt ``input_ids`` (B, S) -- the full prompt, the same on every rank -- sharded over the ranks
+    and return the :class:`ShardedCache` of this rank's K/V rows, ready for ``model.generate(input_ids,
+    cache=cache)``. Any ``S``: the largest part that splits over the layout (``2P`` chunks for
+    zigzag) is prefilled sharded with :func:`tokenring.attention`, the few tokens left as one decode step."""
+    group = group if group is not None else _settings.group
+    rank, P = group_info(group)
+    if input_ids.dim() != 2:
+        raise ValueError(f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
+                         f"(batch, seq) prompt, the same on every rank")
+    if P > 1:  # the same prompt everywhere, or a ValueError on every rank
+        mine = torch.tensor([float(zlib.crc32(input_ids.cpu().numpy().tobytes())), *input_ids.shape],
+                            dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(P)]
+        dist.all_gather(every, mine, group=group)
+        bad = [r for r, e in enumerate(every) if not torch.equal(e, every[0])]
+        if bad:
+            raise ValueError(f"tokenring.hf.prefill (rank {rank}): rank(s) {bad} pass a different prompt than rank "
+                             f"0 (shape or tokens); every rank must prefill the same full prompt")
+    cache = ShardedCache(group)
+    layout = layout or _settings.layout
+    S = input_ids.shape[1]
+    split = S - S % (2 * P if layout == "zigzag" else P)  # the rest (< 2P tokens) goes in as one decode step
+    with torch.no_grad():
+        if split:
+            batch = shard_batch(input_ids[:, :split], layout=layout, group=group)
+            batch["use_cache"] = True
+            cache.prefilling = True
+            try:  # no logits needed: only the last local token's (not S/P x vocab of them)
+                model(**batch, cache=cache, logits_to_keep=1)
+            finally:
+                cache.prefilling = False
+        if split < S:
+            pos = torch.arange(split, S, device=input_ids.device).expand(input_ids.shape[0], -1)
+            model(input_ids=input_ids[:, split:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    for layer in cache.layers:
+        layer.skip = 1  # model.generate feeds the prompt's last token again: that step stores nothing
+    return cache

@@ -3,7 +3,7 @@
     cache = tokenring.hf.prefill(model, input_ids)        # sharded prefill (TokenRing), every rank, same prompt
     out = model.generate(input_ids, cache=cache, max_new_tokens=64)   # every rank, same arguments
 
-:func:`prefill` runs the prompt sharded over the ranks (each rank's layers see only its shard, attention runs
+:func:`tokenring.hf.prefill` runs the prompt sharded over the ranks (each rank's layers see only its shard, attention runs
 through :func:`tokenring.attention`) into a :class:`ShardedCache`: each rank keeps its rows of every layer's
 K/V. ``model.generate`` then runs every decode step replicated on every rank (the new tokens are tiny); each
 layer's :meth:`ShardedLayer.update` stores the new tokens' K/V on the emptiest ranks
@@ -17,11 +17,8 @@ prompt, which already contains that token.
 """
 from __future__ import annotations
 
-import zlib
-from functools import partial
 
 import torch
-import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .decode import decode_attention, place_new
@@ -117,47 +114,6 @@ class ShardedCache(Cache):
     def nbytes(self) -> int:
         """Bytes of K/V this rank holds, all layers."""
         return sum(layer.nbytes() for layer in self.layers)
-
-
-def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = None) -> ShardedCache:
-    """Run the prompt ``input_ids`` (B, S) -- the full prompt, the same on every rank -- sharded over the ranks
-    and return the :class:`ShardedCache` of this rank's K/V rows, ready for ``model.generate(input_ids,
-    cache=cache)``. Any ``S``: the largest part that splits over the layout (``2P`` chunks for
-    zigzag) is prefilled sharded with :func:`tokenring.attention`, the few tokens left as one decode step."""
-    from . import hf
-    group = group if group is not None else hf._settings.group
-    rank, P = group_info(group)
-    if input_ids.dim() != 2:
-        raise ValueError(f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
-                         f"(batch, seq) prompt, the same on every rank")
-    if P > 1:  # the same prompt everywhere, or a ValueError on every rank
-        mine = torch.tensor([float(zlib.crc32(input_ids.cpu().numpy().tobytes())), *input_ids.shape],
-                            dtype=torch.float64)
-        every = [torch.empty_like(mine) for _ in range(P)]
-        dist.all_gather(every, mine, group=group)
-        bad = [r for r, e in enumerate(every) if not torch.equal(e, every[0])]
-        if bad:
-            raise ValueError(f"tokenring.hf.prefill (rank {rank}): rank(s) {bad} pass a different prompt than rank "
-                             f"0 (shape or tokens); every rank must prefill the same full prompt")
-    cache = ShardedCache(group)
-    layout = layout or hf._settings.layout
-    S = input_ids.shape[1]
-    split = S - S % (2 * P if layout == "zigzag" else P)  # the rest (< 2P tokens) goes in as one decode step
-    with torch.no_grad():
-        if split:
-            batch = hf.shard_batch(input_ids[:, :split], layout=layout, group=group)
-            batch["use_cache"] = True
-            cache.prefilling = True
-            try:  # no logits needed: only the last local token's (not S/P x vocab of them)
-                model(**batch, cache=cache, logits_to_keep=1)
-            finally:
-                cache.prefilling = False
-        if split < S:
-            pos = torch.arange(split, S, device=input_ids.device).expand(input_ids.shape[0], -1)
-            model(input_ids=input_ids[:, split:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
-    for layer in cache.layers:
-        layer.skip = 1  # model.generate feeds the prompt's last token again: that step stores nothing
-    return cache
 
 
 def take_step(module) -> tuple[ShardedLayer, dict] | None:
