@@ -335,7 +335,7 @@ class Comm:
                 ops.append(dist.P2POp(fn, buf, self._global(peer), self.group, tag))
                 meta.append((direction, m, buf))
                 records.append(dict(step=step, due=due, direction=direction, peer=peer, kind=m.kind,
-                                    owner=m.owner, part=m.part, heads=m.heads, staged=staged,
+                                    owner=m.owner, part=str(m.part), heads=m.heads, staged=staged,
                                     device=buf.device.type,
                                     bytes=sum(t.numel() * t.element_size() for t in tensors)))
         if not ops:

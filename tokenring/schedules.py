@@ -6,7 +6,7 @@ reality use one description. Nothing here touches ``torch.distributed``.
 
 Vocabulary
 - *Part* of a rank's local rows: ``"all"``, ``"lo"`` (first half), ``"hi"`` (second half), or in general
-  ``"a:b/n"``: rows ``[a*s//n, b*s//n)`` of the ``s`` local rows (row chunks of a block; ``"lo"`` is
+  ``"a:b/n"`` (a :class:`Rows`): rows ``[a*s//n, b*s//n)`` of the ``s`` local rows (row chunks of a block; ``"lo"`` is
   ``"0:1/2"``). Zigzag causal attention only ever needs halves (see :func:`block_pair`). *Heads*: ``"all"``,
   ``"h0"`` or ``"h1"`` (half of the K/V heads with their query heads), for strategies that send the two
   halves different ways.
@@ -30,40 +30,95 @@ import torch
 from .merge import acc_dtype
 from .messages import Receive, kind as message_kind
 
-__all__ = ["PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule", "Shapes", "block_pair",
-           "part_slice", "part_union", "part_intersection", "covers", "overlaps", "part_rows", "chunk", "rows",
-           "direct", "direct_steps", "own_pieces", "all_own_pieces", "pairings", "pairing",
+__all__ = ["Rows", "ALL", "LO", "HI", "PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule",
+           "Shapes", "block_pair", "part_slice", "part_union", "part_intersection", "covers", "overlaps", "part_rows",
+           "chunk", "rows", "own_pieces", "all_own_pieces", "pairings", "pairing",
            "drop_empty_tail", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
 
-PARTS = ("all", "lo", "hi")
+@dataclass(frozen=True, eq=False, repr=False)
+class Rows:
+    """Rows ``[a*s//n, b*s//n)`` of a rank's ``s`` local rows, an exact fraction kept reduced. Its text is
+    ``"all"``, ``"lo"``, ``"hi"`` or ``"a:b/n"``; a Rows equals (and hashes as) its text, so a part written as
+    text in a schedule or a test finds the same entries."""
+    a: int
+    b: int
+    n: int
+
+    def __post_init__(self):
+        if not 0 <= self.a < self.b <= self.n:
+            raise ValueError(f"rows {self.a}:{self.b}/{self.n} are not a row range within the block")
+        g = gcd(gcd(self.a, self.b), self.n)
+        for name in ("a", "b", "n"):
+            object.__setattr__(self, name, getattr(self, name) // g)
+
+    @staticmethod
+    def of(part: "Rows | str") -> "Rows":
+        """``part`` as Rows (parsing its text)."""
+        return part if isinstance(part, Rows) else _parse_rows(part)
+
+    def __str__(self) -> str:
+        return _NAMED.get((self.a, self.b, self.n), f"{self.a}:{self.b}/{self.n}")
+
+    __repr__ = __str__
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, str):
+            try:
+                other = _parse_rows(other)
+            except ValueError:
+                return False
+        return isinstance(other, Rows) and (self.a, self.b, self.n) == (other.a, other.b, other.n)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    # Ordered as their text (a stable order for sorting logs and tests, mixed with text parts too).
+    def __lt__(self, other) -> bool:
+        return str(self) < str(other)
+
+    def __gt__(self, other) -> bool:
+        return str(self) > str(other)
+
+    def __le__(self, other) -> bool:
+        return str(self) <= str(other)
+
+    def __ge__(self, other) -> bool:
+        return str(self) >= str(other)
+
+
+_NAMED = {(0, 1, 1): "all", (0, 1, 2): "lo", (1, 2, 2): "hi"}
+ALL, LO, HI = Rows(0, 1, 1), Rows(0, 1, 2), Rows(1, 2, 2)
+PARTS = (ALL, LO, HI)
 # Head halves, for strategies that split K/V heads between two directions: "h0" is the first half of the K/V
 # heads together with the query heads that attend to them (GQA groups are contiguous), "h1" the second half.
 HEADS = ("all", "h0", "h1")
-_NAMED = {(0, 1, 1): "all", (0, 1, 2): "lo", (1, 2, 2): "hi"}
 
 
-def rows(a: int, b: int, n: int) -> str:
+def rows(a: int, b: int, n: int) -> Rows:
     """The part naming rows ``[a*s//n, b*s//n)`` (reduced: ``rows(2, 4, 4) == "hi"``)."""
-    g = gcd(gcd(a, b), n)
-    a, b, n = a // g, b // g, n // g
-    return _NAMED.get((a, b, n), f"{a}:{b}/{n}")
+    return Rows(a, b, n)
 
 
 @lru_cache(maxsize=4096)
-def _frac(part: str) -> tuple[int, int, int]:
-    """``part`` as ``(a, b, n)``: rows ``[a*s//n, b*s//n)``."""
+def _parse_rows(text: str) -> Rows:
     for key, name in _NAMED.items():
-        if part == name:
-            return key
+        if text == name:
+            return Rows(*key)
     try:
-        ab, n = part.split("/")
+        ab, n = text.split("/")
         a, b = ab.split(":")
         a, b, n = int(a), int(b), int(n)
-    except ValueError:
-        raise ValueError(f"unknown part {part!r}: use 'all', 'lo', 'hi' or 'a:b/n'") from None
+    except (ValueError, AttributeError):
+        raise ValueError(f"unknown part {text!r}: use 'all', 'lo', 'hi' or 'a:b/n'") from None
     if not 0 <= a < b <= n:
-        raise ValueError(f"part {part!r} is not a row range within the block")
-    return a, b, n
+        raise ValueError(f"part {text!r} is not a row range within the block")
+    return Rows(a, b, n)
+
+
+def _frac(part: "Rows | str") -> tuple[int, int, int]:
+    """``part`` as ``(a, b, n)``: rows ``[a*s//n, b*s//n)``."""
+    r = Rows.of(part)
+    return r.a, r.b, r.n
 
 
 def chunk(part: str, i: int, c: int, j: int | None = None) -> str:
@@ -87,7 +142,7 @@ def part_rows(part: str, n: int) -> int:
 
 def head_slice(heads: str, n: int) -> slice:
     """Slice of ``heads`` within ``n`` heads (query or K/V heads alike)."""
-    return part_slice({"all": "all", "h0": "lo", "h1": "hi"}[heads], n)
+    return part_slice({"all": ALL, "h0": LO, "h1": HI}[heads], n)
 
 
 def part_union(a: str | None, b: str | None) -> str | None:
