@@ -1,5 +1,6 @@
 """What the bench scripts share: writing a result as JSON + a Markdown table, and reading earlier measurements
 or checking that the testbed can measure new ones."""
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ def measurements(from_json: str | None, who: str) -> tuple[list | None, bool]:
         with open(from_json) as f:
             return json.load(f)["measurements"], True
     from tokenring.tools.testbed import available
+
     why = available()
     if why:
         print(f"{who}: cannot measure: {why}. Use --from-json with earlier measurements.")

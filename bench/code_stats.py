@@ -5,6 +5,7 @@ the share of docstring and comment lines, the longest functions, import time and
 
     .venv/bin/python bench/code_stats.py [--base 408278b] [--calls 60]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,11 @@ def _prose_lines(src: str) -> set[int]:
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
-                                                                                                      str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 lines.update(range(first.lineno, first.end_lineno + 1))
     return lines
 
@@ -56,12 +60,15 @@ def static(root: str) -> dict:
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     funcs.append((node.end_lineno - node.lineno + 1, f"{os.path.relpath(path, root)}:{node.name}"))
     funcs.sort(reverse=True)
-    return dict(files=files, nonblank_lines=total, prose_lines=prose, prose_share=prose / total,
-                longest_functions=funcs[:8])
+    return dict(
+        files=files, nonblank_lines=total, prose_lines=prose, prose_share=prose / total, longest_functions=funcs[:8]
+    )
 
 
-PROBE = ("import json, time; import torch; t = time.perf_counter(); import tokenring; "
-         "print(json.dumps((time.perf_counter() - t) * 1e3))")
+PROBE = (
+    "import json, time; import torch; t = time.perf_counter(); import tokenring; "
+    "print(json.dumps((time.perf_counter() - t) * 1e3))"
+)
 
 
 def overhead(rank: int, P: int, calls: int) -> list[float]:
@@ -70,6 +77,7 @@ def overhead(rank: int, P: int, calls: int) -> list[float]:
     import torch
 
     import tokenring
+
     torch.manual_seed(rank)
     q, k, v = (torch.randn(1, 16, 4, 16, requires_grad=True) for _ in range(3))
     times = []
@@ -82,14 +90,22 @@ def overhead(rank: int, P: int, calls: int) -> list[float]:
 
 
 def per_call(root: str, calls: int) -> list[float]:
-    code = (f"import json, sys; sys.path.insert(0, {root!r}); sys.path.insert(1, {HERE!r})\n"
-            f"from code_stats import overhead\nfrom tokenring.tools.launch import spawn\n"
-            f"if __name__ == '__main__':\n    print(json.dumps(spawn(overhead, 4, {calls})[0]))\n")
+    code = (
+        f"import json, sys; sys.path.insert(0, {root!r}); sys.path.insert(1, {HERE!r})\n"
+        f"from code_stats import overhead\nfrom tokenring.tools.launch import spawn\n"
+        f"if __name__ == '__main__':\n    print(json.dumps(spawn(overhead, 4, {calls})[0]))\n"
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(code)
     try:
-        out = subprocess.run([sys.executable, f.name], capture_output=True, text=True, check=True, cwd=root,
-                             env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")).stdout
+        out = subprocess.run(
+            [sys.executable, f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=root,
+            env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"),
+        ).stdout
     finally:
         os.unlink(f.name)
     return json.loads(out.strip().splitlines()[-1])
@@ -101,8 +117,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args(argv)
-    res = dict(command="python bench/code_stats.py", base=a.base, machine=platform.processor() or platform.machine(),
-               cores=os.cpu_count(), shape="B=1 s=16/rank H=4 d=16 fp32 causal, token_ring:direct,c=1,k=1, P=4 gloo")
+    res = dict(
+        command="python bench/code_stats.py",
+        base=a.base,
+        machine=platform.processor() or platform.machine(),
+        cores=os.cpu_count(),
+        shape="B=1 s=16/rank H=4 d=16 fp32 causal, token_ring:direct,c=1,k=1, P=4 gloo",
+    )
     with tempfile.TemporaryDirectory() as old:
         subprocess.run(f"git -C {ROOT} archive {a.base} tokenring | tar -x -C {old}", shell=True, check=True)
         roots = {"before": old, "after": ROOT}
@@ -112,22 +133,38 @@ def main(argv=None) -> int:
         calls = {k: [] for k in roots}
         for _ in range(a.rounds):  # interleaved
             for label, root in roots.items():
-                imports[label] += [json.loads(subprocess.run([sys.executable, "-c", PROBE], cwd=root, text=True,
-                                                             capture_output=True, check=True,
-                                                             env=dict(os.environ, PYTHONPATH=root)).stdout)
-                                   for _ in range(3)]
+                imports[label] += [
+                    json.loads(
+                        subprocess.run(
+                            [sys.executable, "-c", PROBE],
+                            cwd=root,
+                            text=True,
+                            capture_output=True,
+                            check=True,
+                            env=dict(os.environ, PYTHONPATH=root),
+                        ).stdout
+                    )
+                    for _ in range(3)
+                ]
                 calls[label] += per_call(root, a.calls)
         for label in roots:
-            res[label].update(import_ms=imports[label], import_median_ms=median(imports[label]),
-                              call_median_ms=median(calls[label]), call_ms_quartiles=[
-                                  sorted(calls[label])[len(calls[label]) // 4],
-                                  sorted(calls[label])[3 * len(calls[label]) // 4]])
+            res[label].update(
+                import_ms=imports[label],
+                import_median_ms=median(imports[label]),
+                call_median_ms=median(calls[label]),
+                call_ms_quartiles=[
+                    sorted(calls[label])[len(calls[label]) // 4],
+                    sorted(calls[label])[3 * len(calls[label]) // 4],
+                ],
+            )
     with open(os.path.join(HERE, "results", "code_stats.json"), "w") as f:
         json.dump(res, f, indent=1)
     for label in ("before", "after"):
         r = res[label]
-        print(f"{label:>6}: {r['nonblank_lines']} lines, prose {r['prose_share']:.1%}, longest "
-              f"{r['longest_functions'][0]}, import {r['import_median_ms']:.0f} ms, call {r['call_median_ms']:.2f} ms")
+        print(
+            f"{label:>6}: {r['nonblank_lines']} lines, prose {r['prose_share']:.1%}, longest "
+            f"{r['longest_functions'][0]}, import {r['import_median_ms']:.0f} ms, call {r['call_median_ms']:.2f} ms"
+        )
     return 0
 
 

@@ -11,6 +11,7 @@ pass, and whether the message names the victim), or completion (it needed nothin
 A surviving rank that neither raises nor completes within the pool's limit is a hang. At the end, no process
 started by the soak may be left. Writes every trial to ``bench/results/fault_soak.json`` and prints the counts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ def trial(rank: int, P: int, spec: str, causal: bool, phase: str, victim: int, k
 
     import tokenring
     from tokenring.tools.launch import exit_at_step
+
     tokenring.set_timeout(timeout)
     layout = "zigzag" if causal else "contiguous"
     g = torch.Generator().manual_seed(0)
@@ -47,8 +49,12 @@ def trial(rank: int, P: int, spec: str, causal: bool, phase: str, victim: int, k
             t0 = time.monotonic()
         out.sum().backward()
     except RuntimeError as e:
-        return dict(outcome="raised", seconds=time.monotonic() - t0, names_victim=f"Rank {victim} is" in str(e)
-                    or f"rank {victim} (" in str(e), message=str(e)[:400])
+        return dict(
+            outcome="raised",
+            seconds=time.monotonic() - t0,
+            names_victim=f"Rank {victim} is" in str(e) or f"rank {victim} (" in str(e),
+            message=str(e)[:400],
+        )
     return dict(outcome="completed", seconds=time.monotonic() - t0)
 
 
@@ -73,6 +79,7 @@ def leftover_children() -> list[int]:
 def main(argv=None) -> int:
     from tokenring.strategies import get, why_not
     from tokenring.tools.launch import RankError, RankPool
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--timeout", type=float, default=2.0)
@@ -90,8 +97,9 @@ def main(argv=None) -> int:
             steps = len(get(spec).schedule(P, "zigzag" if causal else "contiguous", causal, phase == "backward").steps)
             victim, kill_step = rnd.randrange(P), rnd.randrange(steps)
             pool = pools.setdefault(P, RankPool(P, threads=1, timeout=a.timeout + 30))
-            row = dict(trial=i, P=P, strategy=spec, causal=causal, phase=phase, victim=victim, kill_step=kill_step,
-                       steps=steps)
+            row = dict(
+                trial=i, P=P, strategy=spec, causal=causal, phase=phase, victim=victim, kill_step=kill_step, steps=steps
+            )
             try:
                 res = pool.run(trial, spec, causal, phase, victim, kill_step, a.timeout, allow_exit=True)
                 row["ranks"] = [None if r == victim else res[r] for r in range(P)]
@@ -100,11 +108,19 @@ def main(argv=None) -> int:
                 row["hang"] = str(e)[:600]
             rows.append(row)
             surv = [r for r in row.get("ranks", []) if r]
-            print(f"{i:3d} P={P} {spec:26s} {'causal' if causal else 'full  '} {phase:8s} kill r{victim}@{kill_step}: "
-                  + ("HANG" if "hang" in row else ", ".join(f"{r['outcome']} {r['seconds']:.1f}s"
-                                                           + ("" if r["outcome"] != "raised" else
-                                                              (" named" if r["names_victim"] else " UNNAMED"))
-                                                           for r in surv)), flush=True)
+            print(
+                f"{i:3d} P={P} {spec:26s} {'causal' if causal else 'full  '} {phase:8s} kill r{victim}@{kill_step}: "
+                + (
+                    "HANG"
+                    if "hang" in row
+                    else ", ".join(
+                        f"{r['outcome']} {r['seconds']:.1f}s"
+                        + ("" if r["outcome"] != "raised" else (" named" if r["names_victim"] else " UNNAMED"))
+                        for r in surv
+                    )
+                ),
+                flush=True,
+            )
     finally:
         for pool in pools.values():
             pool.close()
@@ -113,22 +129,35 @@ def main(argv=None) -> int:
     surv = [r for row in rows for r in row.get("ranks", []) if r]
     raised = [r for r in surv if r["outcome"] == "raised"]
     bound = a.timeout + 2.0
-    summary = dict(trials=len(rows), surviving_rank_calls=len(surv), raised=len(raised),
-                   completed=sum(r["outcome"] == "completed" for r in surv),
-                   raised_within_bound=sum(r["seconds"] <= bound for r in raised),
-                   raised_naming_victim=sum(r["names_victim"] for r in raised),
-                   hangs=sum("hang" in row for row in rows), victim_answered=sum(row.get("victim_answered", False)
-                                                                               for row in rows),
-                   slowest_raise_s=max((r["seconds"] for r in raised), default=None), bound_s=bound,
-                   leftover_processes=sorted(set(left)), wall_s=time.monotonic() - t_start)
-    out = dict(command="python bench/fault_soak.py " + " ".join(argv or sys.argv[1:]),
-               machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count()),
-               summary=summary, trials=rows)
+    summary = dict(
+        trials=len(rows),
+        surviving_rank_calls=len(surv),
+        raised=len(raised),
+        completed=sum(r["outcome"] == "completed" for r in surv),
+        raised_within_bound=sum(r["seconds"] <= bound for r in raised),
+        raised_naming_victim=sum(r["names_victim"] for r in raised),
+        hangs=sum("hang" in row for row in rows),
+        victim_answered=sum(row.get("victim_answered", False) for row in rows),
+        slowest_raise_s=max((r["seconds"] for r in raised), default=None),
+        bound_s=bound,
+        leftover_processes=sorted(set(left)),
+        wall_s=time.monotonic() - t_start,
+    )
+    out = dict(
+        command="python bench/fault_soak.py " + " ".join(argv or sys.argv[1:]),
+        machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count()),
+        summary=summary,
+        trials=rows,
+    )
     with open(os.path.join(HERE, "results", "fault_soak.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(summary, indent=1))
-    ok = (summary["hangs"] == 0 and not left and summary["victim_answered"] == 0
-          and summary["raised_within_bound"] == len(raised))
+    ok = (
+        summary["hangs"] == 0
+        and not left
+        and summary["victim_answered"] == 0
+        and summary["raised_within_bound"] == len(raised)
+    )
     return 0 if ok else 1
 
 

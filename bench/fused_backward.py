@@ -12,6 +12,7 @@ whole sequence with as many threads as the machine has cores (the same cores the
 distributed output and gradient is checked against single-process attention by ``tokenring bench``.
 Writes every timed call to ``bench/results/fused_backward.json`` and the table to ``fused_backward.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,12 @@ print(json.dumps(times[1:]))
 
 
 def one_process(S: int, dtype: str, repeats: int) -> list[float]:
-    out = subprocess.run([sys.executable, "-c", ONE, str(os.cpu_count() or 1), str(S), dtype, str(repeats)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", ONE, str(os.cpu_count() or 1), str(S), dtype, str(repeats)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out)
 
 
@@ -63,41 +68,84 @@ def main(argv=None) -> int:
             one = one_process(a.seq, dtype, a.repeats)
             case = dict(P=P, dtype=dtype, one_process_s=one, one_process_median_s=median(one), runs={})
             for label, kernel in (("before", "math"), ("after", "auto")):
-                spec = bench.make_spec(P=P, S=a.seq, H=8, d=64, dtype=dtype, causal=True, mode="both",
-                                       strategies=["token_ring", "ring", "ulysses", "pytorch_ring"],
-                                       repeats=a.repeats, trace=False, comm_only=False, backward_kernel=kernel)
+                spec = bench.make_spec(
+                    P=P,
+                    S=a.seq,
+                    H=8,
+                    d=64,
+                    dtype=dtype,
+                    causal=True,
+                    mode="both",
+                    strategies=["token_ring", "ring", "ulysses", "pytorch_ring"],
+                    repeats=a.repeats,
+                    trace=False,
+                    comm_only=False,
+                    backward_kernel=kernel,
+                )
                 res = bench.run(spec)
-                case["runs"][label] = [dict(strategy=r["strategy"], times_s=r.get("times"), median_s=r.get("time"),
-                                            check=r.get("check"), skipped=r.get("skipped"))
-                                       for r in res["results"]]
-                print(f"P={P} {dtype} {label}: " + ", ".join(
-                    f"{r['strategy']} {r['time']:.2f}s" for r in res["results"] if "time" in r), flush=True)
+                case["runs"][label] = [
+                    dict(
+                        strategy=r["strategy"],
+                        times_s=r.get("times"),
+                        median_s=r.get("time"),
+                        check=r.get("check"),
+                        skipped=r.get("skipped"),
+                    )
+                    for r in res["results"]
+                ]
+                print(
+                    f"P={P} {dtype} {label}: "
+                    + ", ".join(f"{r['strategy']} {r['time']:.2f}s" for r in res["results"] if "time" in r),
+                    flush=True,
+                )
             cases.append(case)
     machine = bench.machine()
-    out = dict(command="python bench/fused_backward.py " + " ".join(argv or sys.argv[1:]), machine=machine,
-               shape=dict(S=a.seq, B=1, H=8, Hkv=8, d=64, causal=True, layout="zigzag", threads_per_rank=1,
-                          one_process_threads=os.cpu_count()), cases=cases)
+    out = dict(
+        command="python bench/fused_backward.py " + " ".join(argv or sys.argv[1:]),
+        machine=machine,
+        shape=dict(
+            S=a.seq,
+            B=1,
+            H=8,
+            Hkv=8,
+            d=64,
+            causal=True,
+            layout="zigzag",
+            threads_per_rank=1,
+            one_process_threads=os.cpu_count(),
+        ),
+        cases=cases,
+    )
     with open(a.out + ".json", "w") as f:
         json.dump(out, f, indent=1)
-    lines = [f"# Forward+backward per call on CPU: math vs fused backward, vs one process",
-             "", f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, gloo. "
-             f"S={a.seq}, B=1, H=8, d=64, causal (zigzag), P local ranks with 1 thread each; one process: SDPA "
-             f"forward+backward on the whole sequence with {os.cpu_count()} threads. Median of {a.repeats} calls "
-             f"[min-max]; ratio = median / one process. Command: `{out['command']}`.", "",
-             "| P | dtype | strategy | before (math bwd) s | after (auto bwd) s | after / one process |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# Forward+backward per call on CPU: math vs fused backward, vs one process",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, gloo. "
+        f"S={a.seq}, B=1, H=8, d=64, causal (zigzag), P local ranks with 1 thread each; one process: SDPA "
+        f"forward+backward on the whole sequence with {os.cpu_count()} threads. Median of {a.repeats} calls "
+        f"[min-max]; ratio = median / one process. Command: `{out['command']}`.",
+        "",
+        "| P | dtype | strategy | before (math bwd) s | after (auto bwd) s | after / one process |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in cases:
         before = {r["strategy"]: r for r in c["runs"]["before"]}
         for r in c["runs"]["after"]:
             if r["median_s"] is None:
                 continue
             b = before.get(r["strategy"], {})
-            fmt = lambda x: f"{x['median_s']:.2f} [{min(x['times_s']):.2f}-{max(x['times_s']):.2f}]" \
-                if x.get("median_s") else "-"
-            lines.append(f"| {c['P']} | {c['dtype']} | {r['strategy']} | {fmt(b)} | {fmt(r)} | "
-                         f"{r['median_s'] / c['one_process_median_s']:.2f}x |")
-        lines.append(f"| {c['P']} | {c['dtype']} | one process (SDPA) | | {c['one_process_median_s']:.2f} "
-                     f"[{min(c['one_process_s']):.2f}-{max(c['one_process_s']):.2f}] | 1.00x |")
+            fmt = lambda x: (
+                f"{x['median_s']:.2f} [{min(x['times_s']):.2f}-{max(x['times_s']):.2f}]" if x.get("median_s") else "-"
+            )
+            lines.append(
+                f"| {c['P']} | {c['dtype']} | {r['strategy']} | {fmt(b)} | {fmt(r)} | "
+                f"{r['median_s'] / c['one_process_median_s']:.2f}x |"
+            )
+        lines.append(
+            f"| {c['P']} | {c['dtype']} | one process (SDPA) | | {c['one_process_median_s']:.2f} "
+            f"[{min(c['one_process_s']):.2f}-{max(c['one_process_s']):.2f}] | 1.00x |"
+        )
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -9,7 +9,8 @@ performance goals were missed. Results go to ``--out-dir`` (default ``bench/resu
 (everything, with the machine), ``results.md`` (the tables), ``timeline.png`` and ``timeline.trace.json``.
 
 1. Correctness. Every strategy (the families of ``tokenring.strategies.STRATEGIES`` plus ``token_ring:relay``
-   and ``token_ring:direct,c=2,k=1``; the hierarchical ones over nodes of two ranks), forward and backward, on P=2 and P=4 local ranks that share GPU 0 (gloo:
+   and ``token_ring:direct,c=2,k=1``; the hierarchical ones over nodes of two ranks), forward and backward, on P=2
+   and P=4 local ranks that share GPU 0 (gloo:
    ``tokenring.comm`` stages CUDA tensors through host memory), bf16 / fp16 / fp32, MHA (H=8, Hkv=8) and GQA
    (H=8, Hkv=2), head dims 64, 72, 128, causal (zigzag layout) and not (contiguous): the full cross product at
    S=2048 tokens in all. Reference: PyTorch SDPA (math backend, ``enable_gqa=True``) in float64 on the full
@@ -27,6 +28,7 @@ performance goals were missed. Results go to ``--out-dir`` (default ``bench/resu
 
 GPU times are CUDA-event medians, CPU times ``time.perf_counter`` medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,32 +58,51 @@ def hierarchical_specs(P: int) -> list[str]:
     and outer rings all run), else of one."""
     n = 2 if P % 2 == 0 else 1
     return [f"{f}:n={n}" for f in HIERARCHICAL]
+
+
 TOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
 DTYPES = ("bfloat16", "float16", "float32")
-HEADS = ((8, 8), (8, 2))          # (H, Hkv): MHA, GQA
+HEADS = ((8, 8), (8, 2))  # (H, Hkv): MHA, GQA
 HEAD_DIMS = (64, 72, 128)
-KERNEL_GOAL = 0.95                # our TFLOP/s >= 95% of the best SDPA backend's
-MERGE_GOAL = 0.05                 # one merge <= 5% of one block forward
+KERNEL_GOAL = 0.95  # our TFLOP/s >= 95% of the best SDPA backend's
+MERGE_GOAL = 0.05  # one merge <= 5% of one block forward
 TIMELINE_STRATEGY = "token_ring:direct,c=2,k=1"
 
 
 def settings(device: str, quick: bool) -> dict:
     """Shapes and sizes of every part, by device and mode."""
     if not quick:
-        return dict(Ps=(2, 4), S=2048, seq_kernels=(4096, 8192, 16384), H_kernels=32, d_kernels=128,
-                    n_merge=8192, timeline=dict(S=16384, H=32, Hkv=32, d=128, dtype="bfloat16"),
-                    warmup=3, repeats=10, timeout=120.0, reserve_s=60.0)
-    base = dict(seq_kernels=(128, 256), H_kernels=4, d_kernels=64, n_merge=256,
-                timeline=dict(S=256, H=4, Hkv=4, d=32, dtype="float32"), warmup=1, repeats=3, timeout=60.0,
-                reserve_s=0.0)
+        return dict(
+            Ps=(2, 4),
+            S=2048,
+            seq_kernels=(4096, 8192, 16384),
+            H_kernels=32,
+            d_kernels=128,
+            n_merge=8192,
+            timeline=dict(S=16384, H=32, Hkv=32, d=128, dtype="bfloat16"),
+            warmup=3,
+            repeats=10,
+            timeout=120.0,
+            reserve_s=60.0,
+        )
+    base = dict(
+        seq_kernels=(128, 256),
+        H_kernels=4,
+        d_kernels=64,
+        n_merge=256,
+        timeline=dict(S=256, H=4, Hkv=4, d=32, dtype="float32"),
+        warmup=1,
+        repeats=3,
+        timeout=60.0,
+        reserve_s=0.0,
+    )
     return dict(base, Ps=(2,) if device == "cpu" else (2, 4), S=64 if device == "cpu" else 256)
 
 
 def case_name(c: dict) -> str:
     kind = "MHA" if c["H"] == c["Hkv"] else "GQA"
     mask = "causal/zigzag" if c["causal"] else "full/contiguous"
-    return (f"P={c['P']} {c['strategy']} {c['dtype']} {kind}(H={c['H']},Hkv={c['Hkv']}) d={c['d']} {mask} "
-            f"S={c['S']}")
+    return f"P={c['P']} {c['strategy']} {c['dtype']} {kind}(H={c['H']},Hkv={c['Hkv']}) d={c['d']} {mask} S={c['S']}"
 
 
 def correctness_cases(P: int, S: int, quick: bool) -> list[dict]:
@@ -94,8 +115,9 @@ def correctness_cases(P: int, S: int, quick: bool) -> list[dict]:
             for c, causal in enumerate((False, True)):
                 j = 2 * i + c
                 H, Hkv = HEADS[j % 2]
-                cases.append(dict(strategy=strat, dtype=DTYPES[j % 3], H=H, Hkv=Hkv, d=HEAD_DIMS[(j // 2) % 3],
-                                  causal=causal))
+                cases.append(
+                    dict(strategy=strat, dtype=DTYPES[j % 3], H=H, Hkv=Hkv, d=HEAD_DIMS[(j // 2) % 3], causal=causal)
+                )
     else:
         for dtype in DTYPES:
             for H, Hkv in HEADS:
@@ -110,6 +132,7 @@ def correctness_cases(P: int, S: int, quick: bool) -> list[dict]:
 
 
 # ---------------------------------------------------------------- helpers shared by the ranks and the driver
+
 
 def _setup(device_type: str, timeout: float | None = None) -> torch.device:
     if timeout:
@@ -159,21 +182,28 @@ def _rel(got: torch.Tensor, ref: torch.Tensor, ref_max: float) -> float:
 def _sdpa_ref(q, k, v, dout, causal: bool, scale: float):
     """float64 SDPA (math backend) on the full sequence: out, dq, dk, dv in (B, S, heads, d)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     with sdpa_kernel([SDPBackend.MATH]):
-        out = F.scaled_dot_product_attention(qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2),
-                                             is_causal=causal, scale=scale,
-                                             enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            qr.transpose(1, 2),
+            kr.transpose(1, 2),
+            vr.transpose(1, 2),
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        ).transpose(1, 2)
         out.backward(dout.double())
     return out.detach(), qr.grad, kr.grad, vr.grad
 
 
 # ---------------------------------------------------------------- part 1: correctness (runs on every rank)
 
+
 def _check_one(rank: int, P: int, dev: torch.device, ref_dev: torch.device, case: dict, inject: bool) -> dict:
     dtype = getattr(torch, case["dtype"])
     S, H, Hkv, d, causal, layout = case["S"], case["H"], case["Hkv"], case["d"], case["causal"], case["layout"]
-    scale = d ** -0.5
+    scale = d**-0.5
     gen = torch.Generator(device=ref_dev).manual_seed(case["seed"])  # identical full inputs on every rank
     full = [_randn((1, S, h, d), dtype, ref_dev, gen) for h in (H, Hkv, Hkv)]
     dout = _randn((1, S, H, d), dtype, ref_dev, gen)
@@ -190,17 +220,24 @@ def _check_one(rank: int, P: int, dev: torch.device, ref_dev: torch.device, case
     errs, problems = {}, []
     for name, g, r, rmax, like in zip(("out", "dq", "dk", "dv"), got, ref, ref_max, (0, 0, 1, 1)):
         if g is None or g.dtype != dtype or g.shape != local[like].shape:
-            problems.append(f"{name} has dtype/shape {getattr(g, 'dtype', None)} "
-                            f"{None if g is None else tuple(g.shape)}, expected {dtype} {tuple(local[like].shape)}")
+            problems.append(
+                f"{name} has dtype/shape {getattr(g, 'dtype', None)} "
+                f"{None if g is None else tuple(g.shape)}, expected {dtype} {tuple(local[like].shape)}"
+            )
             errs[name] = float("nan")
             continue
         errs[name] = _rel(g.to(ref_dev), tokenring.shard(r, dim=1, layout=layout), rmax)
-    return dict(errors=errs, problems=problems, ran=log[0][0].rsplit(" ", 1)[0] if log else case["strategy"],
-                backward_kernel=_pick_backward(local[0], "auto"))
+    return dict(
+        errors=errs,
+        problems=problems,
+        ran=log[0][0].rsplit(" ", 1)[0] if log else case["strategy"],
+        backward_kernel=_pick_backward(local[0], "auto"),
+    )
 
 
-def correctness_batch(rank: int, P: int, device_type: str, ref_device_type: str, cases: list[dict],
-                      inject: str | None, timeout: float) -> list[dict]:
+def correctness_batch(
+    rank: int, P: int, device_type: str, ref_device_type: str, cases: list[dict], inject: str | None, timeout: float
+) -> list[dict]:
     """Run ``cases`` on this rank; one result per case run. After an exception the ranks may be out of step
     (one waits in a collective the other left), so the batch stops there: the caller reports the rest and
     starts fresh ranks."""
@@ -212,8 +249,15 @@ def correctness_batch(rank: int, P: int, device_type: str, ref_device_type: str,
         try:
             r = _check_one(rank, P, dev, ref_dev, case, inject == case["name"] and rank == 0)
         except Exception as e:  # noqa: BLE001 - every failure is reported by the driver
-            results.append(dict(name=case["name"], rank=rank, error=f"{type(e).__name__}: {e}",
-                                traceback=traceback.format_exc(limit=6), seconds=time.perf_counter() - t0))
+            results.append(
+                dict(
+                    name=case["name"],
+                    rank=rank,
+                    error=f"{type(e).__name__}: {e}",
+                    traceback=traceback.format_exc(limit=6),
+                    seconds=time.perf_counter() - t0,
+                )
+            )
             break
         results.append(dict(name=case["name"], rank=rank, seconds=time.perf_counter() - t0, **r))
     _sync(dev)
@@ -222,9 +266,12 @@ def correctness_batch(rank: int, P: int, device_type: str, ref_device_type: str,
 
 # ---------------------------------------------------------------- part 4: timeline (runs on every rank)
 
+
 def timeline_rank(rank: int, P: int, device_type: str, shape: dict, strategy: str, timeout: float) -> dict:
     import torch.distributed as dist
+
     from tokenring.comm import Trace
+
     dev = _setup(device_type, timeout)
     dtype = getattr(torch, shape["dtype"])
     S, H, Hkv, d = shape["S"], shape["H"], shape["Hkv"], shape["d"]
@@ -292,20 +339,29 @@ def overlap_stats(events: list[dict]) -> dict:
     msgs = _union([(e["start"], e["end"]) for e in events if e["lane"] != "compute"])
     ov = _intersection(comp, msgs)
     span = (max(e["end"] for e in events) - min(e["start"] for e in events)) if events else 0.0
-    return dict(compute_ms=_length(comp) * 1e3, message_ms=_length(msgs) * 1e3, overlap_ms=ov * 1e3,
-                overlap_frac=ov / _length(msgs) if msgs and _length(msgs) > 0 else 0.0, span_ms=span * 1e3,
-                n_compute=sum(e["lane"] == "compute" for e in events),
-                n_messages=sum(e["lane"] != "compute" for e in events))
+    return dict(
+        compute_ms=_length(comp) * 1e3,
+        message_ms=_length(msgs) * 1e3,
+        overlap_ms=ov * 1e3,
+        overlap_frac=ov / _length(msgs) if msgs and _length(msgs) > 0 else 0.0,
+        span_ms=span * 1e3,
+        n_compute=sum(e["lane"] == "compute" for e in events),
+        n_messages=sum(e["lane"] != "compute" for e in events),
+    )
 
 
 # ---------------------------------------------------------------- the driver
+
 
 class Report:
     """Collects results, failures (correctness / functional) and missed goals (performance)."""
 
     def __init__(self, args, sets: dict):
-        self.data: dict = dict(args=vars(args), settings={k: v for k, v in sets.items()},
-                               started=datetime.datetime.now().isoformat(timespec="seconds"))
+        self.data: dict = dict(
+            args=vars(args),
+            settings={k: v for k, v in sets.items()},
+            started=datetime.datetime.now().isoformat(timespec="seconds"),
+        )
         self.failures: list[str] = []
         self.goals_missed: list[str] = []
         self.md: list[str] = []
@@ -325,6 +381,7 @@ def table(report: Report, title: str, headers: list[str], rows: list[list]) -> N
     try:
         from rich.console import Console
         from rich.table import Table
+
         t = Table(title=title, title_justify="left")
         for h in headers:
             t.add_column(h)
@@ -343,14 +400,24 @@ def table(report: Report, title: str, headers: list[str], rows: list[list]) -> N
 
 
 def machine_info(device: str) -> dict:
-    info = dict(torch=torch.__version__, python=platform.python_version(), platform=platform.platform(),
-                cpu_count=os.cpu_count(), device=device, tokenring=tokenring.__version__)
+    info = dict(
+        torch=torch.__version__,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        cpu_count=os.cpu_count(),
+        device=device,
+        tokenring=tokenring.__version__,
+    )
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda, gpu_count=torch.cuda.device_count(),
-                    capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                    gpu_memory_gib=round(props.total_memory / 2 ** 30, 1),
-                    cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
+        info.update(
+            gpu=torch.cuda.get_device_name(0),
+            cuda=torch.version.cuda,
+            gpu_count=torch.cuda.device_count(),
+            capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        )
     return info
 
 
@@ -369,6 +436,7 @@ _LIVE_POOLS: list = []  # rank pools in use, for the watchdog
 
 def _pool(P: int, budget: Budget):
     from tokenring.tools.launch import RankPool
+
     pool = RankPool(P, threads=1, timeout=max(30.0, budget.left(keep=True)))
     _LIVE_POOLS.append(pool)
     return pool
@@ -449,16 +517,20 @@ def run_ranks(report: Report, args, sets: dict, budget: Budget, parts: list[str]
                     continue
                 pool.timeout = left
                 try:
-                    per_rank = pool.run(correctness_batch, dev_type, ref_dev_type, batch, args.inject_error,
-                                        sets["timeout"])
+                    per_rank = pool.run(
+                        correctness_batch, dev_type, ref_dev_type, batch, args.inject_error, sets["timeout"]
+                    )
                 except Exception as e:  # noqa: BLE001 - a rank died or hung: report, restart, go on
                     report.fail(f"correctness P={P} {key}: the ranks failed: {str(e)[:2000]}")
                     per_rank = [[] for _ in range(P)]
                     _close(pool)
                     pool = _pool(P, budget)
                 n_bad = _collect(report, sec, batch, per_rank, P)
-                print(f"correctness P={P} {key}: {len(batch)} cases, {n_bad} failed, "
-                      f"{time.perf_counter() - t0:.1f} s since the ranks started", flush=True)
+                print(
+                    f"correctness P={P} {key}: {len(batch)} cases, {n_bad} failed, "
+                    f"{time.perf_counter() - t0:.1f} s since the ranks started",
+                    flush=True,
+                )
                 if any("error" in r for rr in per_rank for r in rr):  # ranks may be out of step: fresh ones
                     _close(pool)
                     pool = _pool(P, budget)
@@ -492,9 +564,13 @@ def _collect(report: Report, sec: dict, batch: list[dict], per_rank: list[list[d
         errs = {q: _worst([r["errors"][q] for r in ok_rs]) for q in ("out", "dq", "dk", "dv")}
         problems = [f"rank {r['rank']}: {p}" for r in ok_rs for p in r["problems"]]
         over = [f"{q} rel err {_fmt(e)} > {tol:g}" for q, e in errs.items() if not e <= tol] if ok_rs else []
-        row.update(errors=errs, ok=not (errors or problems or over), backward_kernel=sorted(
-            {r["backward_kernel"] for r in ok_rs}), ran=sorted({r["ran"] for r in ok_rs}),
-            seconds=max((r["seconds"] for r in rs), default=None))
+        row.update(
+            errors=errs,
+            ok=not (errors or problems or over),
+            backward_kernel=sorted({r["backward_kernel"] for r in ok_rs}),
+            ran=sorted({r["ran"] for r in ok_rs}),
+            seconds=max((r["seconds"] for r in rs), default=None),
+        )
         if errors or problems or over:
             row["why"] = "; ".join(errors + problems + over)
             tb = next((r.get("traceback") for r in rs if r.get("traceback")), None)
@@ -518,12 +594,26 @@ def _correctness_tables(report: Report, sec: dict) -> None:
         worst = {q: _worst([c["errors"][q] for c in cs]) for q in ("out", "dq", "dk", "dv")}
         ran = sorted({r for c in cs for r in c["ran"]})
         kern = sorted({k for c in cs for k in c["backward_kernel"]})
-        rows.append([P, strat, ", ".join(r for r in ran if r != strat) or "=", dtype, len(cs),
-                     sum(c["ok"] for c in cs), *(_fmt(worst[q]) for q in ("out", "dq", "dk", "dv")),
-                     f"{TOL[dtype]:g}", "/".join(kern) or "-", "PASS" if all(c["ok"] for c in cs) else "FAIL"])
-    table(report, f"1. Correctness vs float64 SDPA (reference on {sec['reference_device']}): worst relative error "
-                  f"per group", ["P", "strategy", "ran", "dtype", "cases", "passed", "out", "dq", "dk", "dv", "tol",
-                                 "bwd kernel", "result"], rows)
+        rows.append(
+            [
+                P,
+                strat,
+                ", ".join(r for r in ran if r != strat) or "=",
+                dtype,
+                len(cs),
+                sum(c["ok"] for c in cs),
+                *(_fmt(worst[q]) for q in ("out", "dq", "dk", "dv")),
+                f"{TOL[dtype]:g}",
+                "/".join(kern) or "-",
+                "PASS" if all(c["ok"] for c in cs) else "FAIL",
+            ]
+        )
+    table(
+        report,
+        f"1. Correctness vs float64 SDPA (reference on {sec['reference_device']}): worst relative error per group",
+        ["P", "strategy", "ran", "dtype", "cases", "passed", "out", "dq", "dk", "dv", "tol", "bwd kernel", "result"],
+        rows,
+    )
     kern: dict[str, dict[int, set]] = {}
     for c in cases:
         kern.setdefault(c["dtype"], {}).setdefault(c["d"], set()).update(c["backward_kernel"])
@@ -531,10 +621,20 @@ def _correctness_tables(report: Report, sec: dict) -> None:
     rows = []
     for dt, v in kern.items():
         every = set().union(*v.values())
-        rows.append([dt, ", ".join(f"d={d}: {'/'.join(sorted(ks))}" for d, ks in sorted(v.items())),
-                     "fused" if "math" not in every else ("math" if every == {"math"} else "mixed")])
-    table(report, "Backward kernel per dtype and head dim (kernels._pick_backward(q, 'auto') on each rank; "
-                  "math = unfused; on CPU each rank measures its own choice)", ["dtype", "kernel", "fused?"], rows)
+        rows.append(
+            [
+                dt,
+                ", ".join(f"d={d}: {'/'.join(sorted(ks))}" for d, ks in sorted(v.items())),
+                "fused" if "math" not in every else ("math" if every == {"math"} else "mixed"),
+            ]
+        )
+    table(
+        report,
+        "Backward kernel per dtype and head dim (kernels._pick_backward(q, 'auto') on each rank; "
+        "math = unfused; on CPU each rank measures its own choice)",
+        ["dtype", "kernel", "fused?"],
+        rows,
+    )
     bad = [c for c in cases if not c["ok"]]
     if bad:
         report.md += ["**Failed cases:**", ""] + [f"- `{c['name']}`: {c['why']}" for c in bad] + [""]
@@ -542,8 +642,12 @@ def _correctness_tables(report: Report, sec: dict) -> None:
 
 def _sdpa_backends():
     from torch.nn.attention import SDPBackend
-    return [("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-            ("cudnn", SDPBackend.CUDNN_ATTENTION)]
+
+    return [
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+    ]
 
 
 def _sdpa_times(backend, q, k, v, do, causal: bool, scale: float, dev, warmup: int, repeats: int):
@@ -551,11 +655,13 @@ def _sdpa_times(backend, q, k, v, do, causal: bool, scale: float, dev, warmup: i
     get them): median forward ms (no grad), median backward ms (autograd on a retained graph), its output and
     gradients in (B, S, H, d)."""
     from torch.nn.attention import sdpa_kernel
+
     with sdpa_kernel([backend]), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "... kernel not used because ..." from backends that cannot run
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        tf = timed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale), dev, warmup,
-                   repeats)
+        tf = timed(
+            lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale), dev, warmup, repeats
+        )
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=causal, scale=scale)
         dot = do.transpose(1, 2)
@@ -567,15 +673,17 @@ def _sdpa_times(backend, q, k, v, do, causal: bool, scale: float, dev, warmup: i
 def _our_op(q) -> str:
     """The CUDA op tokenring's block kernels pick for ``q`` (tokenring.kernels.cuda_kernel)."""
     from tokenring.kernels import _cuda_op
+
     return (_cuda_op(q) or "math") if q.device.type == "cuda" else "cpu_flash"
 
 
 def run_kernels(report: Report, args, sets: dict, budget: Budget) -> None:
     from tokenring.kernels import block_backward, block_forward
+
     dev = _setup(args.device)
     fused = "cuda" if dev.type == "cuda" else "cpu_flash"
     H, d, dtype = sets["H_kernels"], sets["d_kernels"], torch.bfloat16
-    scale = d ** -0.5
+    scale = d**-0.5
     w, rep = sets["warmup"], sets["repeats"]
     rows_out, rows = [], []
     for n in sets["seq_kernels"]:
@@ -587,9 +695,14 @@ def run_kernels(report: Report, args, sets: dict, budget: Budget) -> None:
             q, k, v, do = (_randn((1, n, H, d), dtype, dev, gen) for _ in range(4))
             o, lse = block_forward(q, k, v, causal, scale)
             delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
-            t_fwd = timed(lambda: block_forward(q, k, v, causal, scale), dev, w, rep)
-            t_bwd = timed(lambda: block_backward(do, q, k, v, lse, delta, causal, scale, backend=fused, out=o),
-                          dev, w, rep)
+            args = (q, k, v, do, o, lse, delta, causal)
+            t_fwd = timed(lambda a=args: block_forward(*a[:3], a[7], scale), dev, w, rep)
+            t_bwd = timed(
+                lambda a=args: block_backward(a[3], *a[:3], a[5], a[6], a[7], scale, backend=fused, out=a[4]),
+                dev,
+                w,
+                rep,
+            )
             ours_grads = block_backward(do, q, k, v, lse, delta, causal, scale, backend=fused, out=o)
             sd: dict[str, dict] = {}
             agree = None
@@ -597,8 +710,7 @@ def run_kernels(report: Report, args, sets: dict, budget: Budget) -> None:
                 try:
                     tf, tb, ref_o, ref_g = _sdpa_times(be, q, k, v, do, causal, scale, dev, w, rep)
                 except Exception as e:  # noqa: BLE001 - this backend does not run here: skip it
-                    sd[name] = dict(error=str(e).strip().splitlines()[0][:200] if str(e).strip() else
-                                    type(e).__name__)
+                    sd[name] = dict(error=str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__)
                     continue
                 sd[name] = dict(fwd_ms=tf, bwd_ms=tb)
                 if agree is None:  # our kernels must agree with SDPA's (same bf16 inputs)
@@ -606,12 +718,25 @@ def run_kernels(report: Report, args, sets: dict, budget: Budget) -> None:
                     for nm, ours, theirs in zip(("dq", "dk", "dv"), ours_grads, ref_g):
                         agree[nm] = _rel(ours, theirs, theirs.abs().max().item())
                     if not _worst([agree[x] for x in ("out", "dq", "dk", "dv")]) <= TOL["bfloat16"]:
-                        report.fail(f"kernels n={n} causal={causal}: block kernels disagree with SDPA {name}: " +
-                                    ", ".join(f"{a} rel err {_fmt(agree[a])}" for a in ("out", "dq", "dk", "dv")))
+                        report.fail(
+                            f"kernels n={n} causal={causal}: block kernels disagree with SDPA {name}: "
+                            + ", ".join(f"{a} rel err {_fmt(agree[a])}" for a in ("out", "dq", "dk", "dv"))
+                        )
                 del ref_o, ref_g
             flops = 4 * n * n * H * d * (0.5 if causal else 1.0)
-            row = dict(n=n, H=H, d=d, dtype="bfloat16", causal=causal, ours_fwd_ms=t_fwd, ours_bwd_ms=t_bwd,
-                       backward_kernel=fused, op=_our_op(q), sdpa=sd, agreement=agree)
+            row = dict(
+                n=n,
+                H=H,
+                d=d,
+                dtype="bfloat16",
+                causal=causal,
+                ours_fwd_ms=t_fwd,
+                ours_bwd_ms=t_bwd,
+                backward_kernel=fused,
+                op=_our_op(q),
+                sdpa=sd,
+                agreement=agree,
+            )
             if agree is None:
                 report.fail(f"kernels n={n} causal={causal}: no SDPA backend ran, nothing to compare with")
             for pas, ours_ms, fl in (("fwd", t_fwd, flops), ("bwd", t_bwd, 2.5 * flops)):
@@ -619,23 +744,47 @@ def run_kernels(report: Report, args, sets: dict, budget: Budget) -> None:
                 best = min(ok_be, key=ok_be.get) if ok_be else None
                 ratio = ok_be[best] / ours_ms if best else float("nan")
                 res = "PASS" if ratio >= KERNEL_GOAL else "FAIL"
-                row[pas] = dict(ours_tflops=fl / ours_ms / 1e9, best_sdpa=best,
-                                sdpa_tflops=fl / ok_be[best] / 1e9 if best else None, ratio=ratio, goal=res)
+                row[pas] = dict(
+                    ours_tflops=fl / ours_ms / 1e9,
+                    best_sdpa=best,
+                    sdpa_tflops=fl / ok_be[best] / 1e9 if best else None,
+                    ratio=ratio,
+                    goal=res,
+                )
                 if res == "FAIL":
-                    report.miss(f"kernels {pas} n={n} causal={causal}: {ratio:.1%} of SDPA {best} "
-                                f"(goal >= {KERNEL_GOAL:.0%})")
-                rows.append([n, "causal" if causal else "full", pas, f"{ours_ms:.3f}", f"{fl / ours_ms / 1e9:.3g}",
-                             best or "-", f"{ok_be[best]:.3f}" if best else "-",
-                             f"{fl / ok_be[best] / 1e9:.3g}" if best else "-", _fmt(ratio, ".1%"), res])
+                    report.miss(
+                        f"kernels {pas} n={n} causal={causal}: {ratio:.1%} of SDPA {best} (goal >= {KERNEL_GOAL:.0%})"
+                    )
+                rows.append(
+                    [
+                        n,
+                        "causal" if causal else "full",
+                        pas,
+                        f"{ours_ms:.3f}",
+                        f"{fl / ours_ms / 1e9:.3g}",
+                        best or "-",
+                        f"{ok_be[best]:.3f}" if best else "-",
+                        f"{fl / ok_be[best] / 1e9:.3g}" if best else "-",
+                        _fmt(ratio, ".1%"),
+                        res,
+                    ]
+                )
             rows_out.append(row)
             del q, k, v, do, o, lse, delta, ours_grads
     report.data["kernels"] = dict(rows=rows_out, goal=KERNEL_GOAL)
-    table(report, f"2. Block kernels vs best SDPA backend ({dev.type}, bf16, H={H}, d={d}; goal >= "
-                  f"{KERNEL_GOAL:.0%}, a miss is a goal, not a correctness failure)",
-          ["tokens", "mask", "pass", "ours ms", "ours TFLOP/s", "best SDPA", "SDPA ms", "SDPA TFLOP/s", "ratio",
-           "goal"], rows)
-    unavailable = {f"{r['n']}/{'causal' if r['causal'] else 'full'}: {b}": s["error"]
-                   for r in rows_out for b, s in r["sdpa"].items() if "error" in s}
+    table(
+        report,
+        f"2. Block kernels vs best SDPA backend ({dev.type}, bf16, H={H}, d={d}; goal >= "
+        f"{KERNEL_GOAL:.0%}, a miss is a goal, not a correctness failure)",
+        ["tokens", "mask", "pass", "ours ms", "ours TFLOP/s", "best SDPA", "SDPA ms", "SDPA TFLOP/s", "ratio", "goal"],
+        rows,
+    )
+    unavailable = {
+        f"{r['n']}/{'causal' if r['causal'] else 'full'}: {b}": s["error"]
+        for r in rows_out
+        for b, s in r["sdpa"].items()
+        if "error" in s
+    }
     if unavailable:
         report.md += ["SDPA backends that did not run:", ""] + [f"- {k}: {v}" for k, v in unavailable.items()] + [""]
 
@@ -643,9 +792,10 @@ def run_kernels(report: Report, args, sets: dict, budget: Budget) -> None:
 def run_merge(report: Report, args, sets: dict, budget: Budget) -> None:
     from tokenring.kernels import block_forward
     from tokenring.merge import merge_, new_accumulator
+
     dev = _setup(args.device)
     n, H, d = sets["n_merge"], sets["H_kernels"], sets["d_kernels"]
-    scale = d ** -0.5
+    scale = d**-0.5
     gen = torch.Generator(device=dev).manual_seed(11)
     q, k, v = (_randn((1, n, H, d), torch.bfloat16, dev, gen) for _ in range(3))
     o, lse = block_forward(q, k, v, False, scale)
@@ -656,8 +806,10 @@ def run_merge(report: Report, args, sets: dict, budget: Budget) -> None:
     err_o = _rel(acc_o, o, o.abs().max().item())
     err_lse = (acc_lse - lse).abs().max().item()
     if not (err_o <= TOL["bfloat16"] and err_lse <= 1e-3):
-        report.fail(f"merge n={n}: two merged halves differ from one block: out rel err {_fmt(err_o)}, "
-                    f"lse abs err {_fmt(err_lse)}")
+        report.fail(
+            f"merge n={n}: two merged halves differ from one block: out rel err {_fmt(err_o)}, "
+            f"lse abs err {_fmt(err_lse)}"
+        )
     acc_o, acc_lse = new_accumulator(1, n, H, d, q.dtype, dev)
     merge_(acc_o, acc_lse, o, lse)
     t_merge = timed(lambda: merge_(acc_o, acc_lse, o, lse), dev, sets["warmup"], sets["repeats"])
@@ -667,19 +819,52 @@ def run_merge(report: Report, args, sets: dict, budget: Budget) -> None:
     res = "PASS" if ratio <= MERGE_GOAL else "FAIL"
     if res == "FAIL":
         report.miss(f"merge n={n}: {ratio:.1%} of one block forward (goal <= {MERGE_GOAL:.0%})")
-    report.data["merge"] = dict(n=n, H=H, d=d, merge_ms=t_merge, block_fwd_ms=t_block, block_fwd_causal_ms=t_causal,
-                                ratio=ratio, ratio_vs_causal_block=t_merge / t_causal, goal=res,
-                                exactness=dict(out_rel=err_o, lse_abs=err_lse))
-    table(report, f"3. Merge cost ({dev.type}, bf16 partial into a float32 accumulator, H={H}, d={d}; goal <= "
-                  f"{MERGE_GOAL:.0%} of one block forward)",
-          ["tokens", "merge ms", "block fwd ms", "merge/block", "causal block ms", "merge/causal block",
-           "halves merged: out err", "lse err", "goal"],
-          [[n, f"{t_merge:.4f}", f"{t_block:.4f}", f"{ratio:.1%}", f"{t_causal:.4f}", f"{t_merge / t_causal:.1%}",
-            _fmt(err_o), _fmt(err_lse), res]])
+    report.data["merge"] = dict(
+        n=n,
+        H=H,
+        d=d,
+        merge_ms=t_merge,
+        block_fwd_ms=t_block,
+        block_fwd_causal_ms=t_causal,
+        ratio=ratio,
+        ratio_vs_causal_block=t_merge / t_causal,
+        goal=res,
+        exactness=dict(out_rel=err_o, lse_abs=err_lse),
+    )
+    table(
+        report,
+        f"3. Merge cost ({dev.type}, bf16 partial into a float32 accumulator, H={H}, d={d}; goal <= "
+        f"{MERGE_GOAL:.0%} of one block forward)",
+        [
+            "tokens",
+            "merge ms",
+            "block fwd ms",
+            "merge/block",
+            "causal block ms",
+            "merge/causal block",
+            "halves merged: out err",
+            "lse err",
+            "goal",
+        ],
+        [
+            [
+                n,
+                f"{t_merge:.4f}",
+                f"{t_block:.4f}",
+                f"{ratio:.1%}",
+                f"{t_causal:.4f}",
+                f"{t_merge / t_causal:.1%}",
+                _fmt(err_o),
+                _fmt(err_lse),
+                res,
+            ]
+        ],
+    )
 
 
 def run_timeline(report: Report, args, sets: dict, budget: Budget, pool) -> None:
     from tokenring.tools.trace import plot_timeline, write_chrome_trace
+
     shape = sets["timeline"]
     sec = report.data["timeline"] = dict(strategy=TIMELINE_STRATEGY, P=2, causal=True, layout="zigzag", **shape)
     if budget.left(keep=True) < 20:
@@ -697,37 +882,68 @@ def run_timeline(report: Report, args, sets: dict, budget: Budget, pool) -> None
     for phase in ("fwd", "bwd"):
         for rank, evs in enumerate(events):
             ph = [e for e in evs if e["phase"] == phase]
-            bad = [e for e in ph if not (math.isfinite(e["start"]) and math.isfinite(e["end"]) and
-                                         e["end"] >= e["start"])]
+            bad = [
+                e for e in ph if not (math.isfinite(e["start"]) and math.isfinite(e["end"]) and e["end"] >= e["start"])
+            ]
             st = overlap_stats(ph)
             stats.append(dict(phase=phase, rank=rank, **st))
             if bad or st["n_compute"] == 0 or st["n_messages"] == 0:
-                report.fail(f"timeline {phase} rank {rank}: {st['n_compute']} compute / {st['n_messages']} message "
-                            f"events, {len(bad)} with bad times")
-            rows.append([phase, rank, st["n_compute"], st["n_messages"], f"{st['compute_ms']:.3f}",
-                         f"{st['message_ms']:.3f}", f"{st['overlap_ms']:.3f}", f"{st['overlap_frac']:.0%}",
-                         f"{st['span_ms']:.3f}"])
+                report.fail(
+                    f"timeline {phase} rank {rank}: {st['n_compute']} compute / {st['n_messages']} message "
+                    f"events, {len(bad)} with bad times"
+                )
+            rows.append(
+                [
+                    phase,
+                    rank,
+                    st["n_compute"],
+                    st["n_messages"],
+                    f"{st['compute_ms']:.3f}",
+                    f"{st['message_ms']:.3f}",
+                    f"{st['overlap_ms']:.3f}",
+                    f"{st['overlap_frac']:.0%}",
+                    f"{st['span_ms']:.3f}",
+                ]
+            )
     sec["overlap"] = stats
     os.makedirs(args.out_dir, exist_ok=True)
     png = os.path.join(args.out_dir, "timeline.png")
     try:
-        panels = {f"{TIMELINE_STRATEGY} {phase}, P=2, S={shape['S']}, {shape['dtype']}, H={shape['H']}, "
-                  f"d={shape['d']}, causal ({args.device})": [[e for e in evs if e["phase"] == phase]
-                                                              for evs in events] for phase in ("fwd", "bwd")}
+        panels = {
+            f"{TIMELINE_STRATEGY} {phase}, P=2, S={shape['S']}, {shape['dtype']}, H={shape['H']}, "
+            f"d={shape['d']}, causal ({args.device})": [[e for e in evs if e["phase"] == phase] for evs in events]
+            for phase in ("fwd", "bwd")
+        }
         plot_timeline(png, panels, title="tokenring gpu_check timeline: compute (grey) and messages")
-        write_chrome_trace(os.path.join(args.out_dir, "timeline.trace.json"), events,
-                           title=f"{TIMELINE_STRATEGY} P=2")
+        write_chrome_trace(os.path.join(args.out_dir, "timeline.trace.json"), events, title=f"{TIMELINE_STRATEGY} P=2")
         sec["png"] = png
     except Exception as e:  # noqa: BLE001
         report.fail(f"timeline: drawing failed: {type(e).__name__}: {e}")
     if not (os.path.exists(png) and os.path.getsize(png) > 0):
         report.fail(f"timeline: {png} was not written")
     staged = "; gloo stages GPU tensors through host memory" if args.device == "cuda" else ""
-    report.deferred.append(lambda: (table(
-        report, f"4. Timeline of {TIMELINE_STRATEGY}, P=2 ({args.device}): message time overlapped by compute "
+    report.deferred.append(
+        lambda: (
+            table(
+                report,
+                f"4. Timeline of {TIMELINE_STRATEGY}, P=2 ({args.device}): message time overlapped by compute "
                 f"(interval intersection per rank{staged})",
-        ["phase", "rank", "computes", "messages", "compute ms", "message ms", "overlapped ms", "overlap",
-         "span ms"], rows), report.md.extend(["![timeline](timeline.png)", ""])))
+                [
+                    "phase",
+                    "rank",
+                    "computes",
+                    "messages",
+                    "compute ms",
+                    "message ms",
+                    "overlapped ms",
+                    "overlap",
+                    "span ms",
+                ],
+                rows,
+            ),
+            report.md.extend(["![timeline](timeline.png)", ""]),
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -735,9 +951,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few cases (what the CPU test runs)")
     ap.add_argument("--out-dir", default=os.path.join("bench", "results", "gpu"))
-    ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="wall-clock budget in seconds: work not started in time is reported as failed, and a "
-                         "watchdog stops the run 20 s after it (exit 1); default 420")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="wall-clock budget in seconds: work not started in time is reported as failed, and a "
+        "watchdog stops the run 20 s after it (exit 1); default 420",
+    )
     ap.add_argument("--parts", default="correctness,kernels,merge,timeline", help=argparse.SUPPRESS)
     ap.add_argument("--inject-error", default=None, nargs="?", const="first", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -752,8 +972,11 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args, sets)
     report.data["machine"] = machine_info(args.device)
     _watchdog(report, args, args.budget_s + 20.0)
-    print(f"tokenring gpu_check on {report.data['machine'].get('gpu', 'cpu')} (torch {torch.__version__}, "
-          f"CUDA {torch.version.cuda}), device={args.device}, quick={args.quick}, out={args.out_dir}", flush=True)
+    print(
+        f"tokenring gpu_check on {report.data['machine'].get('gpu', 'cpu')} (torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}), device={args.device}, quick={args.quick}, out={args.out_dir}",
+        flush=True,
+    )
     parts = args.parts.split(",")
     steps = [("ranks", lambda *a: run_ranks(*a, parts)), ("kernels", run_kernels), ("merge", run_merge)]
     for name, fn in steps:
@@ -772,17 +995,26 @@ def main(argv: list[str] | None = None) -> int:
     for show in report.deferred:
         show()
     rc = 1 if report.failures else (2 if report.goals_missed else 0)
-    report.data.update(failures=report.failures, goals_missed=report.goals_missed, exit_code=rc,
-                       wall_s=round(time.perf_counter() - t_start, 1))
+    report.data.update(
+        failures=report.failures,
+        goals_missed=report.goals_missed,
+        exit_code=rc,
+        wall_s=round(time.perf_counter() - t_start, 1),
+    )
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(report.data, f, indent=1, default=str)
     m = report.data["machine"]
-    head = [f"# tokenring GPU check ({report.data['started']})", "",
-            f"Machine: {m.get('gpu', 'CPU')} ({m.get('gpu_memory_gib', '-')} GiB), torch {m['torch']}, CUDA "
-            f"{m.get('cuda', '-')}, cuDNN {m.get('cudnn', '-')}, python {m['python']}; device={args.device}, "
-            f"quick={args.quick}; {report.data['wall_s']} s.", "",
-            f"**Result: {'FAILED' if rc == 1 else ('goals missed' if rc == 2 else 'all passed')} (exit {rc})**", ""]
+    head = [
+        f"# tokenring GPU check ({report.data['started']})",
+        "",
+        f"Machine: {m.get('gpu', 'CPU')} ({m.get('gpu_memory_gib', '-')} GiB), torch {m['torch']}, CUDA "
+        f"{m.get('cuda', '-')}, cuDNN {m.get('cudnn', '-')}, python {m['python']}; device={args.device}, "
+        f"quick={args.quick}; {report.data['wall_s']} s.",
+        "",
+        f"**Result: {'FAILED' if rc == 1 else ('goals missed' if rc == 2 else 'all passed')} (exit {rc})**",
+        "",
+    ]
     if report.failures:
         head += ["Failed checks:", ""] + [f"- {x}" for x in report.failures] + [""]
     if report.goals_missed:
@@ -800,8 +1032,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {x}")
         print(f"gpu_check: FAILED, exit 1 ({report.data['wall_s']} s); results in {args.out_dir}")
     else:
-        print(f"gpu_check: all correctness checks passed{'; only performance goals missed' if rc == 2 else ''}, "
-              f"exit {rc} ({report.data['wall_s']} s); results in {args.out_dir}")
+        print(
+            f"gpu_check: all correctness checks passed{'; only performance goals missed' if rc == 2 else ''}, "
+            f"exit {rc} ({report.data['wall_s']} s); results in {args.out_dir}"
+        )
     return rc
 
 

@@ -4,6 +4,7 @@ interpreters; writes every run to ``bench/results/import_time.json``:
 
     .venv/bin/python bench/import_time.py [--base ad951c9] [--runs 12]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,14 +18,22 @@ from statistics import median
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PROBE = ("import json, sys, time; import torch; t = time.perf_counter(); import tokenring; "
-         "print(json.dumps([(time.perf_counter() - t) * 1e3, "
-         "sorted(m for m in sys.modules if m.startswith('tokenring.sim'))]))")
+PROBE = (
+    "import json, sys, time; import torch; t = time.perf_counter(); import tokenring; "
+    "print(json.dumps([(time.perf_counter() - t) * 1e3, "
+    "sorted(m for m in sys.modules if m.startswith('tokenring.sim'))]))"
+)
 
 
 def once(src: str) -> tuple[float, list]:
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=src, capture_output=True, text=True, check=True,
-                         env=dict(os.environ, PYTHONPATH=src)).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, PYTHONPATH=src),
+    ).stdout
     t, mods = json.loads(out)
     return t, mods
 
@@ -43,14 +52,22 @@ def main(argv=None) -> int:
                 t, mods = once(src)
                 runs[label].append(t)
                 sim[label] = mods
-    res = dict(command="python bench/import_time.py", base=a.base, machine=platform.processor() or platform.machine(),
-               cores=os.cpu_count(), runs_ms=runs, median_ms={k: median(v) for k, v in runs.items()},
-               sim_modules_loaded=sim)
+    res = dict(
+        command="python bench/import_time.py",
+        base=a.base,
+        machine=platform.processor() or platform.machine(),
+        cores=os.cpu_count(),
+        runs_ms=runs,
+        median_ms={k: median(v) for k, v in runs.items()},
+        sim_modules_loaded=sim,
+    )
     with open(os.path.join(HERE, "results", "import_time.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(f"import tokenring after torch: before ({a.base}) {res['median_ms']['before']:.1f} ms, "
-          f"after {res['median_ms']['after']:.1f} ms (medians of {a.runs}); simulator modules loaded: "
-          f"before {len(sim['before'])}, after {len(sim['after'])}")
+    print(
+        f"import tokenring after torch: before ({a.base}) {res['median_ms']['before']:.1f} ms, "
+        f"after {res['median_ms']['after']:.1f} ms (medians of {a.runs}); simulator modules loaded: "
+        f"before {len(sim['before'])}, after {len(sim['after'])}"
+    )
     return 0
 
 

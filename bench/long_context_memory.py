@@ -13,6 +13,7 @@ accumulator, the gradients and their fp32 accumulators, dO, and at most two visi
 kind make fewer than ``24 u`` (plus the CPU kernel's per-thread tiles), i.e. linear in s: no s*s tensor exists.
 Writes ``bench/results/long_context_memory.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,6 +52,7 @@ def rank_run(rank: int, P: int, s: int, H: int, d: int, strategy: str) -> dict:
 
 def main(argv=None) -> int:
     from tokenring.tools.launch import spawn
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=262144)
     ap.add_argument("--ranks", type=int, default=4)
@@ -65,19 +67,39 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     for r in rows:
         r["peak_growth_units"] = r["peak_growth_bytes"] / unit
-    out = dict(command="python bench/long_context_memory.py " + " ".join(argv or sys.argv[1:]),
-               machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
-                            python=platform.python_version()),
-               shape=dict(S=a.seq, P=P, s=s, B=1, H=a.heads, Hkv=a.heads, d=a.head_dim, dtype="float32", causal=True,
-                          layout="zigzag", strategy=a.strategy, threads_per_rank=1),
-               unit_bytes=unit, bound_units=24, ranks=rows, wall_s=wall,
-               score_block_bytes=s * s * 4)
+    out = dict(
+        command="python bench/long_context_memory.py " + " ".join(argv or sys.argv[1:]),
+        machine=dict(
+            cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), python=platform.python_version()
+        ),
+        shape=dict(
+            S=a.seq,
+            P=P,
+            s=s,
+            B=1,
+            H=a.heads,
+            Hkv=a.heads,
+            d=a.head_dim,
+            dtype="float32",
+            causal=True,
+            layout="zigzag",
+            strategy=a.strategy,
+            threads_per_rank=1,
+        ),
+        unit_bytes=unit,
+        bound_units=24,
+        ranks=rows,
+        wall_s=wall,
+        score_block_bytes=s * s * 4,
+    )
     with open(os.path.join(HERE, "results", "long_context_memory.json"), "w") as f:
         json.dump(out, f, indent=1)
     for r in rows:
-        print(f"rank {r['rank']}: peak growth {r['peak_growth_bytes'] / 2**20:.0f} MiB = {r['peak_growth_units']:.1f} u "
-              f"(u = s*H*d*4 = {unit / 2**20:.0f} MiB; one s*s fp32 score block would be {s * s * 4 / 2**30:.0f} GiB), "
-              f"{r['seconds']:.0f} s, finite={r['finite']}")
+        print(
+            f"rank {r['rank']}: peak growth {r['peak_growth_bytes'] / 2**20:.0f} MiB = {r['peak_growth_units']:.1f} u "
+            f"(u = s*H*d*4 = {unit / 2**20:.0f} MiB; one s*s fp32 score block would be {s * s * 4 / 2**30:.0f} GiB), "
+            f"{r['seconds']:.0f} s, finite={r['finite']}"
+        )
     ok = all(r["finite"] and r["peak_growth_units"] < 24 for r in rows)
     return 0 if ok else 1
 

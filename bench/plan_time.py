@@ -13,6 +13,7 @@ packed training pays when every step brings new documents: ``--masks`` fresh mas
 (causal, zigzag, local length 64), each planned from scratch (nothing cached for it), timed one by one. Writes
 ``bench/results/plan_time.json`` (``plan_time_docs.json`` with ``--docs``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ def plan(spec: str, P: int, layout: str, causal: bool, backward: bool, rank: int
 def masked(a) -> list[dict]:
     """Planning a call whose documents are new (packed training): one fresh mask at a time."""
     import random
+
     rows, s = [], 64
     for P in a.ranks:
         S = s * P
@@ -50,10 +52,22 @@ def masked(a) -> list[dict]:
                     t0 = time.perf_counter()
                     plan(spec, P, "zigzag", True, backward, P // 3, mask)
                     laps.append(time.perf_counter() - t0)
-                rows.append(dict(P=P, strategy=spec, backward=backward, docs=a.docs, local_length=s,
-                                 per_new_mask_ms=[x * 1e3 for x in laps], median_ms=median(laps) * 1e3))
-                print(f"P={P:5d} {spec:26s} {'bwd' if backward else 'fwd'}: a new mask of {a.docs} documents "
-                      f"plans in {median(laps) * 1e3:9.1f} ms (median of {a.masks})", flush=True)
+                rows.append(
+                    dict(
+                        P=P,
+                        strategy=spec,
+                        backward=backward,
+                        docs=a.docs,
+                        local_length=s,
+                        per_new_mask_ms=[x * 1e3 for x in laps],
+                        median_ms=median(laps) * 1e3,
+                    )
+                )
+                print(
+                    f"P={P:5d} {spec:26s} {'bwd' if backward else 'fwd'}: a new mask of {a.docs} documents "
+                    f"plans in {median(laps) * 1e3:9.1f} ms (median of {a.masks})",
+                    flush=True,
+                )
     return rows
 
 
@@ -66,10 +80,12 @@ def main(argv=None) -> int:
     ap.add_argument("--masks", type=int, default=3)
     a = ap.parse_args(argv)
     from tokenring.tools.bench import machine as machine_of
+
     machine = machine_of()
     if a.docs:
-        out = dict(command="python bench/plan_time.py " + " ".join(argv or sys.argv[1:]), machine=machine,
-                   rows=masked(a))
+        out = dict(
+            command="python bench/plan_time.py " + " ".join(argv or sys.argv[1:]), machine=machine, rows=masked(a)
+        )
         with open(os.path.join(HERE, "results", "plan_time_docs.json"), "w") as f:
             json.dump(out, f, indent=1)
         return 0
@@ -87,14 +103,25 @@ def main(argv=None) -> int:
                         t0 = time.perf_counter()
                         plan(spec, P, layout, causal, backward, rank)
                         laps.append(time.perf_counter() - t0)
-                    rows.append(dict(P=P, strategy=spec, causal=causal, backward=backward, first_s=first,
-                                     cached_median_us=median(laps) * 1e6, cached_max_us=max(laps) * 1e6))
+                    rows.append(
+                        dict(
+                            P=P,
+                            strategy=spec,
+                            causal=causal,
+                            backward=backward,
+                            first_s=first,
+                            cached_median_us=median(laps) * 1e6,
+                            cached_max_us=max(laps) * 1e6,
+                        )
+                    )
                     r = rows[-1]
-                    print(f"P={P:5d} {spec:18s} causal={causal!s:5s} {'bwd' if backward else 'fwd'}: first call "
-                          f"{first:8.3f} s, later calls median {r['cached_median_us']:.2f} us "
-                          f"(max {r['cached_max_us']:.1f} us)", flush=True)
-    out = dict(command="python bench/plan_time.py " + " ".join(argv or sys.argv[1:]),
-               machine=machine, rows=rows)
+                    print(
+                        f"P={P:5d} {spec:18s} causal={causal!s:5s} {'bwd' if backward else 'fwd'}: first call "
+                        f"{first:8.3f} s, later calls median {r['cached_median_us']:.2f} us "
+                        f"(max {r['cached_max_us']:.1f} us)",
+                        flush=True,
+                    )
+    out = dict(command="python bench/plan_time.py " + " ".join(argv or sys.argv[1:]), machine=machine, rows=rows)
     with open(os.path.join(HERE, "results", "plan_time.json"), "w") as f:
         json.dump(out, f, indent=1)
     return 0

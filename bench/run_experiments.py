@@ -14,6 +14,7 @@
 Writes ``results.json`` (everything), ``timeline_<case>_<topology>.png`` and Chrome traces (open in
 https://ui.perfetto.dev), ``sweep.png`` and ``summary.md``. No number in it is typed by hand.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,15 +42,21 @@ def by_name(res: dict) -> dict:
 
 
 def calibrate(S: int, H: int, d: int, P: int, repeats: int) -> dict:
-    spec = bench.make_spec(P=P, S=S, H=H, d=d, strategies=["ring", "token_ring"], repeats=repeats, warmup=1,
-                           comm_only=False)
+    spec = bench.make_spec(
+        P=P, S=S, H=H, d=d, strategies=["ring", "token_ring"], repeats=repeats, warmup=1, comm_only=False
+    )
     res = bench.run(spec)
     rs = by_name(res)
     c = median([rs["ring"]["compute_per_step"], rs["token_ring"]["compute_per_step"]])
     kv_bytes = 2 * (S // P) * H * d * 4  # ring's message per step (K and V, float32)
-    rate = kv_bytes * 8 / (2 * c) / 1e6   # Mbit/s that makes ring's transfer take 2c
-    return dict(compute_per_step=c, kv_bytes_per_step=kv_bytes, rate_mbit=max(10.0, round(rate / 10) * 10),
-                exact_rate_mbit=rate, run=bench.strip_events(res))
+    rate = kv_bytes * 8 / (2 * c) / 1e6  # Mbit/s that makes ring's transfer take 2c
+    return dict(
+        compute_per_step=c,
+        kv_bytes_per_step=kv_bytes,
+        rate_mbit=max(10.0, round(rate / 10) * 10),
+        exact_rate_mbit=rate,
+        run=bench.strip_events(res),
+    )
 
 
 def run_case(name: str, spec: dict, topo: str, rate: float, outdir: str, traces: bool = True) -> dict:
@@ -62,8 +69,9 @@ def run_case(name: str, spec: dict, topo: str, rate: float, outdir: str, traces:
             if r["strategy"] not in ("ring", "token_ring"):
                 r.pop("trace_events", None)
         bench.write_traces(res, outdir, tag=f"{name}_{topo}_")
-        os.replace(os.path.join(outdir, f"{name}_{topo}_timeline.png"),
-                   os.path.join(outdir, f"timeline_{name}_{topo}.png"))
+        os.replace(
+            os.path.join(outdir, f"{name}_{topo}_timeline.png"), os.path.join(outdir, f"timeline_{name}_{topo}.png")
+        )
     return bench.strip_events(res)
 
 
@@ -72,35 +80,48 @@ def ms(x) -> str:
 
 
 def case_table(results: list[dict]) -> list[str]:
-    lines = ["| case | topology | link rate | shapes | strategy | ms/call median [min-max] | ms/step (call/P) | "
-             "steady step ms | compute ms/step | comm ms/step alone | exposed ms/step | vs best | check |",
-             "|" + "---|" * 13]
+    lines = [
+        "| case | topology | link rate | shapes | strategy | ms/call median [min-max] | ms/step (call/P) | "
+        "steady step ms | compute ms/step | comm ms/step alone | exposed ms/step | vs best | check |",
+        "|" + "---|" * 13,
+    ]
     for res in results:
         sp, tb = res["spec"], res["testbed"]
-        shape = (f"B={sp['B']} S={sp['S']} H={sp['H']} Hkv={sp['Hkv']} d={sp['d']} "
-                 f"{'causal zigzag' if sp['causal'] else 'non-causal'} {sp['pass']}")
+        shape = (
+            f"B={sp['B']} S={sp['S']} H={sp['H']} Hkv={sp['Hkv']} d={sp['d']} "
+            f"{'causal zigzag' if sp['causal'] else 'non-causal'} {sp['pass']}"
+        )
         for r in res["results"]:
             if "skipped" in r:
-                lines.append(f"| {res['case']} | {tb['topology']} | {tb['rate_mbit']:g} Mbit/s | {shape} | "
-                             f"{r['strategy']} | skipped: {r['skipped']} |||||||")
+                lines.append(
+                    f"| {res['case']} | {tb['topology']} | {tb['rate_mbit']:g} Mbit/s | {shape} | "
+                    f"{r['strategy']} | skipped: {r['skipped']} |||||||"
+                )
                 continue
             phase = "fwd" if sp["pass"] == "fwd" else "bwd"
             st = steady_step(r, "fwd") if sp["pass"] == "fwd" else None
             chk = r.get("check", {})
-            label = r["strategy"] + (" (private API)" if r["strategy"] == "pytorch_ring" else "") + \
-                (f" (public API; {r.get('how', '')})" if r["strategy"] == "pytorch_cp" else "")
+            label = (
+                r["strategy"]
+                + (" (private API)" if r["strategy"] == "pytorch_ring" else "")
+                + (f" (public API; {r.get('how', '')})" if r["strategy"] == "pytorch_cp" else "")
+            )
             lines.append(
                 f"| {res['case']} | {tb['topology']} | {tb['rate_mbit']:g} Mbit/s | {shape} | {label} | "
                 f"{ms(r['time'])} [{ms(r['time_min'])}-{ms(r['time_max'])}] | {ms(r['per_step'])} | {ms(st)} | "
                 f"{ms(r.get('compute_per_step'))} | {ms(r.get('comm_per_step'))} | {ms(r.get('exposed_per_step'))} | "
-                f"{r['vs_best']:.2f}x | {'ok' if chk.get('ok') else 'FAIL'} {chk.get('max_err', float('nan')):.0e} |")
+                f"{r['vs_best']:.2f}x | {'ok' if chk.get('ok') else 'FAIL'} {chk.get('max_err', float('nan')):.0e} |"
+            )
             del phase
     return lines
 
 
 def ratio_table(results: list[dict]) -> list[str]:
-    lines = ["| case | topology | link rate | ring ms/call | token_ring ms/call | ratio per call (ring / token_ring) | "
-             "ring steady step ms | token_ring steady step ms | ratio per step |", "|" + "---|" * 9]
+    lines = [
+        "| case | topology | link rate | ring ms/call | token_ring ms/call | ratio per call (ring / token_ring) | "
+        "ring steady step ms | token_ring steady step ms | ratio per step |",
+        "|" + "---|" * 9,
+    ]
     for res in results:
         rs = by_name(res)
         if "ring" not in rs or "token_ring" not in rs:
@@ -109,16 +130,20 @@ def ratio_table(results: list[dict]) -> list[str]:
         fwd_only = res["spec"]["pass"] == "fwd"
         sa, sb = (steady_step(a), steady_step(b)) if fwd_only else (None, None)
         tb = res["testbed"]
-        lines.append(f"| {res['case']} | {tb['topology']} | {tb['rate_mbit']:g} Mbit/s | {ms(a['time'])} | "
-                     f"{ms(b['time'])} | **{a['time'] / b['time']:.2f}** | {ms(sa)} | {ms(sb)} | "
-                     f"{(f'**{sa / sb:.2f}**' if sa and sb else '-')} |")
+        lines.append(
+            f"| {res['case']} | {tb['topology']} | {tb['rate_mbit']:g} Mbit/s | {ms(a['time'])} | "
+            f"{ms(b['time'])} | **{a['time'] / b['time']:.2f}** | {ms(sa)} | {ms(sb)} | "
+            f"{(f'**{sa / sb:.2f}**' if sa and sb else '-')} |"
+        )
     return lines
 
 
 def plot_sweep(sweep: list[dict], path: str, cal: dict) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     styles = {"mesh": "-", "switch": "--"}
     colors = {"ring": "#1f77b4", "token_ring": "#ff7f0e"}
@@ -131,16 +156,22 @@ def plot_sweep(sweep: list[dict], path: str, cal: dict) -> None:
             ys = [by_name(r)[name]["time"] * 1e3 for r in pts]
             lo = [by_name(r)[name]["time_min"] * 1e3 for r in pts]
             hi = [by_name(r)[name]["time_max"] * 1e3 for r in pts]
-            ax.errorbar(rates, ys, yerr=[[y - l for y, l in zip(ys, lo)], [h - y for y, h in zip(ys, hi)]],
-                        fmt="o" + styles[topo], color=colors[name], label=f"{name} ({topo})", capsize=2)
+            ax.errorbar(
+                rates,
+                ys,
+                yerr=[[y - l for y, l in zip(ys, lo)], [h - y for y, h in zip(ys, hi)]],
+                fmt="o" + styles[topo],
+                color=colors[name],
+                label=f"{name} ({topo})",
+                capsize=2,
+            )
     ax.axvline(cal["rate_mbit"], color="grey", lw=0.8, ls=":")
     ax.text(cal["rate_mbit"], ax.get_ylim()[1] * 0.95, " ring comm = 2x compute", fontsize=7, color="grey")
     ax.set_xscale("log")
     ax.set_xlabel("link rate per direction (Mbit/s), tc tbf")
     ax.set_ylabel("time per forward call (ms), median, min-max bars")
     sp = sweep[0]["spec"]
-    ax.set_title(f"P={sp['P']} S={sp['S']} H={sp['H']} d={sp['d']} non-causal forward, gloo, 2-core CPU VM",
-                 fontsize=9)
+    ax.set_title(f"P={sp['P']} S={sp['S']} H={sp['H']} d={sp['d']} non-causal forward, gloo, 2-core CPU VM", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -171,9 +202,11 @@ def main(argv=None) -> int:
     reps, reps_bwd = (2, 1) if a.quick else (5, 3)
     t_start = time.time()
     from rich.progress import Progress
+
     all_res: dict = dict(machine=bench.machine(), started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
-    plan = ["calibrate"] + [f"{c}:{t}" for c in ("mha_fwd", "causal_fwd", "causal_fwdbwd", "gqa_fwd")
-                            for t in ("mesh", "switch")]
+    plan = ["calibrate"] + [
+        f"{c}:{t}" for c in ("mha_fwd", "causal_fwd", "causal_fwdbwd", "gqa_fwd") for t in ("mesh", "switch")
+    ]
     sweep_mult = [0.5, 1, 2, 4, 8] if not a.quick else [1, 4]
     plan += [f"sweep:{t}:{m}" for t in ("mesh", "switch") for m in sweep_mult]
     cases, sweep = [], []
@@ -191,17 +224,32 @@ def main(argv=None) -> int:
                 if kind == "mha_fwd":
                     spec = bench.make_spec(**common, repeats=reps, strategies=list(bench.OURS + bench.PEERS))
                 elif kind == "causal_fwd":
-                    spec = bench.make_spec(**common, causal=True, repeats=reps,
-                                           strategies=["token_ring", "ring", "ulysses", "pytorch_ring"])
+                    spec = bench.make_spec(
+                        **common,
+                        causal=True,
+                        repeats=reps,
+                        strategies=["token_ring", "ring", "ulysses", "pytorch_ring"],
+                    )
                 elif kind == "causal_fwdbwd":
-                    spec = bench.make_spec(**common, causal=True, mode="both", repeats=reps_bwd,
-                                           strategies=["token_ring", "ring", "pytorch_ring"])
+                    spec = bench.make_spec(
+                        **common,
+                        causal=True,
+                        mode="both",
+                        repeats=reps_bwd,
+                        strategies=["token_ring", "ring", "pytorch_ring"],
+                    )
                 elif kind == "gqa_fwd":
-                    spec = bench.make_spec(**common, Hkv=2, repeats=reps,
-                                           strategies=["token_ring", "ring", "ulysses", "pytorch_ring"])
+                    spec = bench.make_spec(
+                        **common, Hkv=2, repeats=reps, strategies=["token_ring", "ring", "ulysses", "pytorch_ring"]
+                    )
                 else:  # sweep
-                    spec = bench.make_spec(**common, repeats=max(2, reps - 2), strategies=["token_ring", "ring"],
-                                           comm_only=False, trace=False)
+                    spec = bench.make_spec(
+                        **common,
+                        repeats=max(2, reps - 2),
+                        strategies=["token_ring", "ring"],
+                        comm_only=False,
+                        trace=False,
+                    )
                     sweep.append(run_case("sweep", spec, topo, round(rate * float(rest[0])), a.out, traces=False))
                     prog.advance(task)
                     continue
@@ -262,16 +310,20 @@ def write_summary(all_res: dict, outdir: str, cal: dict) -> None:
     ]
     for r in sweep:
         rs = by_name(r)
-        L.append(f"| {r['testbed']['topology']} | {r['testbed']['rate_mbit']:g} Mbit/s | "
-                 f"{ms(rs['ring']['time'])} [{ms(rs['ring']['time_min'])}-{ms(rs['ring']['time_max'])}] | "
-                 f"{ms(rs['token_ring']['time'])} [{ms(rs['token_ring']['time_min'])}-"
-                 f"{ms(rs['token_ring']['time_max'])}] | {rs['ring']['time'] / rs['token_ring']['time']:.2f} |")
+        L.append(
+            f"| {r['testbed']['topology']} | {r['testbed']['rate_mbit']:g} Mbit/s | "
+            f"{ms(rs['ring']['time'])} [{ms(rs['ring']['time_min'])}-{ms(rs['ring']['time_max'])}] | "
+            f"{ms(rs['token_ring']['time'])} [{ms(rs['token_ring']['time_min'])}-"
+            f"{ms(rs['token_ring']['time_max'])}] | {rs['ring']['time'] / rs['token_ring']['time']:.2f} |"
+        )
     L += ["", "## Timelines", ""]
     for c in cases:
         name = f"timeline_{c['case']}_{c['testbed']['topology']}.png"
-        L.append(f"- [{c['case']} on {c['testbed']['topology']}]({name}) (Chrome traces: "
-                 f"`{c['case']}_{c['testbed']['topology']}_ring.trace.json`, "
-                 f"`{c['case']}_{c['testbed']['topology']}_token_ring.trace.json`)")
+        L.append(
+            f"- [{c['case']} on {c['testbed']['topology']}]({name}) (Chrome traces: "
+            f"`{c['case']}_{c['testbed']['topology']}_ring.trace.json`, "
+            f"`{c['case']}_{c['testbed']['topology']}_token_ring.trace.json`)"
+        )
     L += ["", "## Reading", "", *reading(all_res), ""]
     with open(os.path.join(outdir, "summary.md"), "w") as f:
         f.write("\n".join(L))
@@ -324,7 +376,8 @@ def reading(all_res: dict) -> list[str]:
             f"{ms(b.get('comm_per_step'))} ms; compute {ms(a.get('compute_per_step'))} / "
             f"{ms(b.get('compute_per_step'))} ms per step; exposed communication {ms(a.get('exposed_per_step'))} vs "
             f"{ms(b.get('exposed_per_step'))} ms per step. **Per call: {a['time'] / b['time']:.2f}** "
-            f"({ms(a['time'])} vs {ms(b['time'])} ms).")
+            f"({ms(a['time'])} vs {ms(b['time'])} ms)."
+        )
     mesh, sw = _find(cases, "mha_fwd", "mesh"), _find(cases, "mha_fwd", "switch")
     if mesh and sw:
         rm = mesh["ring"]["time"] / mesh["token_ring"]["time"]
@@ -337,12 +390,17 @@ def reading(all_res: dict) -> list[str]:
             f"as long as its compute. On the **switch** the per-step ratio still looks good only because most "
             f"token_ring steps carry a single message; step 2 sends Q and a partial through the same out-port, "
             f"the total bytes through each port equal ring's, and per call it is a tie ({rsw:.2f}x) - as the "
-            f"design notes predict for one full-duplex port per rank.")
+            f"design notes predict for one full-duplex port per rank."
+        )
     for rs, topo in ((_find(cases, "gqa_fwd", t), t) for t in ("mesh", "switch")):
         if rs:
             r = rs["ring"]["time"] / rs["token_ring"]["time"]
-            out.append(f"- **GQA (H=8, Hkv=2), {topo}**: ring / token_ring per call = **{r:.2f}** "
-                       f"({'ring faster, as expected: its K/V message is H/(2 Hkv) = 2x smaller than Q' if r < 1 else 'token_ring faster, against the byte count (K/V is 2x smaller than Q): see the timeline'}).")
+            why = (
+                "ring faster, as expected: its K/V message is H/(2 Hkv) = 2x smaller than Q"
+                if r < 1
+                else "token_ring faster, against the byte count (K/V is 2x smaller than Q): see the timeline"
+            )
+            out.append(f"- **GQA (H=8, Hkv=2), {topo}**: ring / token_ring per call = **{r:.2f}** ({why}).")
     for case, what in (("causal_fwd", "causal zigzag forward"), ("causal_fwdbwd", "causal zigzag forward+backward")):
         for topo in ("mesh", "switch"):
             rs = _find(cases, case, topo)
@@ -350,23 +408,31 @@ def reading(all_res: dict) -> list[str]:
                 st = ""
                 if case == "causal_fwd" and steady_step(rs["ring"]) and steady_step(rs["token_ring"]):
                     st = f" (per step {steady_step(rs['ring']) / steady_step(rs['token_ring']):.2f})"
-                out.append(f"- **{what}, {topo}**: ring / token_ring per call = **"
-                           f"{rs['ring']['time'] / rs['token_ring']['time']:.2f}**{st}; PyTorch's private ring / "
-                           f"token_ring = {rs['pytorch_ring']['time'] / rs['token_ring']['time']:.2f}.")
+                out.append(
+                    f"- **{what}, {topo}**: ring / token_ring per call = **"
+                    f"{rs['ring']['time'] / rs['token_ring']['time']:.2f}**{st}; PyTorch's private ring / "
+                    f"token_ring = {rs['pytorch_ring']['time'] / rs['token_ring']['time']:.2f}."
+                )
     sweep = all_res.get("sweep", [])
     if sweep:
+
         def rr(topo, pick):
-            pts = sorted((r for r in sweep if r["testbed"]["topology"] == topo), key=lambda r: r["testbed"]["rate_mbit"])
+            pts = sorted(
+                (r for r in sweep if r["testbed"]["topology"] == topo), key=lambda r: r["testbed"]["rate_mbit"]
+            )
             if not pts:
                 return None
             r = pick(pts)
             return r["testbed"]["rate_mbit"], by_name(r)["ring"]["time"] / by_name(r)["token_ring"]["time"]
+
         lo, hi = rr("mesh", lambda p: p[0]), rr("mesh", lambda p: p[-1])
         if lo and hi:
-            out.append(f"- **Sweep**: on the mesh ring / token_ring goes from {hi[1]:.2f} at {hi[0]:g} Mbit/s "
-                       f"(compute-bound: token_ring's extra step and merges cost CPU on the shared cores) to "
-                       f"{lo[1]:.2f} at {lo[0]:g} Mbit/s (comm-bound, limit {bound:.2f}); on the switch the two stay "
-                       f"within a few percent of each other or ring leads.")
+            out.append(
+                f"- **Sweep**: on the mesh ring / token_ring goes from {hi[1]:.2f} at {hi[0]:g} Mbit/s "
+                f"(compute-bound: token_ring's extra step and merges cost CPU on the shared cores) to "
+                f"{lo[1]:.2f} at {lo[0]:g} Mbit/s (comm-bound, limit {bound:.2f}); on the switch the two stay "
+                f"within a few percent of each other or ring leads."
+            )
     out += [
         "",
         "Caveats, all visible in the timelines: the 4 ranks share 2 CPU cores, so one rank's compute slows down "

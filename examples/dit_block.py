@@ -7,6 +7,7 @@ attention needs the other ranks. Forward and backward are checked against the sa
 
     python examples/dit_block.py [--tokens 4096] [--ranks 4] [--strategy token_ring]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ class DiTBlock(nn.Module):
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         B, s, D = x.shape
-        q, k, v = self.qkv(x).view(B, s, 3, self.heads, D // self.heads).unbind(2)   # (B, s, H, d) each
+        q, k, v = self.qkv(x).view(B, s, 3, self.heads, D // self.heads).unbind(2)  # (B, s, H, d) each
         if self.sequence_parallel:
             out = tokenring.attention(q, k, v, causal=False, strategy=self.strategy, layout="contiguous")
         else:
@@ -67,8 +68,8 @@ def run(rank: int, P: int, S: int, dim: int = 256, strategy: str = "auto") -> di
     x_local = tokenring.shard(x, dim=1, layout="contiguous").clone().requires_grad_()
     t0 = time.perf_counter()
     y = block(x_local, c)
-    (y.square().sum() / y.new_tensor(x.numel())).backward()        # this rank's share of the global mean
-    for p in block.parameters():                                    # sum the shares' gradients
+    (y.square().sum() / y.new_tensor(x.numel())).backward()  # this rank's share of the global mean
+    for p in block.parameters():  # sum the shares' gradients
         torch.distributed.all_reduce(p.grad)
     y_full = tokenring.gather(y.detach(), dim=1, layout="contiguous")
     with torch.no_grad():  # the attention sublayer alone (the residual stream dwarfs it in y)
@@ -84,8 +85,12 @@ def run(rank: int, P: int, S: int, dim: int = 256, strategy: str = "auto") -> di
         rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
         with torch.no_grad():
             a_ref = ref.attention(ref.norm1(x))
-        res.update(out=rel(y_full, yr.detach()), attn=rel(a_full, a_ref), dx=rel(dx_full, xr.grad),
-                   grad=max(rel(p.grad, q.grad) for p, q in zip(block.parameters(), ref.parameters())))
+        res.update(
+            out=rel(y_full, yr.detach()),
+            attn=rel(a_full, a_ref),
+            dx=rel(dx_full, xr.grad),
+            grad=max(rel(p.grad, q.grad) for p, q in zip(block.parameters(), ref.parameters())),
+        )
     return res
 
 
@@ -97,11 +102,15 @@ def main(argv=None) -> int:
     ap.add_argument("--strategy", default="auto")
     a = ap.parse_args(argv)
     r = spawn(run, a.ranks, a.tokens, a.dim, a.strategy)[0]
-    print(f"DiT block, batch 2 x {a.tokens} tokens, dim {a.dim}, 8 heads, non-causal, {a.ranks} ranks "
-          f"({a.strategy}): forward+backward {r['time']:.2f} s")
-    print(f"relative difference to one process: attention output {r['attn']:.1e}, block output {r['out']:.1e}, "
-          f"input gradient {r['dx']:.1e}, "
-          f"parameter gradients {r['grad']:.1e}")
+    print(
+        f"DiT block, batch 2 x {a.tokens} tokens, dim {a.dim}, 8 heads, non-causal, {a.ranks} ranks "
+        f"({a.strategy}): forward+backward {r['time']:.2f} s"
+    )
+    print(
+        f"relative difference to one process: attention output {r['attn']:.1e}, block output {r['out']:.1e}, "
+        f"input gradient {r['dx']:.1e}, "
+        f"parameter gradients {r['grad']:.1e}"
+    )
     ok = max(r["attn"], r["out"], r["dx"], r["grad"]) < 1e-4
     print("matches single process:", "yes" if ok else "NO")
     return 0 if ok else 1

@@ -13,6 +13,7 @@ on one long sequence sharded over the ranks (zigzag). Each rank:
 
     python examples/finetune_long_context.py [--seq 4096] [--ranks 4] [--steps 2] [--strategy auto]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,13 +27,22 @@ from tokenring.tools.launch import spawn
 
 def build(model_path: str | None, attn: str, layers: int = 2):
     import transformers
+
     torch.manual_seed(0)
     if model_path:
-        return transformers.AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=attn,
-                                                                 dtype=torch.float32, local_files_only=True)
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=layers,
-                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
-                                   max_position_embeddings=1 << 16, attention_dropout=0.0)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, attn_implementation=attn, dtype=torch.float32, local_files_only=True
+        )
+    cfg = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=1 << 16,
+        attention_dropout=0.0,
+    )
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
 
 
@@ -40,8 +50,9 @@ def data(S: int, vocab: int, step: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, S), generator=torch.Generator().manual_seed(100 + step))
 
 
-def train(rank: int, P: int, S: int, steps: int, strategy: str = "auto", model_path: str | None = None,
-          check: bool = True) -> dict:
+def train(
+    rank: int, P: int, S: int, steps: int, strategy: str = "auto", model_path: str | None = None, check: bool = True
+) -> dict:
     """Runs ``steps`` AdamW steps sharded; rank 0 also runs them in one process and compares. Returns rank 0's
     per-step losses, the worst relative gradient error of the first step (identical weights on both sides) and
     the worst parameter difference after the steps. After the first update the two runs evolve separately and
@@ -60,9 +71,9 @@ def train(rank: int, P: int, S: int, steps: int, strategy: str = "auto", model_p
         ids = data(S, model.config.vocab_size, step)
         t0 = time.perf_counter()
         batch = thf.shard_batch(ids, labels=ids)
-        loss = model(**batch).loss                # this rank's share of the global mean
+        loss = model(**batch).loss  # this rank's share of the global mean
         loss.backward()
-        thf.all_reduce_grads(model)               # sum of shares' gradients = single-process gradient
+        thf.all_reduce_grads(model)  # sum of shares' gradients = single-process gradient
         total = thf.reduce_loss(loss)
         opt.step()
         out["time"].append(time.perf_counter() - t0)
@@ -94,8 +105,10 @@ def main(argv=None) -> int:
     r = spawn(train, a.ranks, a.seq, a.steps, a.strategy, a.model)[0]
     for i, (l, rl, t) in enumerate(zip(r["loss"], r["ref_loss"], r["time"])):
         print(f"step {i}: loss {l:.6f} (single process {rl:.6f}), {t:.1f} s on {a.ranks} ranks")
-    print(f"first step: worst relative gradient difference {r['grad_rel']:.2e} (max |dgrad| / max |grad|, per "
-          f"parameter); after {a.steps} AdamW steps (lr 1e-3) parameters differ by at most {r['param_diff']:.2e}")
+    print(
+        f"first step: worst relative gradient difference {r['grad_rel']:.2e} (max |dgrad| / max |grad|, per "
+        f"parameter); after {a.steps} AdamW steps (lr 1e-3) parameters differ by at most {r['param_diff']:.2e}"
+    )
     ok = r["grad_rel"] < 1e-4 and max(abs(x - y) for x, y in zip(r["loss"], r["ref_loss"])) < 1e-5
     print("matches single process:", "yes" if ok else "NO")
     return 0 if ok else 1

@@ -7,6 +7,7 @@ MHA, the contiguous layout, plain matmuls in float32/64, no overlap of transfers
 (tokenring.attention) adds GQA, zigzag, masks, fused kernels, overlap and error handling; the tests check this
 file against it.   Run: torchrun --nproc-per-node 4 examples/token_ring_minimal.py
 """
+
 import torch
 import torch.distributed as dist
 
@@ -23,9 +24,9 @@ def exchange(send: list[torch.Tensor], to: int, frm: int) -> list[torch.Tensor]:
 
 def block(q, k, v, scale, mask):
     """One block: q (B, n, H, d) against k, v (B, m, H, d) -> out (B, n, H, d), lse (B, H, n)."""
-    s = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale          # (B, H, n, m)
-    s = s.masked_fill(~mask, float("-inf"))                    # mask (n, m): True where a query sees a key
-    lse = torch.logsumexp(s, -1)                               # (B, H, n); -inf on rows that see nothing
+    s = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale  # (B, H, n, m)
+    s = s.masked_fill(~mask, float("-inf"))  # mask (n, m): True where a query sees a key
+    lse = torch.logsumexp(s, -1)  # (B, H, n); -inf on rows that see nothing
     p = torch.exp(s - lse.nan_to_num(neginf=0).unsqueeze(-1))  # a row that sees nothing gets p = 0
     return torch.einsum("bhnm,bmhd->bnhd", p, v), lse
 
@@ -49,12 +50,12 @@ def merge(out, lse, o, l):
 def forward(q, k, v, causal, scale):
     r, P = dist.get_rank(), dist.get_world_size()
     n = q.shape[1]
-    out, lse = block(q, k, v, scale, visible(n, r, r, causal))          # my queries on my keys first
+    out, lse = block(q, k, v, scale, visible(n, r, r, causal))  # my queries on my keys first
     for t in range(1, P):
         ahead, behind = (r + t) % P, (r - t) % P
-        q_in, = exchange([q], to=ahead, frm=behind)                     # Q_behind arrives (B, n, H, d)
+        (q_in,) = exchange([q], to=ahead, frm=behind)  # Q_behind arrives (B, n, H, d)
         o, l = block(q_in, k, v, scale, visible(n, behind, r, causal))  # its partial on my K/V
-        o, l = exchange([o, l], to=behind, frm=ahead)                   # mine comes home from `ahead`
+        o, l = exchange([o, l], to=behind, frm=ahead)  # mine comes home from `ahead`
         merge(out, lse, o, l)
     return out, lse
 
@@ -62,23 +63,24 @@ def forward(q, k, v, causal, scale):
 def backward(dout, q, k, v, out, lse, causal, scale):
     r, P = dist.get_rank(), dist.get_world_size()
     n = q.shape[1]
-    delta = (dout * out).sum(-1).transpose(1, 2)                   # (B, H, n): rowsum(dO * O)
+    delta = (dout * out).sum(-1).transpose(1, 2)  # (B, H, n): rowsum(dO * O)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for t in range(P):
         ahead, behind = (r + t) % P, (r - t) % P
         rows = [q, dout, lse, delta]
         if t:
-            rows = exchange(rows, to=ahead, frm=behind)             # (Q, dO, lse, delta) of `behind`
+            rows = exchange(rows, to=ahead, frm=behind)  # (Q, dO, lse, delta) of `behind`
         qb, dob, lseb, deltab = rows
         mask = visible(n, behind, r, causal)
-        p = torch.exp((torch.einsum("bnhd,bmhd->bhnm", qb, k) * scale).masked_fill(~mask, float("-inf"))
-                      - lseb.unsqueeze(-1))                         # (B, H, n, m): softmax probabilities
-        dv += torch.einsum("bhnm,bnhd->bmhd", p, dob)               # dK/dV of my keys stay here
+        p = torch.exp(
+            (torch.einsum("bnhd,bmhd->bhnm", qb, k) * scale).masked_fill(~mask, float("-inf")) - lseb.unsqueeze(-1)
+        )  # (B, H, n, m): softmax probabilities
+        dv += torch.einsum("bhnm,bnhd->bmhd", p, dob)  # dK/dV of my keys stay here
         ds = p * (torch.einsum("bnhd,bmhd->bhnm", dob, v) - deltab.unsqueeze(-1))
         dk += torch.einsum("bhnm,bnhd->bmhd", ds, qb) * scale
-        dq_part = torch.einsum("bhnm,bmhd->bnhd", ds, k) * scale    # the partial dQ of `behind`'s rows
+        dq_part = torch.einsum("bhnm,bmhd->bnhd", ds, k) * scale  # the partial dQ of `behind`'s rows
         if t:
-            dq_part, = exchange([dq_part], to=behind, frm=ahead)    # mine comes home
+            (dq_part,) = exchange([dq_part], to=behind, frm=ahead)  # mine comes home
         dq += dq_part
     return dq, dk, dv
 

@@ -40,6 +40,7 @@ slow but handy for debugging context parallelism on a single GPU.
 The tests run this script as 2 processes with ``--init-method file:///tmp/...`` and gloo, so nothing listens
 on the network.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,13 @@ def setup(args: argparse.Namespace) -> torch.device:
         device = torch.device("cuda", local_rank if backend == "nccl" else local_rank % torch.cuda.device_count())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=args.init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=tokenring.get_timeout()))
+    dist.init_process_group(
+        backend,
+        init_method=args.init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=tokenring.get_timeout()),
+    )
     return device
 
 
@@ -80,32 +86,32 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def reference_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool,
-                     got: dict[str, torch.Tensor]) -> dict[str, float]:
+def reference_errors(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool, got: dict[str, torch.Tensor]
+) -> dict[str, float]:
     """max|got - ref| / max|ref| for out, dq, dk, dv, ref = float64 SDPA over the full sequence. Each rank
     computes every P-th block of query rows (forward and backward); dk and dv are summed over the ranks."""
     rank, P = dist.get_rank(), dist.get_world_size()
     B, S, H, d = q.shape
-    q, dout = (t.double().transpose(1, 2) for t in (q, dout))                      # (B, H, S, d)
-    k, v = (t.double().transpose(1, 2).requires_grad_() for t in (k, v))           # (B, Hkv, S, d)
+    q, dout = (t.double().transpose(1, 2) for t in (q, dout))  # (B, H, S, d)
+    k, v = (t.double().transpose(1, 2).requires_grad_() for t in (k, v))  # (B, Hkv, S, d)
     got = {name: t.double().transpose(1, 2) for name, t in got.items()}
-    num = torch.zeros(4, dtype=torch.float64, device=q.device)   # max|got - ref| and max|ref| per tensor
+    num = torch.zeros(4, dtype=torch.float64, device=q.device)  # max|got - ref| and max|ref| per tensor
     den = torch.zeros_like(num)
     rows = max(1, REF_BLOCK_BYTES // (8 * B * H * S))
     pos = torch.arange(S, device=q.device)
     for a in range(rank * rows, S, P * rows):
         b = min(a + rows, S)
-        e = b if causal else S                                                      # keys these rows can see
+        e = b if causal else S  # keys these rows can see
         qb = q[:, :, a:b].clone().requires_grad_()
         mask = pos[:e] <= pos[a:b, None] if causal else None
-        o = F.scaled_dot_product_attention(qb, k[:, :, :e], v[:, :, :e], attn_mask=mask,
-                                           enable_gqa=k.shape[1] != H)
+        o = F.scaled_dot_product_attention(qb, k[:, :, :e], v[:, :, :e], attn_mask=mask, enable_gqa=k.shape[1] != H)
         o.backward(dout[:, :, a:b])
         for i, (ref, name) in enumerate(((o.detach(), "out"), (qb.grad, "dq"))):
             num[i] = torch.maximum(num[i], (got[name][:, :, a:b] - ref).abs().max())
             den[i] = torch.maximum(den[i], ref.abs().max())
     for i, (t, name) in enumerate(((k, "dk"), (v, "dv"))):
-        grad = t.grad if t.grad is not None else torch.zeros_like(t)                # no rows: nothing added
+        grad = t.grad if t.grad is not None else torch.zeros_like(t)  # no rows: nothing added
         dist.all_reduce(grad)
         num[2 + i], den[2 + i] = (got[name] - grad).abs().max(), grad.abs().max()
     dist.all_reduce(num, op=dist.ReduceOp.MAX)
@@ -125,10 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategy", default="auto", help="auto, token_ring, ring, ulysses, ring_bidir, ...")
     ap.add_argument("--iters", type=int, default=5, help="timed forward+backward iterations")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                    help="compare with float64 SDPA over the full sequence")
-    ap.add_argument("--backend", choices=["nccl", "gloo"], default=None,
-                    help="default: nccl when CUDA is available, else gloo (gloo with CUDA: ranks may share a GPU)")
+    ap.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare with float64 SDPA over the full sequence",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="default: nccl when CUDA is available, else gloo (gloo with CUDA: ranks may share a GPU)",
+    )
     ap.add_argument("--init-method", default="env://", help="env:// under torchrun; file:///path also works")
     args = ap.parse_args(argv)
     if args.iters < 1:
@@ -161,21 +175,40 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = True
     if rank == 0:
-        chosen = tokenring.choose_strategy(H, Hkv, P, B=B, s=S // P, d=d, dtype=dtype, causal=args.causal,
-                                           layout=layout, device_type=device.type, requested=args.strategy)
+        chosen = tokenring.choose_strategy(
+            H,
+            Hkv,
+            P,
+            B=B,
+            s=S // P,
+            d=d,
+            dtype=dtype,
+            causal=args.causal,
+            layout=layout,
+            device_type=device.type,
+            requested=args.strategy,
+        )
         where = os.environ.get("MASTER_ADDR", args.init_method)
-        print(f"{P} ranks ({dist.get_backend()}, {device.type}, rendezvous {where}): B={B} S={S} H={H} Hkv={Hkv} "
-              f"d={d} {str(dtype).removeprefix('torch.')} causal={args.causal} strategy {args.strategy} -> {chosen}")
+        print(
+            f"{P} ranks ({dist.get_backend()}, {device.type}, rendezvous {where}): B={B} S={S} H={H} Hkv={Hkv} "
+            f"d={d} {str(dtype).removeprefix('torch.')} causal={args.causal} strategy {args.strategy} -> {chosen}"
+        )
         print(f"forward+backward: median {1e3 * statistics.median(times):.2f} ms/iter over {args.iters} iters")
     if args.check:
-        got = dict(zip(("out", "dq", "dk", "dv"), (tokenring.gather(t, dim=1, layout=layout)
-                                                    for t in (out.detach(), ql.grad, kl.grad, vl.grad))))
+        got = dict(
+            zip(
+                ("out", "dq", "dk", "dv"),
+                (tokenring.gather(t, dim=1, layout=layout) for t in (out.detach(), ql.grad, kl.grad, vl.grad)),
+            )
+        )
         err = reference_errors(q, k, v, dout, args.causal, got)
         ok = max(err.values()) <= TOLERANCE[dtype]
         if rank == 0:
-            print("check vs float64 SDPA (max|err| / max|ref|): "
-                  + ", ".join(f"{n} {e:.1e}" for n, e in err.items())
-                  + f"; max {max(err.values()):.1e}, tolerance {TOLERANCE[dtype]:.0e}: {'OK' if ok else 'FAILED'}")
+            print(
+                "check vs float64 SDPA (max|err| / max|ref|): "
+                + ", ".join(f"{n} {e:.1e}" for n, e in err.items())
+                + f"; max {max(err.values()):.1e}, tolerance {TOLERANCE[dtype]:.0e}: {'OK' if ok else 'FAILED'}"
+            )
     dist.destroy_process_group()
     return 0 if ok else 1
 

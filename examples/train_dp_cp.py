@@ -10,6 +10,7 @@ gradient is averaged by DDP (inside the Trainer) or FSDP2 over all ranks, with e
 the first step's loss against the same model on the whole global batch in one process and prints
 ``check vs one process: OK``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,15 @@ from torch.distributed.device_mesh import init_device_mesh
 import tokenring.hf as thf
 from tokenring.training import SequenceParallel
 
-CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
+CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    tie_word_embeddings=False,
+)
 
 
 def build(attn: str) -> transformers.LlamaForCausalLM:
@@ -44,42 +52,53 @@ def main() -> None:
     ap.add_argument("--backend", default="gloo" if not torch.cuda.is_available() else "nccl")
     ap.add_argument("--init-method", default="env://")
     a = ap.parse_args()
-    dist.init_process_group(a.backend, init_method=a.init_method, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        a.backend, init_method=a.init_method, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+    )
     W, rank = dist.get_world_size(), dist.get_rank()
     device = "cuda" if a.backend == "nccl" else "cpu"
     mesh = init_device_mesh(device, (a.dp, W // a.dp), mesh_dim_names=("dp", "cp"))
-    sp = SequenceParallel(mesh)                       # tokenring.hf layers now run over mesh["cp"]
-    ids = torch.randint(0, CONFIG["vocab_size"], (a.dp * a.batch * a.steps, a.seq),
-                        generator=torch.Generator().manual_seed(1))
+    sp = SequenceParallel(mesh)  # tokenring.hf layers now run over mesh["cp"]
+    ids = torch.randint(
+        0, CONFIG["vocab_size"], (a.dp * a.batch * a.steps, a.seq), generator=torch.Generator().manual_seed(1)
+    )
     data = [dict(input_ids=x, labels=x) for x in ids]
     model = build("tokenring")
     if rank == 0:  # what one process computes on the first global batch (the same weights)
         ref = build("sdpa")
-        first = ids[:a.dp * a.batch]
+        first = ids[: a.dp * a.batch]
         want = ref(input_ids=first, labels=first).loss.item()
 
     if a.stack == "trainer":
         with tempfile.TemporaryDirectory() as out:
-            args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=a.batch,
-                                                  max_steps=a.steps, logging_steps=1, report_to=[],
-                                                  use_cpu=device == "cpu", save_strategy="no", disable_tqdm=True,
-                                                  learning_rate=1e-3,
-                                                  train_sampling_strategy="sequential")  # for the check only
-            trainer = thf.SequenceParallelTrainer(sp, model=model, args=args, train_dataset=data,
-                                                  data_collator=transformers.default_data_collator)
+            args = transformers.TrainingArguments(
+                output_dir=out,
+                per_device_train_batch_size=a.batch,
+                max_steps=a.steps,
+                logging_steps=1,
+                report_to=[],
+                use_cpu=device == "cpu",
+                save_strategy="no",
+                disable_tqdm=True,
+                learning_rate=1e-3,
+                train_sampling_strategy="sequential",
+            )  # for the check only
+            trainer = thf.SequenceParallelTrainer(
+                sp, model=model, args=args, train_dataset=data, data_collator=transformers.default_data_collator
+            )
             trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     else:
         from torch.distributed.fsdp import fully_shard
+
         for layer in model.model.layers:
-            fully_shard(layer, mesh=sp.flat_mesh)      # FSDP2 over all dp x cp ranks
+            fully_shard(layer, mesh=sp.flat_mesh)  # FSDP2 over all dp x cp ranks
         fully_shard(model, mesh=sp.flat_mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for step in range(a.steps):
             lo = (step * a.dp + sp.dp_rank) * a.batch  # this dp rank's samples of the step's global batch
-            batch = sp.shard_batch(ids[lo:lo + a.batch], labels=ids[lo:lo + a.batch])
+            batch = sp.shard_batch(ids[lo : lo + a.batch], labels=ids[lo : lo + a.batch])
             loss = model(**batch).loss
             loss.backward()
             opt.step()

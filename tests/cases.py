@@ -4,6 +4,7 @@ Each correctness case builds the full inputs from a seed (identical on all ranks
 ``tokenring.attention`` forward and backward, and compares this rank's rows with a float64 single-process
 reference computed from the very same (possibly bf16-rounded) inputs.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,7 +87,7 @@ def check_case(rank: int, P: int, case: dict) -> dict:
     ref_in = [t.double().clone().requires_grad_() for t in full]
     sinks = sink_logits(case)
     ref_sinks = sinks.double().clone().requires_grad_() if sinks is not None else None
-    eff_scale = scale if scale is not None else d ** -0.5
+    eff_scale = scale if scale is not None else d**-0.5
     ref_out = reference(*ref_in, causal, eff_scale, case.get("cu_seqlens"), case.get("window"), ref_sinks)
     ref_out.backward(dout_full.double())
     local = [t.index_select(1, idx).clone().requires_grad_() for t in full]
@@ -102,9 +103,17 @@ def check_case(rank: int, P: int, case: dict) -> dict:
     os.environ.update(env)
     try:
         with tokenring.instrument(**case.get("config", {})):
-            out = tokenring.attention(*local, causal=causal, softmax_scale=scale, strategy=strategy, layout=layout,
-                                      cu_seqlens=case.get("cu_seqlens"), window=case.get("window"),
-                                      inner_size=case.get("inner_size"), sinks=sinks)
+            out = tokenring.attention(
+                *local,
+                causal=causal,
+                softmax_scale=scale,
+                strategy=strategy,
+                layout=layout,
+                cu_seqlens=case.get("cu_seqlens"),
+                window=case.get("window"),
+                inner_size=case.get("inner_size"),
+                sinks=sinks,
+            )
     finally:
         if topo:
             tokenring.set_topology(None)
@@ -116,18 +125,25 @@ def check_case(rank: int, P: int, case: dict) -> dict:
     out.backward(dout_full.index_select(1, idx))
     tol = TOL[dtype]
     errs = {}
-    for name, got, ref in (("out", out, ref_out), ("dq", local[0].grad, ref_in[0].grad),
-                           ("dk", local[1].grad, ref_in[1].grad), ("dv", local[2].grad, ref_in[2].grad)):
-        assert got is not None and got.dtype == dtype and got.shape == local[0 if name in ("out", "dq") else 1].shape, \
-            f"rank {rank} {strategy} {case}: {name} has dtype/shape {getattr(got, 'dtype', None)} " \
+    for name, got, ref in (
+        ("out", out, ref_out),
+        ("dq", local[0].grad, ref_in[0].grad),
+        ("dk", local[1].grad, ref_in[1].grad),
+        ("dv", local[2].grad, ref_in[2].grad),
+    ):
+        assert got is not None and got.dtype == dtype and got.shape == local[0 if name in ("out", "dq") else 1].shape, (
+            f"rank {rank} {strategy} {case}: {name} has dtype/shape {getattr(got, 'dtype', None)} "
             f"{None if got is None else tuple(got.shape)}"
+        )
         r = ref.index_select(1, idx)
         e = rel_err(got, r, 1e-3 * ref.abs().max().item())  # this rank's rows, at least 1e-3 of the whole
         errs[name] = e
         if not (e <= tol):  # also catches NaN
             worst = (got.double() - r).abs().argmax().item()
-            raise AssertionError(f"rank {rank}/{P} {case}: {name} relative error {e:.3g} > {tol:g} "
-                                 f"(worst flat index {worst}, shape {tuple(got.shape)})")
+            raise AssertionError(
+                f"rank {rank}/{P} {case}: {name} relative error {e:.3g} > {tol:g} "
+                f"(worst flat index {worst}, shape {tuple(got.shape)})"
+            )
     if sinks is not None:  # each rank holds its rows' share of the sinks' gradient: the sum is the whole
         got = sinks.grad.double()
         if P > 1:
@@ -155,8 +171,16 @@ def comm_log_case(rank: int, P: int, case: dict) -> list:
     v = torch.randn(B, s, Hkv, d, dtype=dtype, requires_grad=True)
     log: list = []
     with tokenring.instrument(comm_log=log):
-        out = tokenring.attention(q, k, v, causal=case["causal"], strategy=case["strategy"], layout=case["layout"],
-                                  cu_seqlens=case.get("cu_seqlens"), window=case.get("window"))
+        out = tokenring.attention(
+            q,
+            k,
+            v,
+            causal=case["causal"],
+            strategy=case["strategy"],
+            layout=case["layout"],
+            cu_seqlens=case.get("cu_seqlens"),
+            window=case.get("window"),
+        )
     out.sum().backward()
     return [(what, records) for what, records in log]
 
@@ -242,6 +266,7 @@ def dead_peer(rank: int, P: int, timeout: float) -> str:
     """Rank P-1 dies in the middle of the second call; the others must get a RuntimeError within the timeout."""
     import os
     import time
+
     tokenring.set_timeout(timeout)
     q = torch.randn(1, 16, 4, 16)
     tokenring.attention(q, q[:, :, :2], q[:, :, :2], strategy="token_ring")  # first call: signature check
@@ -280,6 +305,7 @@ def subgroup_case(rank: int, P: int, strategy: str) -> float | None:
     """Attention inside a sub-group of the odd ranks (group ranks differ from global ranks); returns the max
     abs error of the gathered output against the float64 reference (None on ranks outside the group)."""
     import torch.distributed as dist
+
     sub = dist.new_group([r for r in range(P) if r % 2 == 1])  # collective: every rank creates it
     if rank % 2 == 0:
         return None
@@ -290,7 +316,7 @@ def subgroup_case(rank: int, P: int, strategy: str) -> float | None:
     out.sum().backward()
     full = tokenring.gather(out.detach(), dim=1, layout="zigzag", group=sub)
     ref_in = x.clone().requires_grad_()
-    ref = reference(ref_in, ref_in, ref_in, True, 8 ** -0.5)
+    ref = reference(ref_in, ref_in, ref_in, True, 8**-0.5)
     ref.sum().backward()
     grad_ref = tokenring.shard(ref_in.grad, dim=1, layout="zigzag", group=sub)
     return max((full - ref).abs().max().item(), (local.grad - grad_ref).abs().max().item())
@@ -342,7 +368,9 @@ def coalesced_case(rank: int, P: int, case: dict) -> dict:
     as on NCCL, every receive posted at its message's step (no early receives: a coalesced work would wait for
     a receive whose send comes steps later)."""
     import torch.distributed as dist
+
     from tokenring.comm import Comm
+
     real, init = dist.batch_isend_irecv, Comm.__init__
 
     def nccl_like(self, *args, **kw):
@@ -371,6 +399,7 @@ def stop_case(rank: int, P: int, strategy: str, how: str, phase: str, timeout: f
     from the start of that pass to its RuntimeError, the message); the silent rank returns ``None``."""
     import os
     import time
+
     tokenring.set_timeout(timeout)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 12, h, 8, generator=g).requires_grad_() for h in (6, 2, 2))
@@ -400,6 +429,7 @@ def absent_case(rank: int, P: int, timeout: float):
     """Rank P-1 never calls attention (its first call, so the shapes are not verified yet); the others return the
     RuntimeError message they get within the timeout."""
     import time
+
     tokenring.set_timeout(timeout)
     if rank == P - 1:
         time.sleep(timeout + 4)
@@ -433,26 +463,31 @@ def bf16_rms_case(rank: int, P: int, case: dict, mutant: bool) -> tuple[float, f
     """(sum of squared errors, sum of squared reference values) of this rank's bf16 output against float64.
     ``mutant``: the running accumulator is rounded to bf16 after every merge (what the float32 merge avoids)."""
     import tokenring.strategies.base as base
+
     real = base.merge_
     if mutant:
+
         def rounded(acc_o, acc_lse, o, lse):
             real(acc_o, acc_lse, o, lse)
             acc_o.copy_(acc_o.to(torch.bfloat16))
+
         base.merge_ = rounded
     try:
         (out, *_), ref = _call(rank, P, case)
     finally:
         base.merge_ = real
-    return float(((out.double() - ref) ** 2).sum()), float((ref ** 2).sum())
+    return float(((out.double() - ref) ** 2).sum()), float((ref**2).sum())
 
 
-def kill_at_step_case(rank: int, P: int, strategy: str, causal: bool, phase: str, victim: int, step: int,
-                      timeout: float):
+def kill_at_step_case(
+    rank: int, P: int, strategy: str, causal: bool, phase: str, victim: int, step: int, timeout: float
+):
     """The victim rank exits at the start of ``step`` of its ``phase`` pass; the others return (seconds from the
     start of the pass they failed in, message), or ``"completed"`` if they needed nothing more from it."""
     import time
 
     from tokenring.tools.launch import exit_at_step
+
     tokenring.set_timeout(timeout)
     layout = "zigzag" if causal else "contiguous"
     g = torch.Generator().manual_seed(0)
@@ -475,6 +510,7 @@ def decode_case(rank: int, P: int, case: dict) -> tuple[list, float]:
     attending all cached rows and the new ones causally: this rank's output (as a list, for bitwise comparison
     across ranks) and its error against a float64 single-process reference."""
     from tokenring.decode import decode_attention, place_new
+
     B, n, t, H, Hkv, d = case["B"], case["n"], case["t"], case["H"], case["Hkv"], case["d"]
     dtype = getattr(torch, case["dtype"])
     g = torch.Generator().manual_seed(case.get("seed", 0))
@@ -486,7 +522,7 @@ def decode_case(rank: int, P: int, case: dict) -> tuple[list, float]:
     a, b = place_new(counts, t)[rank]
     rows = list(range(bounds[rank], bounds[rank + 1])) + list(range(n + a, n + b))
     k, v = k_all[:, rows], v_all[:, rows]
-    scale = case.get("scale", d ** -0.5)
+    scale = case.get("scale", d**-0.5)
     out = decode_attention(q, k, v, new=(a, b), state=(n,), softmax_scale=case.get("scale"))
     # reference: query i (global position n + i) sees every cached row and new rows j <= i
     ok = torch.ones(t, n + t, dtype=torch.bool)
@@ -500,6 +536,7 @@ def decode_case(rank: int, P: int, case: dict) -> tuple[list, float]:
 def decode_mismatch(rank: int, P: int) -> str:
     """Rank 0 decodes a different number of new tokens: every rank must raise ValueError."""
     from tokenring.decode import decode_attention
+
     t = 2 if rank == 0 else 1
     q, k = torch.randn(1, t, 4, 8), torch.randn(1, 5, 2, 8)
     try:
@@ -515,6 +552,7 @@ def silent_case(rank: int, P: int, strategy: str, victim: int, when: str, timeou
     the start of the call that failed to its RuntimeError, the message)."""
     import os
     import time
+
     tokenring.set_timeout(timeout)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, h, 8, generator=g).requires_grad_() for h in (4, 4, 4))

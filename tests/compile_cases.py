@@ -1,14 +1,21 @@
 """Rank-side functions for tests/test_compile.py: a small Llama under ``torch.compile(fullgraph=True)`` against
 the same model in eager mode, on each rank of a RankPool."""
+
 from __future__ import annotations
 
-
 import hf_cases
+
 import tokenring.api as api
 import tokenring.hf as thf
 
-SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=128)
+SMALL = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+)
 
 
 def _step(model, batch, call=None) -> tuple[float, dict]:
@@ -20,13 +27,21 @@ def _step(model, batch, call=None) -> tuple[float, dict]:
     return thf.reduce_loss(out.loss).item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def compiled_matches_eager(rank: int, P: int, S: int, strategy: str, docs: list[int] | None = None,
-                           arch: str = "llama", over: dict | None = None) -> dict:
+def compiled_matches_eager(
+    rank: int,
+    P: int,
+    S: int,
+    strategy: str,
+    docs: list[int] | None = None,
+    arch: str = "llama",
+    over: dict | None = None,
+) -> dict:
     """Two training steps of ``torch.compile(model, fullgraph=True)`` (AOT autograd, so the custom ops' fake
     implementations and autograd formula are traced) vs eager: losses, gradients, graphs and graph breaks."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
     model = hf_cases.build(arch, "tokenring", **{**SMALL, **(over or {})})

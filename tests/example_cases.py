@@ -1,4 +1,5 @@
 """Rank-side wrapper for tests/test_examples.py: runs an example's rank function from examples/ in a pool."""
+
 from __future__ import annotations
 
 import importlib

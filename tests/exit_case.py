@@ -1,4 +1,5 @@
 """One rank of a refused call that is caught, then a clean exit (tests/test_exit.py runs it as a subprocess)."""
+
 import os
 import sys
 
@@ -15,10 +16,18 @@ def main() -> None:
     tokenring.set_timeout(20)
     try:
         if what in ("padding", "lengths", "autocast"):
-            import tokenring.hf as thf
             import transformers
-            cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+
+            import tokenring.hf as thf
+
+            cfg = transformers.LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=64,
+            )
             torch.manual_seed(0)
             model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="tokenring")
             ids = torch.randint(0, 64, (1, 16 * P), generator=torch.Generator().manual_seed(0))

@@ -5,6 +5,7 @@ A small Llama-architecture model (random weights from a config, never the hub) r
 transformers' own ``sdpa`` attention on the whole sequence in one process and compares logits, loss and every
 parameter gradient.
 """
+
 from __future__ import annotations
 
 import time
@@ -14,9 +15,18 @@ import torch
 import tokenring
 import tokenring.hf as thf
 
-LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192, rope_theta=10000.0,
-             attention_dropout=0.0, tie_word_embeddings=False)
+LLAMA = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=8192,
+    rope_theta=10000.0,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+)
 
 
 # transformers' own attention the single-process reference runs with (sdpa cannot take gpt-oss' sinks)
@@ -25,11 +35,14 @@ REF_ATTN = {"gpt_oss": "eager"}
 
 def build(arch: str = "llama", attn: str = "tokenring", seed: int = 0, **over):
     import transformers
-    cfg_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-                          "mistral": ("MistralConfig", "MistralForCausalLM"),
-                          "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}[arch]
+
+    cfg_cls, model_cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    }[arch]
     if arch == "gpt_oss":  # attention sinks, alternating sliding (window 32) / full layers, 4 experts
         over = {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 32, **over}
         attn = REF_ATTN.get(arch, "sdpa") if attn == "sdpa" else attn
@@ -57,8 +70,16 @@ def packed_positions(lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths])[None]
 
 
-def model_matches(rank: int, P: int, S: int, strategies: list[str], arch: str = "llama", over: dict | None = None,
-                  train: bool = True, docs: list[int] | None = None) -> dict:
+def model_matches(
+    rank: int,
+    P: int,
+    S: int,
+    strategies: list[str],
+    arch: str = "llama",
+    over: dict | None = None,
+    train: bool = True,
+    docs: list[int] | None = None,
+) -> dict:
     """Logits (forward) and one training step's loss and parameter gradients of the sharded model vs rank 0's
     single-process sdpa run. ``docs``: document lengths packed into the sequence (position ids restarting per
     document; transformers masks them apart in the single-process run). Returns rank 0's errors and timings."""
@@ -144,13 +165,20 @@ def refusals(rank: int, P: int, S: int) -> dict:
         # missing position_ids (transformers would number local tokens 0..s-1)
         expect("positions", lambda: model(input_ids=batch["input_ids"]))
         # decoding with a KV cache over a sharded sequence
-        expect("cache", lambda: model(input_ids=batch["input_ids"][:, :2], position_ids=batch["position_ids"][:, :2],
-                                      use_cache=True,
-                                      cache=model(**{**batch, "use_cache": True}).past_key_values))
+        expect(
+            "cache",
+            lambda: model(
+                input_ids=batch["input_ids"][:, :2],
+                position_ids=batch["position_ids"][:, :2],
+                use_cache=True,
+                cache=model(**{**batch, "use_cache": True}).past_key_values,
+            ),
+        )
         # packed rows that pack differently
-        two = thf.shard_batch(tokens(S, model.config.vocab_size, B=2),
-                              position_ids=torch.cat([packed_positions([S // 2, S // 2]),
-                                                      packed_positions([S // 4, 3 * S // 4])]))
+        two = thf.shard_batch(
+            tokens(S, model.config.vocab_size, B=2),
+            position_ids=torch.cat([packed_positions([S // 2, S // 2]), packed_positions([S // 4, 3 * S // 4])]),
+        )
         expect("packing", lambda: model(**two))
         # dropout
         drop = build("llama", "tokenring", num_hidden_layers=1, attention_dropout=0.1).train()
@@ -166,16 +194,31 @@ def refusals(rank: int, P: int, S: int) -> dict:
     return msgs
 
 
-def generate_matches(rank: int, P: int, S: int, new_tokens: int, arch: str = "llama", over: dict | None = None,
-                     sample: bool = False, B: int = 1) -> dict:
+def generate_matches(
+    rank: int,
+    P: int,
+    S: int,
+    new_tokens: int,
+    arch: str = "llama",
+    over: dict | None = None,
+    sample: bool = False,
+    B: int = 1,
+) -> dict:
     """``tokenring.hf.prefill`` + ``model.generate`` over the sharded cache vs rank 0's single-process
     ``generate`` with transformers' own cache (same weights, same seed): generated ids, max |logits| difference
     over every step, and the cache bytes this rank holds vs the single process's."""
     over = over or {}
     model = build(arch, "tokenring", **over).eval()
     ids = tokens(S, model.config.vocab_size, B=B)
-    kw = dict(max_new_tokens=new_tokens, do_sample=sample, top_k=20 if sample else None, output_logits=True,
-              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    kw = dict(
+        max_new_tokens=new_tokens,
+        do_sample=sample,
+        top_k=20 if sample else None,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     t0 = time.perf_counter()
     cache = thf.prefill(model, ids)
     t1 = time.perf_counter()
@@ -183,8 +226,13 @@ def generate_matches(rank: int, P: int, S: int, new_tokens: int, arch: str = "ll
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
     t2 = time.perf_counter()
-    res = dict(tokens=out.sequences[:, S:].tolist(), cache_bytes=cache.nbytes(), prefill_s=t1 - t0,
-               decode_s=(t2 - t1) / new_tokens, held=[layer.keys.shape[2] for layer in cache.layers])
+    res = dict(
+        tokens=out.sequences[:, S:].tolist(),
+        cache_bytes=cache.nbytes(),
+        prefill_s=t1 - t0,
+        decode_s=(t2 - t1) / new_tokens,
+        held=[layer.keys.shape[2] for layer in cache.layers],
+    )
     if rank == 0:
         ref = build(arch, "sdpa", **over).eval()
         ref.load_state_dict(model.state_dict())
@@ -195,8 +243,9 @@ def generate_matches(rank: int, P: int, S: int, new_tokens: int, arch: str = "ll
         res["single_s"] = time.perf_counter() - t0
         res["want"] = want.sequences[:, S:].tolist()
         res["logits"] = max((a - b).abs().max().item() for a, b in zip(out.logits, want.logits))
-        res["single_cache_bytes"] = sum(layer.keys.numel() * layer.keys.element_size() * 2
-                                        for layer in want.past_key_values.layers)
+        res["single_cache_bytes"] = sum(
+            layer.keys.numel() * layer.keys.element_size() * 2 for layer in want.past_key_values.layers
+        )
     return res
 
 
@@ -242,6 +291,7 @@ def autocast_matches(rank: int, P: int, S: int, strategy: str) -> dict:
     ids = tokens(S, model.config.vocab_size)
     seen = []
     import tokenring.ops as ops
+
     orig = ops.attention_op
 
     def spy(q, *a, **kw):

@@ -1,4 +1,5 @@
 """Rank side of tests/test_minimal.py: examples/token_ring_minimal.py against tokenring.attention."""
+
 from __future__ import annotations
 
 import os
@@ -16,9 +17,10 @@ def minimal_vs_library(rank: int, P: int, causal: bool, s: int, H: int, d: int) 
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     from token_ring_minimal import TokenRingAttention
+
     g = torch.Generator().manual_seed(1234)
     full = [torch.randn(2, s * P, H, d, generator=g, dtype=torch.float64) for _ in range(4)]
-    q, k, v, do = (x[:, rank * s:(rank + 1) * s].clone() for x in full)
+    q, k, v, do = (x[:, rank * s : (rank + 1) * s].clone() for x in full)
     results = []
     for run in ("minimal", "library"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -1,4 +1,5 @@
 """``tokenring bench`` on tiny shapes: outputs validated, JSON written, traces valid. No timing is asserted."""
+
 import json
 
 import pytest
@@ -9,9 +10,34 @@ from tokenring.tools.trace import chrome_trace, direction, step_metrics
 
 def test_bench_cli_validates_and_writes_json_and_traces(tmp_path, capsys):
     out, tdir = tmp_path / "res.json", tmp_path / "traces"
-    rc = bench.main(["-P", "2", "--seq", "32", "--heads", "2", "--head-dim", "8", "--causal", "--pass", "both",
-                     "--warmup", "0", "--repeats", "2", "--strategies", "token_ring", "ring", "pytorch_ring",
-                     "pytorch_cp", "--json", str(out), "--trace-dir", str(tdir)])
+    rc = bench.main(
+        [
+            "-P",
+            "2",
+            "--seq",
+            "32",
+            "--heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--causal",
+            "--pass",
+            "both",
+            "--warmup",
+            "0",
+            "--repeats",
+            "2",
+            "--strategies",
+            "token_ring",
+            "ring",
+            "pytorch_ring",
+            "pytorch_cp",
+            "--json",
+            str(out),
+            "--trace-dir",
+            str(tdir),
+        ]
+    )
     assert rc == 0, capsys.readouterr()
     res = json.loads(out.read_text())["cases"][0]
     by = {r["strategy"]: r for r in res["results"]}
@@ -38,9 +64,32 @@ def test_bench_cli_validates_and_writes_json_and_traces(tmp_path, capsys):
 
 def test_bench_forward_gqa_with_pytorch_public_api(tmp_path):
     out = tmp_path / "r.json"
-    rc = bench.main(["-P", "2", "--seq", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
-                     "--warmup", "0", "--repeats", "1", "--no-comm-only", "--no-trace",
-                     "--strategies", "token_ring", "ulysses", "pytorch_cp", "--json", str(out)])
+    rc = bench.main(
+        [
+            "-P",
+            "2",
+            "--seq",
+            "32",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--no-comm-only",
+            "--no-trace",
+            "--strategies",
+            "token_ring",
+            "ulysses",
+            "pytorch_cp",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     by = {r["strategy"]: r for r in json.loads(out.read_text())["cases"][0]["results"]}
     for name in ("token_ring", "ulysses", "pytorch_cp"):
@@ -48,8 +97,7 @@ def test_bench_forward_gqa_with_pytorch_public_api(tmp_path):
 
 
 def test_failing_rank_is_reported():
-    spec = bench.make_spec(P=2, S=16, H=2, d=8, strategies=["ring"], repeats=1, warmup=0, fail_rank=1,
-                           timeout=30)
+    spec = bench.make_spec(P=2, S=16, H=2, d=8, strategies=["ring"], repeats=1, warmup=0, fail_rank=1, timeout=30)
     with pytest.raises(RuntimeError, match="rank 1"):
         bench.run(spec)
 
@@ -62,8 +110,12 @@ def _ev(lane, start, end, step, kind=None, **kw):
 
 
 def test_step_metrics_and_chrome_trace_on_synthetic_events():
-    r0 = [_ev("compute", 0.0, 1.0, 0), _ev("send", 0.0, 3.0, 0, "kv"), _ev("recv", 0.0, 3.0, 0, "kv"),
-          _ev("compute", 3.0, 5.0, 1)]
+    r0 = [
+        _ev("compute", 0.0, 1.0, 0),
+        _ev("send", 0.0, 3.0, 0, "kv"),
+        _ev("recv", 0.0, 3.0, 0, "kv"),
+        _ev("compute", 3.0, 5.0, 1),
+    ]
     r1 = [_ev("compute", 0.5, 2.0, 0), _ev("send", 0.5, 2.5, 1, "out")]
     m = step_metrics(r0)
     assert [x["step"] for x in m] == [0, 1]
@@ -85,21 +137,35 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     import os
     import subprocess
     import sys
+
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "bench", "gpu_check.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def run(out, *extra):
-        return subprocess.run([sys.executable, script, "--device", "cpu", "--quick", "--out-dir", str(out), *extra],
-                              capture_output=True, text=True, timeout=300, env=env)
+        return subprocess.run(
+            [sys.executable, script, "--device", "cpu", "--quick", "--out-dir", str(out), *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
 
     p = run(tmp_path / "ok")
     assert p.returncode in (0, 2), p.stdout + p.stderr
     res = json.loads((tmp_path / "ok" / "results.json").read_text())
     assert res["exit_code"] == p.returncode and res["failures"] == []
     cases = res["correctness"]["cases"]
-    assert {c["strategy"] for c in cases} == {"token_ring", "ring", "ulysses", "ring_bidir", "token_ring:relay",
-                                              "token_ring:direct,c=2,k=1", "usp:n=2", "double_ring:n=2",
-                                              "token_ring_2d:n=2"}
+    assert {c["strategy"] for c in cases} == {
+        "token_ring",
+        "ring",
+        "ulysses",
+        "ring_bidir",
+        "token_ring:relay",
+        "token_ring:direct,c=2,k=1",
+        "usp:n=2",
+        "double_ring:n=2",
+        "token_ring_2d:n=2",
+    }
     assert {c["dtype"] for c in cases} == {"bfloat16", "float16", "float32"}
     assert all(c["ok"] for c in cases) and res["correctness"]["failed"] == 0, [c for c in cases if not c["ok"]]
     assert set(res["correctness"]["backward_kernels"]) == {"bfloat16", "float16", "float32"}

@@ -1,8 +1,9 @@
 """Byte accounting against the design's formulas (docs/DESIGN.md), clear errors for bad input, and no hang on
 a dead peer."""
-import pytest
 
 import cases
+import pytest
+
 from tokenring.tools.launch import spawn
 
 B, s, H, Hkv, d = 1, 8, 4, 2, 16
@@ -20,14 +21,16 @@ def test_ring_bytes(pools, P):
     case = dict(B=B, s=s, H=H, Hkv=Hkv, d=d, dtype="bfloat16", causal=False, layout="contiguous", strategy="ring")
     for rank, log in enumerate(pools(P).run(cases.comm_log_case, case)):
         fwd = _sent(log, "ring forward")
-        assert [(r["step"], r["peer"], r["kind"], r["bytes"]) for r in fwd] == \
-            [(t, (rank + 1) % P, "kv", 2 * B * s * Hkv * d * E) for t in range(P - 1)]
+        assert [(r["step"], r["peer"], r["kind"], r["bytes"]) for r in fwd] == [
+            (t, (rank + 1) % P, "kv", 2 * B * s * Hkv * d * E) for t in range(P - 1)
+        ]
         bwd = _sent(log, "ring backward")
         kv = [r for r in bwd if r["kind"] == "kv"]
         acc = [r for r in bwd if r["kind"] == "dkv"]
         assert [(r["step"], r["bytes"]) for r in kv] == [(t, 2 * B * s * Hkv * d * E) for t in range(P - 1)]
-        assert [(r["step"], r["peer"], r["bytes"]) for r in acc] == \
-            [(t, (rank + 1) % P, 2 * B * s * Hkv * d * 4) for t in range(2, P + 1)]
+        assert [(r["step"], r["peer"], r["bytes"]) for r in acc] == [
+            (t, (rank + 1) % P, 2 * B * s * Hkv * d * 4) for t in range(2, P + 1)
+        ]
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])
@@ -36,8 +39,7 @@ def test_token_ring_zigzag_bytes(pools, P):
     a rank before j) needs it, and only the second half after the path wraps past rank 0. The partial of Q_j
     computed on rank r returns straight to j: all rows when r < j, the second half when r > j. Partial =
     out (rows*H*d*e) + lse (rows*H*4)."""
-    case = dict(B=B, s=s, H=H, Hkv=H, d=d, dtype="bfloat16", causal=True, layout="zigzag",
-                strategy="token_ring_paper")
+    case = dict(B=B, s=s, H=H, Hkv=H, d=d, dtype="bfloat16", causal=True, layout="zigzag", strategy="token_ring_paper")
     for r, log in enumerate(pools(P).run(cases.comm_log_case, case)):
         want = []
         for t in range(P - 1):  # during step t, rank r forwards the Q it holds, Q_j with j = r + t, to r - 1
@@ -82,14 +84,24 @@ def test_direct_bytes(pools, P, c, k):
     partial at x + 1 (out: rows*H*(d*e + 4), dq: rows*H*d*e); pass-KV's backward returns each chunk's dK/dV
     (float32) at x + 1."""
     from tokenring.schedules import pairings
+
     k = min(k, max(1, P - 1))
     rounds = pairings(P)
     M = len(rounds)
     when = {(r, j): t for t, partner in enumerate(rounds) for r, j in enumerate(partner) if r != j}
     for fam in ("token_ring", "ring"):
         name = f"{fam}:direct,c={c},k={k}"
-        case = dict(B=B, s=s, H=H, Hkv=H if fam == "token_ring" else Hkv, d=d, dtype="bfloat16", causal=True,
-                    layout="zigzag", strategy=name)
+        case = dict(
+            B=B,
+            s=s,
+            H=H,
+            Hkv=H if fam == "token_ring" else Hkv,
+            d=d,
+            dtype="bfloat16",
+            causal=True,
+            layout="zigzag",
+            strategy=name,
+        )
         hk = case["Hkv"]
         for r, log in enumerate(pools(P).run(cases.comm_log_case, case)):
             want_f, want_b = [], []
@@ -127,13 +139,13 @@ def test_direct_bytes(pools, P, c, k):
 def test_ring_bidir_bytes(pools, P):
     """Bidirectional pass-KV: each step sends half of the K/V heads to r+1 and the other half to r-1, so each
     direction carries s*Hkv*d*e bytes (half of ring's 2*s*Hkv*d*e)."""
-    case = dict(B=B, s=s, H=H, Hkv=Hkv, d=d, dtype="bfloat16", causal=False, layout="contiguous",
-                strategy="ring_bidir")
+    case = dict(B=B, s=s, H=H, Hkv=Hkv, d=d, dtype="bfloat16", causal=False, layout="contiguous", strategy="ring_bidir")
     for rank, log in enumerate(pools(P).run(cases.comm_log_case, case)):
         fwd = _sent(log, "ring_bidir forward")
         half = B * s * Hkv * d * E  # K and V, half of the heads each
-        want = [(t, (rank + 1) % P, "kv", "h0", half) for t in range(P - 1)] + \
-               [(t, (rank - 1) % P, "kv", "h1", half) for t in range(P - 1)]
+        want = [(t, (rank + 1) % P, "kv", "h0", half) for t in range(P - 1)] + [
+            (t, (rank - 1) % P, "kv", "h1", half) for t in range(P - 1)
+        ]
         assert sorted((r["step"], r["peer"], r["kind"], r["heads"], r["bytes"]) for r in fwd) == sorted(want)
 
 
@@ -141,22 +153,24 @@ def test_ulysses_bytes(pools):
     """All-to-all: each rank sends every other rank H/P query heads and Hkv/P key/value heads of its rows,
     and gets back its rows of the other ranks' heads: (P-1)/P * s*d*(2H + 2Hkv) elements each way per call."""
     P = 2
-    case = dict(B=B, s=s, H=H, Hkv=Hkv, d=d, dtype="bfloat16", causal=False, layout="contiguous",
-                strategy="ulysses")
+    case = dict(B=B, s=s, H=H, Hkv=Hkv, d=d, dtype="bfloat16", causal=False, layout="contiguous", strategy="ulysses")
     for log in pools(P).run(cases.comm_log_case, case):
         total = sum(r["bytes"] for r in _sent(log, "ulysses forward"))
         assert total == (P - 1) * B * s * d * (2 * H + 2 * Hkv) * E // P
 
 
-@pytest.mark.parametrize("kind,needle", [
-    ("zigzag_odd_one_rank", "even local length"),
-    ("bad_strategy_one_rank", "unknown"),
-    ("chunks_one_rank", "9 chunks need at least 9 rows"),
-    ("shape_one_rank", "expected 4 dims"),
-    ("scale_one_rank", "finite"),
-    ("head_dim_zero", "head dim must be positive"),
-    ("window_one_rank", "window must be a pair"),
-])
+@pytest.mark.parametrize(
+    "kind,needle",
+    [
+        ("zigzag_odd_one_rank", "even local length"),
+        ("bad_strategy_one_rank", "unknown"),
+        ("chunks_one_rank", "9 chunks need at least 9 rows"),
+        ("shape_one_rank", "expected 4 dims"),
+        ("scale_one_rank", "finite"),
+        ("head_dim_zero", "head dim must be positive"),
+        ("window_one_rank", "window must be a pair"),
+    ],
+)
 def test_one_rank_refusing_raises_on_every_rank(pools, kind, needle):
     """Arguments only rank 0 refuses: it raises its reason and the others that rank 0 refused, all from the
     signature exchange (a rank that raised before it left the others waiting for the timeout)."""
@@ -166,20 +180,23 @@ def test_one_rank_refusing_raises_on_every_rank(pools, kind, needle):
         assert (needle in msg) if kind == "head_dim_zero" else ("rank(s) [0] refused" in msg), msg
 
 
-@pytest.mark.parametrize("kind,needle", [
-    ("head_ratio", "multiple of the key/value heads"),
-    ("batch", "batch size"),
-    ("length", "local sequence length"),
-    ("head_dim", "head dim"),
-    ("dtype", "dtypes differ"),
-    ("device", "different devices"),
-    ("ranks_differ", "different local length"),
-    ("zigzag_odd", "even local length"),
-    ("ulysses_heads", "H % P == 0"),
-    ("bidir_odd_kv", "even number of key/value heads"),
-    ("bad_strategy", "unknown"),
-    ("bad_layout", "not supported"),
-])
+@pytest.mark.parametrize(
+    "kind,needle",
+    [
+        ("head_ratio", "multiple of the key/value heads"),
+        ("batch", "batch size"),
+        ("length", "local sequence length"),
+        ("head_dim", "head dim"),
+        ("dtype", "dtypes differ"),
+        ("device", "different devices"),
+        ("ranks_differ", "different local length"),
+        ("zigzag_odd", "even local length"),
+        ("ulysses_heads", "H % P == 0"),
+        ("bidir_odd_kv", "even number of key/value heads"),
+        ("bad_strategy", "unknown"),
+        ("bad_layout", "not supported"),
+    ],
+)
 def test_bad_input_raises_value_error(pools, kind, needle):
     P = 4 if kind == "ulysses_heads" else 2
     for msg in pools(P).run(cases.expect_error, kind):
@@ -216,7 +233,7 @@ def test_direct_memory_bounded_by_lookahead_not_P(pools, causal):
     leave): measured as the bytes of other ranks' data held after each step (stored pieces, receive buffers,
     send copies). The bound is per rank whatever P; it grows with k."""
     s_local = 48
-    block_q = s_local * 4 * 16 * 4          # one rank's Q (float32, H=4, d=16); K+V is twice that
+    block_q = s_local * 4 * 16 * 4  # one rank's Q (float32, H=4, d=16); K+V is twice that
     for fam, per_block in (("token_ring", block_q * (2 + 2 * 4 / 16)), ("ring", 2 * block_q)):
         peaks = {}
         for P in (3, 4, 5):
@@ -255,8 +272,18 @@ def test_coalesced_works(pools, strategy):
 @pytest.mark.parametrize("strategy", ["token_ring", "ring", "ulysses"])
 def test_math_backward_still_exact(pools, strategy):
     """The math backward (reference and fallback) stays selectable and exact next to the fused one."""
-    case = dict(B=1, s=10, H=4, Hkv=1, d=12, dtype="float32", causal=True, layout="zigzag", strategy=strategy,
-                config=dict(backward_kernel="math"))
+    case = dict(
+        B=1,
+        s=10,
+        H=4,
+        Hkv=1,
+        d=12,
+        dtype="float32",
+        causal=True,
+        layout="zigzag",
+        strategy=strategy,
+        config=dict(backward_kernel="math"),
+    )
     for errs in pools(2).run(cases.check_case, case):
         assert max(errs.values()) < 1e-5, errs
 
@@ -265,7 +292,9 @@ def test_packed_message_buffers():
     """A message of several tensors travels as one flat buffer: views keep every dtype aligned, packing
     non-contiguous views and unpacking round-trips bit for bit, and a single tensor is sent as it is."""
     import torch
+
     from tokenring.comm import _flat, buffers, pack
+
     torch.manual_seed(0)
     ts = [torch.randn(2, 5, 3, 7).to(torch.bfloat16), torch.randn(2, 3, 5), torch.randn(3, 3, dtype=torch.float64)]
     ts[1] = ts[1].transpose(1, 2)[:, :4]  # a strided view
@@ -288,8 +317,18 @@ def test_packed_message_buffers():
 def test_expanded_kv_heads(pools, strategy):
     """The CUDA fp32 kernel takes equal heads: K/V heads are then repeated once per stored block and dK/dV summed
     back per group. Forced on CPU here (the CPU kernels accept either), results stay exact for GQA."""
-    case = dict(B=2, s=8, H=8, Hkv=2, d=8, dtype="float64", causal=True, layout="zigzag", strategy=strategy,
-                config=dict(expand_kv=True))
+    case = dict(
+        B=2,
+        s=8,
+        H=8,
+        Hkv=2,
+        d=8,
+        dtype="float64",
+        causal=True,
+        layout="zigzag",
+        strategy=strategy,
+        config=dict(expand_kv=True),
+    )
     for errs in pools(3).run(cases.check_case, case):
         assert max(errs.values()) < 1e-9, errs
 
@@ -298,8 +337,10 @@ def test_store_expands_a_kv_piece_once():
     """take_kv repeats a stored K/V piece's heads once for every later read of the same rows, and forgets the
     copy when the piece is released."""
     import torch
+
     from tokenring.schedules import Shapes
     from tokenring.strategies.base import Store
+
     st = Store(Shapes(1, 4, 4, 2, 3, torch.float32, 2), me=0)
     k, v = torch.randn(1, 4, 2, 3), torch.randn(1, 4, 2, 3)
     st.put("kv", 1, "all", [k, v])
@@ -337,8 +378,15 @@ def _specs(P: int) -> list[str]:
     """Every strategy that runs H=4 query / Hkv=2 K/V heads on P ranks, with a chunked, look-ahead variant of each
     direct family."""
     from tokenring.strategies import why_not
-    names = ["token_ring:relay", f"token_ring:direct,c=2,k={P - 1}", "ring", "ring:direct,c=2,k=1", "ring_bidir",
-             "ulysses"]
+
+    names = [
+        "token_ring:relay",
+        f"token_ring:direct,c=2,k={P - 1}",
+        "ring",
+        "ring:direct,c=2,k=1",
+        "ring_bidir",
+        "ulysses",
+    ]
     return [n for n in names if why_not(n, 4, 2, P) is None]
 
 
@@ -348,21 +396,34 @@ def test_bytes_logged_match_the_simulator(pools, P, causal):
     """The bytes each rank really sent (the comm log of a forward + backward, from the tensors that travelled)
     equal the cost model's, per pass, for every strategy: the simulator prices the traffic that happens."""
     import torch
+    from test_sim import flat_kernel
+
+    from tokenring.schedules import Shapes
     from tokenring.sim.simulator import simulate
     from tokenring.sim.topology import MeshTopology
-    from tokenring.schedules import Shapes
-    from test_sim import flat_kernel
+
     layout = "zigzag" if causal else "contiguous"
     for name in _specs(P):
         case = dict(B=2, s=8, H=4, Hkv=2, d=16, dtype="bfloat16", causal=causal, layout=layout, strategy=name)
         logs = pools(P).run(cases.comm_log_case, case)
-        sim = simulate(name, Shapes(2, 8, 4, 2, 16, torch.bfloat16, P), MeshTopology("m", P, link_bw=1e9),
-                       flat_kernel(), causal=causal, layout=layout, backward=True)
+        sim = simulate(
+            name,
+            Shapes(2, 8, 4, 2, 16, torch.bfloat16, P),
+            MeshTopology("m", P, link_bw=1e9),
+            flat_kernel(),
+            causal=causal,
+            layout=layout,
+            backward=True,
+        )
         for i, what in enumerate(("forward", "backward")):
-            sent = [sum(r["bytes"] for w, recs in log if w.endswith(what) for r in recs if r["direction"] == "send")
-                    for log in logs]
-            got = [sum(r["bytes"] for w, recs in log if w.endswith(what) for r in recs if r["direction"] == "recv")
-                   for log in logs]
+            sent = [
+                sum(r["bytes"] for w, recs in log if w.endswith(what) for r in recs if r["direction"] == "send")
+                for log in logs
+            ]
+            got = [
+                sum(r["bytes"] for w, recs in log if w.endswith(what) for r in recs if r["direction"] == "recv")
+                for log in logs
+            ]
             assert sum(sent) == sum(got) > 0, (name, what, sent, got)
             assert max(sent) == sim.passes[i].bytes_per_rank, (name, what, sent, sim.passes[i].bytes_per_rank)
 
@@ -383,17 +444,20 @@ def test_bf16_error_does_not_grow_with_P_and_the_test_has_teeth(pools):
     0.00333 at P = 4 and 0.00411 at P = 8: it must fail both bounds at P = 8, so the test can tell."""
     import torch
     from cases import reference
+
     S, H, d = 840, 2, 32  # S divisible by every P in 2..8
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, S, H, d, generator=gen, dtype=torch.float64).to(torch.bfloat16) for _ in range(3))
-    one = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                           v.transpose(1, 2)).transpose(1, 2)
-    ref = reference(q.double(), k.double(), v.double(), False, d ** -0.5)
-    base = float(((one.double() - ref) ** 2).sum() / (ref ** 2).sum()) ** 0.5
+    one = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    ).transpose(1, 2)
+    ref = reference(q.double(), k.double(), v.double(), False, d**-0.5)
+    base = float(((one.double() - ref) ** 2).sum() / (ref**2).sum()) ** 0.5
 
     def rms(P, strategy, mutant):
-        case = dict(B=1, s=S // P, H=H, Hkv=H, d=d, dtype="bfloat16", causal=False, layout="contiguous",
-                    strategy=strategy)
+        case = dict(
+            B=1, s=S // P, H=H, Hkv=H, d=d, dtype="bfloat16", causal=False, layout="contiguous", strategy=strategy
+        )
         parts = pools(P).run(cases.bf16_rms_case, case, mutant)
         return (sum(e for e, _ in parts) / sum(r for _, r in parts)) ** 0.5
 

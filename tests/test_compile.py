@@ -2,6 +2,7 @@
 (``fullgraph=True``: any graph break raises) and trains as in eager mode; the per-layer input checks run once
 per forward. The AOT-eager backend traces what inductor would (fake implementations, the autograd formula)
 without spending minutes in the C++ compiler."""
+
 import pytest
 
 pytest.importorskip("transformers")

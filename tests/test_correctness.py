@@ -5,11 +5,12 @@ batch in {1, 2} x dtype in {float64, float32, bfloat16}; tolerances (relative to
 float64 1e-9, float32 1e-5, bfloat16 2e-2. Ulysses runs where H % P == 0 and ring_bidir where Hkv is even
 (their refusals are tested elsewhere).
 """
+
 import itertools
 
+import cases
 import pytest
 
-import cases
 from tokenring.strategies import why_not
 
 HEADS = [(4, 4), (8, 2), (4, 1)]
@@ -21,15 +22,35 @@ LAYOUTS = [(False, "contiguous"), (False, "zigzag"), (True, "contiguous"), (True
 
 def grid(P: int, strategy: str) -> list[dict]:
     out = []
-    for i, ((causal, layout), (H, Hkv), d, B, dtype) in enumerate(itertools.product(
-            LAYOUTS, HEADS + (ULYSSES_EXTRA_HEADS if strategy == "ulysses" else []), DIMS, [1, 2], ["float64", "float32", "bfloat16"])):
+    for i, ((causal, layout), (H, Hkv), d, B, dtype) in enumerate(
+        itertools.product(
+            LAYOUTS,
+            HEADS + (ULYSSES_EXTRA_HEADS if strategy == "ulysses" else []),
+            DIMS,
+            [1, 2],
+            ["float64", "float32", "bfloat16"],
+        )
+    ):
         if why_not(strategy, H, Hkv, P):  # the refusals are tested elsewhere
             continue
         # Local length: even (zigzag needs two chunks), varied so blocks are not all the same size.
         s = 2 * (2 + i % 3)
         scale = cases.scale_of(d) if i % 4 == 0 else None  # a custom softmax_scale on a quarter of the cases
-        out.append(dict(B=B, s=s, H=H, Hkv=Hkv, d=d, dtype=dtype, causal=causal, layout=layout,
-                        strategy=strategy, scale=scale, seed=i))
+        out.append(
+            dict(
+                B=B,
+                s=s,
+                H=H,
+                Hkv=Hkv,
+                d=d,
+                dtype=dtype,
+                causal=causal,
+                layout=layout,
+                strategy=strategy,
+                scale=scale,
+                seed=i,
+            )
+        )
     return out
 
 
@@ -45,9 +66,12 @@ def test_matches_reference(pools, P, strategy):
 @pytest.mark.parametrize("P", [2, 4])
 def test_longer_sequences(pools, P):
     """Fewer, longer cases: many rows per block exercise the kernels' chunking and the zigzag halves."""
-    todo = [dict(B=1, s=96, H=4, Hkv=2, d=32, dtype=dt, causal=c, layout=lay, strategy=st, seed=7)
-            for st in ("token_ring", "ring", "ring_bidir", "ulysses") for dt in ("float64", "float32")
-            for c, lay in LAYOUTS]
+    todo = [
+        dict(B=1, s=96, H=4, Hkv=2, d=32, dtype=dt, causal=c, layout=lay, strategy=st, seed=7)
+        for st in ("token_ring", "ring", "ring_bidir", "ulysses")
+        for dt in ("float64", "float32")
+        for c, lay in LAYOUTS
+    ]
     pools(P).run(cases.check_many, todo)
 
 
@@ -57,25 +81,35 @@ def test_zero_and_negative_scales(pools, P):
     packed documents: the fused CPU kernel returns NaN for causal blocks at such scales, so they are folded into
     the queries; exact like any other scale."""
     strategies = ("token_ring", "ring", "ulysses", "token_ring:direct,c=2,k=1") if P > 1 else ("auto",)
-    todo = [dict(B=1, s=6, H=6, Hkv=2, d=12, dtype=dt, causal=c, layout=lay, strategy=st, scale=sc, seed=5,
-                 cu_seqlens=cu)
-            for st in strategies for sc in (0.0, -0.3) for dt in ("float64", "float32") for c, lay in LAYOUTS
-            for cu in (None, [0, 5, 6 * P])]
+    todo = [
+        dict(B=1, s=6, H=6, Hkv=2, d=12, dtype=dt, causal=c, layout=lay, strategy=st, scale=sc, seed=5, cu_seqlens=cu)
+        for st in strategies
+        for sc in (0.0, -0.3)
+        for dt in ("float64", "float32")
+        for c, lay in LAYOUTS
+        for cu in (None, [0, 5, 6 * P])
+    ]
     assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
 
 
 def test_strategy_auto(pools):
-    todo = [dict(B=1, s=8, H=H, Hkv=Hkv, d=16, dtype="float64", causal=True, layout="zigzag", strategy="auto")
-            for H, Hkv in HEADS]
+    todo = [
+        dict(B=1, s=8, H=H, Hkv=Hkv, d=16, dtype="float64", causal=True, layout="zigzag", strategy="auto")
+        for H, Hkv in HEADS
+    ]
     pools(3).run(cases.check_many, todo)
 
 
 def test_world_size_5(pools):
     """An odd world size above 4: P=5 ranks, every strategy and mask/layout, GQA and MQA, float64."""
-    todo = [dict(B=2, s=4, H=H, Hkv=Hkv, d=12, dtype="float64", causal=c, layout=lay, strategy=st, seed=11)
-            for st in ("token_ring", "ring", "ring_bidir", "ulysses") for c, lay in LAYOUTS
-            for H, Hkv in {"ulysses": [(5, 5), (10, 2), (5, 1)], "ring_bidir": [(4, 4), (6, 2)]}.get(
-                st, [(4, 4), (6, 2), (3, 1)])]
+    todo = [
+        dict(B=2, s=4, H=H, Hkv=Hkv, d=12, dtype="float64", causal=c, layout=lay, strategy=st, seed=11)
+        for st in ("token_ring", "ring", "ring_bidir", "ulysses")
+        for c, lay in LAYOUTS
+        for H, Hkv in {"ulysses": [(5, 5), (10, 2), (5, 1)], "ring_bidir": [(4, 4), (6, 2)]}.get(
+            st, [(4, 4), (6, 2), (3, 1)]
+        )
+    ]
     pools(5).run(cases.check_many, todo)
 
 
@@ -95,9 +129,20 @@ def variant_grid(P: int, dtypes=("float64",)) -> list[dict]:
     for name in names:
         for (causal, layout), (H, Hkv) in itertools.product(LAYOUTS, HEADS):
             i += 1
-            out.append(dict(B=1 + i % 2, s=6 if i % 2 else 10, H=H, Hkv=Hkv, d=12 + i % 3 // 2,
-                            dtype=dtypes[i % len(dtypes)],
-                            causal=causal, layout=layout, strategy=name, seed=i))
+            out.append(
+                dict(
+                    B=1 + i % 2,
+                    s=6 if i % 2 else 10,
+                    H=H,
+                    Hkv=Hkv,
+                    d=12 + i % 3 // 2,
+                    dtype=dtypes[i % len(dtypes)],
+                    causal=causal,
+                    layout=layout,
+                    strategy=name,
+                    seed=i,
+                )
+            )
     return out
 
 
@@ -115,16 +160,31 @@ def test_direct_variants_low_precision(pools):
 def test_family_choice_on_a_mesh(pools):
     """strategy="token_ring" / "ring:auto" / "auto" with a mesh topology (the cost model picks a direct
     variant there) stay exact, and every rank runs rank 0's choice."""
-    todo = [dict(B=1, s=16, H=4, Hkv=Hkv, d=16, dtype="float64", causal=c, layout=lay, strategy=st, seed=3,
-                 topology="mesh:100mbit")
-            for st in ("token_ring", "ring:auto", "auto") for c, lay in LAYOUTS for Hkv in (4, 1)]
+    todo = [
+        dict(
+            B=1,
+            s=16,
+            H=4,
+            Hkv=Hkv,
+            d=16,
+            dtype="float64",
+            causal=c,
+            layout=lay,
+            strategy=st,
+            seed=3,
+            topology="mesh:100mbit",
+        )
+        for st in ("token_ring", "ring:auto", "auto")
+        for c, lay in LAYOUTS
+        for Hkv in (4, 1)
+    ]
     pools(4).run(cases.check_many, todo)
 
 
 def test_rank0_decides_the_variant(pools):
     """Ranks told different topologies still run one strategy: rank 0's choice (a per-host input such as a
     topology set on one rank only cannot split them)."""
-    names = pools(4).run(cases.chosen_strategy, "mesh:100mbit" , "token_ring")
+    names = pools(4).run(cases.chosen_strategy, "mesh:100mbit", "token_ring")
     assert len(set(names)) == 1, names
     mixed = pools(4).run(cases.chosen_strategy_mixed, "token_ring")
     assert len(set(mixed)) == 1 and mixed[0] == names[0], (mixed, names)
@@ -133,20 +193,45 @@ def test_rank0_decides_the_variant(pools):
 def sink_grid(P: int) -> list[dict]:
     """Attention sinks (gpt-oss): every flat strategy (hierarchical ones at P=4) over causal/layouts, MHA and
     GQA, with and without documents and windows; mostly float64, some float32/bfloat16."""
-    names = ["token_ring", "token_ring_paper", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c=1,k=1",
-             "ring_bidir", "ulysses"] if P > 1 else ["auto"]
+    names = (
+        [
+            "token_ring",
+            "token_ring_paper",
+            "token_ring:direct,c=2,k=1",
+            "ring",
+            "ring:direct,c=1,k=1",
+            "ring_bidir",
+            "ulysses",
+        ]
+        if P > 1
+        else ["auto"]
+    )
     if P == 4:
         names += ["usp:n=2", "double_ring:n=2", "token_ring_2d:n=2", "double_ring:n=2,keep"]
     out, i = [], 0
     for name in names:
         for (causal, layout), (H, Hkv), extra in itertools.product(
-                LAYOUTS, [(4, 4), (4, 2)], [{}, {"cu_seqlens": [0, 3, 4 * P]}, {"window": (2, 1)}]):
+            LAYOUTS, [(4, 4), (4, 2)], [{}, {"cu_seqlens": [0, 3, 4 * P]}, {"window": (2, 1)}]
+        ):
             i += 1
             if (P > 1 and why_not(name, H, Hkv, P)) or (name == "ring_bidir" and Hkv % 2):
                 continue
-            out.append(dict(B=1 + i % 2, s=4, H=H, Hkv=Hkv, d=8 + i % 3, dtype=("float64", "float32", "bfloat16",
-                                                                                 "float64")[i % 4],
-                            causal=causal, layout=layout, strategy=name, seed=i, sinks=True, **extra))
+            out.append(
+                dict(
+                    B=1 + i % 2,
+                    s=4,
+                    H=H,
+                    Hkv=Hkv,
+                    d=8 + i % 3,
+                    dtype=("float64", "float32", "bfloat16", "float64")[i % 4],
+                    causal=causal,
+                    layout=layout,
+                    strategy=name,
+                    seed=i,
+                    sinks=True,
+                    **extra,
+                )
+            )
     return out
 
 

@@ -2,9 +2,10 @@
 reference for uneven shards (some empty), several new tokens causal among themselves, GQA/MQA, and the
 same output bits on every rank; the placement of new tokens; mismatched steps raise on every rank.
 Tolerances: float64 1e-9, float32 1e-5 (relative to the reference's max)."""
-import pytest
 
 import cases
+import pytest
+
 from tokenring.decode import place_new, step_bytes
 
 
@@ -21,9 +22,16 @@ def test_place_new_fills_the_emptiest_ranks_in_order():
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 def test_decode_matches_reference_and_is_identical_on_every_rank(pools, P):
-    for i, (t, H, Hkv, dtype, B) in enumerate([(1, 4, 4, "float64", 1), (3, 8, 2, "float64", 2),
-                                                (5, 4, 1, "float32", 1), (1, 6, 2, "float32", 3),
-                                                (4, 4, 2, "float64", 1), (3, 4, 2, "float32", 2)]):
+    for i, (t, H, Hkv, dtype, B) in enumerate(
+        [
+            (1, 4, 4, "float64", 1),
+            (3, 8, 2, "float64", 2),
+            (5, 4, 1, "float32", 1),
+            (1, 6, 2, "float32", 3),
+            (4, 4, 2, "float64", 1),
+            (3, 4, 2, "float32", 2),
+        ]
+    ):
         case = dict(B=B, n=7 * P + 3, t=t, H=H, Hkv=Hkv, d=8 + 4 * i, dtype=dtype, seed=i)
         if i >= 4:  # a zero and a negative softmax_scale (new tokens attend each other causally)
             case["scale"] = (0.0, -0.4)[i - 4]

@@ -1,12 +1,12 @@
 """The examples in examples/, at small sizes, on P=4 gloo ranks (the torchrun one: 2 processes of its own):
 each checks itself against one process."""
+
 import os
 import subprocess
 import sys
 import time
 
 import pytest
-
 from example_cases import run_example
 
 
@@ -30,8 +30,15 @@ def _torchrun(tmp_path, script: str, args: list[str], n: int, timeout: float = 1
     cmd = [sys.executable, path, "--init-method", f"file://{tmp_path / 'rendezvous'}", "--backend", "gloo", *args]
     procs = []
     for rank in range(n):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
-                   OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(n),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(n),
+            OMP_NUM_THREADS="1",
+            GLOO_SOCKET_IFNAME="lo",
+        )
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     try:
@@ -57,8 +64,25 @@ def test_train_dp_cp_example(tmp_path, stack):
 
 def test_torchrun_example_cpu(tmp_path):
     """examples/torchrun_attention.py as torchrun would start it, 2 processes on gloo, file:// rendezvous."""
-    outs = _torchrun(tmp_path, "torchrun_attention.py", ["--seq", "256", "--heads", "4", "--kv-heads", "2",
-                                                          "--head-dim", "16", "--causal", "--dtype", "float32",
-                                                          "--iters", "2"], 2)
+    outs = _torchrun(
+        tmp_path,
+        "torchrun_attention.py",
+        [
+            "--seq",
+            "256",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--causal",
+            "--dtype",
+            "float32",
+            "--iters",
+            "2",
+        ],
+        2,
+    )
     check = [line for line in outs[0].splitlines() if line.startswith("check vs float64 SDPA")]
     assert len(check) == 1 and check[0].endswith(": OK"), outs[0]

@@ -1,5 +1,6 @@
 """Nothing aborts: after a refused call that every rank catches, the processes destroy their group and exit
 with code 0 (no ``terminate called without an active exception``), run after run."""
+
 import os
 import subprocess
 import sys
@@ -13,9 +14,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _run(tmp_path, what: str, P: int = 2, timeout: float = 90) -> list[tuple[int, str]]:
     store = tmp_path / f"store-{what}-{time.monotonic_ns()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]))
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "exit_case.py"), str(r), str(P), what, str(store)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(P)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "exit_case.py"), str(r), str(P), what, str(store)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(P)
+    ]
     deadline = time.monotonic() + timeout
     out = []
     try:

@@ -2,6 +2,7 @@
 of P over PyTorch's fake process group (``fake_rank``). Values are not computed; what is checked is which CUDA op
 runs with which arguments, the shapes, dtypes, devices and strides that come back, that every message buffer is
 on the device, and that a call after the first makes no host sync."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,14 +10,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tokenring
-from tokenring import kernels, ops as tr_ops
+from tokenring import kernels
+from tokenring import ops as tr_ops
 from tokenring.comm import Trace
 from tokenring.merge import acc_dtype, merge_, new_accumulator
 from tokenring.testing import fake_rank, meta_like, pretend_cuda
 
 H100, A100 = ("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA A100-SXM4-80GB", (8, 0))
-CUDA_OPS = {"_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_flash_attention": "flash",
-            "_scaled_dot_product_efficient_attention": "efficient"}
+CUDA_OPS = {
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient",
+}
 SYNCS = ("_local_scalar_dense", "equal", "is_nonzero")  # what .item(), .tolist(), torch.equal, bool() run
 
 
@@ -43,8 +48,9 @@ class Ops(TorchDispatchMode):
         for n, a, k in self.calls:
             if n == name:
                 schema = self.schemas[n].arguments
-                out.append({x.name: a[i] if i < len(a) else k.get(x.name, x.default_value)
-                            for i, x in enumerate(schema)})
+                out.append(
+                    {x.name: a[i] if i < len(a) else k.get(x.name, x.default_value) for i, x in enumerate(schema)}
+                )
         return out
 
     def attention_ops(self) -> list[str]:
@@ -57,8 +63,10 @@ class Ops(TorchDispatchMode):
             tensors = [x for x in a if isinstance(x, torch.Tensor)]
             if n in SYNCS and any(t.device.type != "cpu" for t in tensors):
                 out.append(n)
-            if n in ("_to_copy", "copy_") and len({t.device.type for t in tensors} | {str(k.get("device", ""))}
-                                                   - {"", "None"}) > 1:
+            if (
+                n in ("_to_copy", "copy_")
+                and len({t.device.type for t in tensors} | {str(k.get("device", ""))} - {"", "None"}) > 1
+            ):
                 out.append(n)
         return out
 
@@ -76,11 +84,22 @@ def block(B=2, n=96, m=160, H=8, Hkv=2, d=128, dtype=torch.bfloat16):
 
 # --- the kernel choice -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,d,capability,expected", [
-    (torch.bfloat16, 128, (9, 0), "cudnn"), (torch.float16, 64, (9, 0), "cudnn"), (torch.bfloat16, 72, (10, 0), "cudnn"),
-    (torch.bfloat16, 128, (8, 0), "flash"), (torch.bfloat16, 256, (9, 0), "flash"), (torch.float16, 80, (8, 9), "flash"),
-    (torch.float32, 128, (9, 0), "efficient"), (torch.bfloat16, 100, (9, 0), "efficient"),
-    (torch.float64, 128, (9, 0), None), (torch.bfloat16, 66, (9, 0), None)])
+
+@pytest.mark.parametrize(
+    "dtype,d,capability,expected",
+    [
+        (torch.bfloat16, 128, (9, 0), "cudnn"),
+        (torch.float16, 64, (9, 0), "cudnn"),
+        (torch.bfloat16, 72, (10, 0), "cudnn"),
+        (torch.bfloat16, 128, (8, 0), "flash"),
+        (torch.bfloat16, 256, (9, 0), "flash"),
+        (torch.float16, 80, (8, 9), "flash"),
+        (torch.float32, 128, (9, 0), "efficient"),
+        (torch.bfloat16, 100, (9, 0), "efficient"),
+        (torch.float64, 128, (9, 0), None),
+        (torch.bfloat16, 66, (9, 0), None),
+    ],
+)
 def test_choice_table(dtype, d, capability, expected):
     assert kernels.cuda_kernel(dtype, d, capability) == expected
 
@@ -104,7 +123,7 @@ def test_block_forward_backward_ops(gpu, dtype, d, causal, Hkv):
         assert lse.shape == (B, H, n) and lse.dtype == acc_dtype(dtype) and lse.is_contiguous()
         assert ops.attention_ops() == ([f"_scaled_dot_product_{expected}_attention"] if expected else [])
         if expected:
-            a, = ops.named(f"_scaled_dot_product_{expected}_attention")
+            (a,) = ops.named(f"_scaled_dot_product_{expected}_attention")
             assert same(a["query"], q) and a["scale"] == 0.3
             assert (same(a["key"], k) and same(a["value"], v)) or (expected == "efficient" and Hkv < H)
             heads = k.shape[2] if expected in ("cudnn", "flash") else H
@@ -119,8 +138,13 @@ def test_block_forward_backward_ops(gpu, dtype, d, causal, Hkv):
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
         assert {t.device.type for t in (dq, dk, dv)} == {"meta"}
         if expected:
-            a, = ops.named(f"_scaled_dot_product_{expected}_attention_backward")
-            assert same(a.get("grad_out", a.get("grad_out_")), dout) and same(a["query"], q) and same(a["out"], out) and a["scale"] == 0.3
+            (a,) = ops.named(f"_scaled_dot_product_{expected}_attention_backward")
+            assert (
+                same(a.get("grad_out", a.get("grad_out_")), dout)
+                and same(a["query"], q)
+                and same(a["out"], out)
+                and a["scale"] == 0.3
+            )
             assert (same(a["key"], k) and same(a["value"], v)) or (expected == "efficient" and Hkv < H)
             lse_in = a["logsumexp"]
             want = {"cudnn": (B, H, n, 1), "flash": (B, H, n), "efficient": (B, H, -(-n // 32) * 32)}[expected]
@@ -133,12 +157,20 @@ def test_block_forward_backward_ops(gpu, dtype, d, causal, Hkv):
 
 def test_masked_tiles_take_the_math_path():
     from tokenring.masks import Tile
+
     q, k, v = block(n=64, m=64, Hkv=8)
     tiles = [Tile(0, 32, 0, 64, "mask"), Tile(32, 64, 0, 32, "causal")]
     with pretend_cuda(*H100), Ops() as ops:
-        o, lse = kernels.tiled_forward(q, k, v, tiles, lambda t: (torch.ones(t.q1 - t.q0, t.k1 - t.k0, dtype=torch.bool,
-                                                                             device="meta")
-                                                                  if t.kind == "mask" else None), 0.2)
+        o, lse = kernels.tiled_forward(
+            q,
+            k,
+            v,
+            tiles,
+            lambda t: (
+                torch.ones(t.q1 - t.q0, t.k1 - t.k0, dtype=torch.bool, device="meta") if t.kind == "mask" else None
+            ),
+            0.2,
+        )
     assert o.shape == q.shape and lse.shape == (2, 8, 64)
     assert ops.attention_ops() == ["_scaled_dot_product_cudnn_attention"]  # the unmasked causal tile only
 
@@ -148,6 +180,7 @@ def test_merge_on_cuda_runs_the_compiled_kernels_twin(monkeypatch):
 
     def compiled(*args):
         raise AssertionError("the compiled kernel ran on meta tensors")
+
     monkeypatch.setattr(merge, "_compiled", compiled)
     with pretend_cuda(*H100):
         acc_o, acc_lse = new_accumulator(2, 64, 8, 128, torch.bfloat16, "meta")
@@ -160,8 +193,20 @@ def test_merge_on_cuda_runs_the_compiled_kernels_twin(monkeypatch):
 
 # --- a whole call as rank r of P ---------------------------------------------------------------------------------
 
-STRATEGIES = ["token_ring:relay", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c=2,k=1", "ring_bidir", "ulysses",
-              "auto", "token_ring", "usp:n=2", "double_ring:n=2", "token_ring_2d:n=2", "double_ring:n=2,keep"]
+STRATEGIES = [
+    "token_ring:relay",
+    "token_ring:direct,c=2,k=1",
+    "ring",
+    "ring:direct,c=2,k=1",
+    "ring_bidir",
+    "ulysses",
+    "auto",
+    "token_ring",
+    "usp:n=2",
+    "double_ring:n=2",
+    "token_ring_2d:n=2",
+    "double_ring:n=2,keep",
+]
 
 
 def _call(strategy, causal, masks, P, trace=None, log=None, sinks=False):
@@ -201,8 +246,10 @@ def test_attention_as_rank_r_of_P(P, rank, strategy, causal, masks):
         assert ops.host_syncs() == []
         assert not ops.named("allgather_") and not ops.named("all_gather")
         if not masks:
-            assert ops.attention_ops() and set(ops.attention_ops()) <= {"_scaled_dot_product_cudnn_attention",
-                                                                        "_scaled_dot_product_cudnn_attention_backward"}
+            assert ops.attention_ops() and set(ops.attention_ops()) <= {
+                "_scaled_dot_product_cudnn_attention",
+                "_scaled_dot_product_cudnn_attention_backward",
+            }
 
 
 def test_sinks_and_timeline_on_cuda():
@@ -218,6 +265,7 @@ def test_sinks_and_timeline_on_cuda():
 
 def test_nccl_semantics_no_host_timeout():
     from tokenring.comm import Comm
+
     with pretend_cuda(*H100), fake_rank(1, 4):
         comm = Comm(None)
         assert not comm.bounded and not comm.early_receives and not comm.stage
@@ -263,6 +311,7 @@ def test_auto_detects_the_machine():
     from tokenring.schedules import Shapes
     from tokenring.sim.auto import choose
     from tokenring.sim.topology import detected_topology
+
     h100, h_text = _auto_runs(H100_NODE)
     l40s, l_text = _auto_runs(L40S)
     assert "detected: NVIDIA H100 80GB HBM3 (sm90), 8 per node, nvlink" in h_text and "block kernel: cudnn" in h_text
@@ -279,5 +328,6 @@ def test_auto_detects_the_machine():
 
 def test_unknown_gpu_falls_back_to_h100_figures():
     from tokenring.sim.topology import gpu_model
+
     assert gpu_model("Some Future GPU")[0] == "h100" and "unknown GPU" in gpu_model("Some Future GPU")[2]
     assert gpu_model("NVIDIA B200")[0] == "b200" and gpu_model("AMD Instinct MI300X")[0] == "mi300x"

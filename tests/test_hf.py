@@ -2,6 +2,7 @@
 ranks equals the single-process model (transformers' own sdpa attention, same weights): logits within 1e-4
 (float32) and one training step's loss and parameter gradients within 1e-4 relative, for every strategy.
 Skipped when transformers is not installed (it is an optional extra)."""
+
 import subprocess
 import sys
 
@@ -24,9 +25,16 @@ def test_llama_gqa_matches_single_process(pools):
         assert e["grad"] < 1e-4, f"{st}: gradient of {e['worst']} off by {e['grad']:.3g} (relative)"
 
 
-@pytest.mark.parametrize("arch,over", [("qwen2", dict(attention_bias=True)), ("qwen3", dict(head_dim=32)),
-                                       ("mistral", dict(sliding_window=None)),
-                                       ("llama", dict(num_key_value_heads=8)), ("gpt_oss", {})])
+@pytest.mark.parametrize(
+    "arch,over",
+    [
+        ("qwen2", dict(attention_bias=True)),
+        ("qwen3", dict(head_dim=32)),
+        ("mistral", dict(sliding_window=None)),
+        ("llama", dict(num_key_value_heads=8)),
+        ("gpt_oss", {}),
+    ],
+)
 def test_other_families(pools, arch, over):
     res = pools(4).run(hf_cases.model_matches, 256, ["auto"], arch, {**over, "num_hidden_layers": 2})[0]
     assert res["auto"]["logits"] < 1e-4 and res["auto"]["grad"] < 1e-4, res
@@ -45,8 +53,9 @@ def test_mistral_sliding_window_matches_single_process(pools):
     and one training step's loss and gradients equal transformers' own sdpa run, P = 3 and 4."""
     for P in (3, 4):
         S = 128 * P
-        res = pools(P).run(hf_cases.model_matches, S, ["token_ring", "ring"], "mistral",
-                           {"sliding_window": 96, "num_hidden_layers": 2})[0]
+        res = pools(P).run(
+            hf_cases.model_matches, S, ["token_ring", "ring"], "mistral", {"sliding_window": 96, "num_hidden_layers": 2}
+        )[0]
         for st in ("token_ring", "ring"):
             e = res[st]
             assert e["logits"] < 1e-4 and e["loss"] < 1e-5 and e["grad"] < 1e-4, (P, st, e)
@@ -118,9 +127,11 @@ def test_from_pretrained_single_process(tmp_path):
     """from_pretrained(path, attn_implementation="tokenring") from a local checkpoint; one process: plain attention."""
     import torch
     from transformers import AutoModelForCausalLM
+
     model = hf_cases.build("llama", "sdpa", num_hidden_layers=1)
     model.save_pretrained(tmp_path)
     import tokenring.hf  # noqa: F401  registers the implementation
+
     tr = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="tokenring")
     assert tr.config._attn_implementation == "tokenring"
     ids = hf_cases.tokens(64, model.config.vocab_size)
@@ -129,20 +140,45 @@ def test_from_pretrained_single_process(tmp_path):
 
 
 def test_core_imports_without_transformers():
-    code = ("import sys; sys.modules['transformers'] = None\n"
-            "import torch, tokenring\n"
-            "q = torch.randn(1, 8, 2, 4)\n"
-            "assert tokenring.attention(q, q, q, causal=True).shape == q.shape\n"
-            "try:\n    import tokenring.hf\nexcept ImportError as e:\n    assert 'tokenring-attn[hf]' in str(e)\n"
-            "else:\n    raise SystemExit('tokenring.hf imported without transformers')\n")
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import torch, tokenring\n"
+        "q = torch.randn(1, 8, 2, 4)\n"
+        "assert tokenring.attention(q, q, q, causal=True).shape == q.shape\n"
+        "try:\n    import tokenring.hf\nexcept ImportError as e:\n    assert 'tokenring-attn[hf]' in str(e)\n"
+        "else:\n    raise SystemExit('tokenring.hf imported without transformers')\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_demo_generate(capsys):
     """`tokenring demo --generate`: prefill + generation on 2 ranks; exit code 0 means the ids equal one process's."""
     from tokenring.tools.demo import main
-    assert main(["--generate", "4", "--seq", "64", "--ranks", "2", "--hidden", "64", "--layers", "1", "--heads", "4",
-                 "--kv-heads", "2", "--vocab", "128", "--quiet"]) == 0
+
+    assert (
+        main(
+            [
+                "--generate",
+                "4",
+                "--seq",
+                "64",
+                "--ranks",
+                "2",
+                "--hidden",
+                "64",
+                "--layers",
+                "1",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--vocab",
+                "128",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert "KV cache/rank" in capsys.readouterr().out
 
 

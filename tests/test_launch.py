@@ -1,5 +1,6 @@
 """Local rank launching (tokenring.tools.launch): the pool's results and errors, ranks that exit or hang, and
 that a local run listens on nothing beyond loopback."""
+
 import ipaddress
 import os
 import socket
@@ -16,7 +17,7 @@ from tokenring.tools.launch import RankError, RankPool, spawn
 def _addr(hexaddr: str) -> ipaddress._BaseAddress:
     raw = bytes.fromhex(hexaddr)
     # /proc/net/tcp{,6} print the address as 32-bit words in host (little-endian) order
-    return ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+    return ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
 
 
 def listening(pid) -> list[tuple[str, int]]:
@@ -45,6 +46,7 @@ def beyond_loopback(socks) -> list[tuple[str, int]]:
     def loopback(a):
         a = ipaddress.ip_address(a)
         return a.is_loopback or (a.version == 6 and a.ipv4_mapped is not None and a.ipv4_mapped.is_loopback)
+
     return [(a, p) for a, p in socks if not loopback(a)]
 
 
@@ -55,6 +57,7 @@ def _rank_listening(rank, P):
 def test_listening_check_sees_wildcard_sockets():
     """The check can fail: a socket on every interface, and torch's TCP store (the old rendezvous), are caught."""
     import torch.distributed as dist
+
     with socket.socket(socket.AF_INET6) as s:
         s.bind(("::", 0))
         s.listen()
@@ -98,8 +101,9 @@ def _children_listening(stop: threading.Event, seen: list) -> None:
 def test_bench_ranks_listen_only_on_loopback(monkeypatch):
     """The subprocess launcher (bench, testbed), watched from the parent while its ranks run."""
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    spec = bench.make_spec(P=2, S=32, H=2, d=8, strategies=["ring"], repeats=2, warmup=0, trace=False,
-                           comm_only=False, timeout=60)
+    spec = bench.make_spec(
+        P=2, S=32, H=2, d=8, strategies=["ring"], repeats=2, warmup=0, trace=False, comm_only=False, timeout=60
+    )
     stop, seen = threading.Event(), []
     watcher = threading.Thread(target=_children_listening, args=(stop, seen), daemon=True)
     watcher.start()

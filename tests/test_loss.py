@@ -1,5 +1,6 @@
 """The tiled (chunked) cross-entropy: the same loss and gradients as the unchunked one (float32, 1e-6), and no
 tensor the size of the whole (tokens, vocab) logits is ever made or kept for backward."""
+
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,6 +1,6 @@
 """examples/token_ring_minimal.py (the 100-line TokenRing for learning) equals tokenring.attention."""
-import pytest
 
+import pytest
 from minimal_cases import minimal_vs_library
 
 

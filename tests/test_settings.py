@@ -1,5 +1,6 @@
 """tokenring.configure / tokenring.options: one precedence rule (configure > environment > default), checked
 values, and the shortcuts (set_timeout, set_topology) that go through it."""
+
 import pytest
 
 import tokenring

@@ -1,4 +1,5 @@
 """Cost model: topologies, kernel model, simulator (hand-computable cases) and strategy="auto"."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,17 @@ from tokenring.schedules import Compute, Shapes, message_bytes
 from tokenring.sim import auto as auto_mod
 from tokenring.sim.kernel_model import KernelModel, h200_table, kernel_model
 from tokenring.sim.simulator import CompiledSchedule, compile_schedule, shapes_for, simulate, simulate_pass
-from tokenring.sim.topology import (PRESETS, ClusterTopology, GraphTopology, MeshTopology, RingTopology,
-                                    SwitchTopology, get_topology, parse_rate, parse_time)
+from tokenring.sim.topology import (
+    PRESETS,
+    ClusterTopology,
+    GraphTopology,
+    MeshTopology,
+    RingTopology,
+    SwitchTopology,
+    get_topology,
+    parse_rate,
+    parse_time,
+)
 from tokenring.strategies import get as get_strategy
 
 INF = float("inf")
@@ -22,8 +32,17 @@ INF = float("inf")
 
 def flat_kernel(t_block=0.0, merge=0.0) -> KernelModel:
     """Every block takes t_block seconds (peak infinite), merges/adds take ``merge``."""
-    return KernelModel("flat", (t_block, INF), (t_block, INF), (t_block, INF), (t_block, INF), mem_bw=INF,
-                       merge=(merge, 0.0), add=(merge, 0.0), step=0.0)
+    return KernelModel(
+        "flat",
+        (t_block, INF),
+        (t_block, INF),
+        (t_block, INF),
+        (t_block, INF),
+        mem_bw=INF,
+        merge=(merge, 0.0),
+        add=(merge, 0.0),
+        step=0.0,
+    )
 
 
 # ---------------------------------------------------------------- topology
@@ -40,12 +59,15 @@ def test_parse_units():
         parse_rate("fast")
 
 
-@pytest.mark.parametrize("topo", [
-    MeshTopology("m", 2, link_bw=1e6, latency=1e-3),
-    SwitchTopology("s", 2, port_bw=1e6, latency=1e-3),
-    RingTopology("r", 2, link_bw=1e6, latency=1e-3),
-    GraphTopology("g", 2, links=[(0, 1, 1e6, 1e-3), (1, 0, 1e6, 1e-3)]),
-])
+@pytest.mark.parametrize(
+    "topo",
+    [
+        MeshTopology("m", 2, link_bw=1e6, latency=1e-3),
+        SwitchTopology("s", 2, port_bw=1e6, latency=1e-3),
+        RingTopology("r", 2, link_bw=1e6, latency=1e-3),
+        GraphTopology("g", 2, links=[(0, 1, 1e6, 1e-3), (1, 0, 1e6, 1e-3)]),
+    ],
+)
 def test_one_link_one_message(topo):
     assert topo.flow_times([0], [1], [2e6]) == pytest.approx([1e-3 + 2.0])
 
@@ -64,7 +86,7 @@ def test_shared_port_vs_dedicated_links():
 
 def test_per_flow_cap_and_uplink():
     t = SwitchTopology("pcie", 4, flow_bw=1e6, port_bw=3e6, latency=0, group=2, uplink_bw=1.5e6)
-    assert t.flow_times([0], [1], [1e6]) == pytest.approx([1.0])          # one stream: capped at 1 MB/s
+    assert t.flow_times([0], [1], [1e6]) == pytest.approx([1.0])  # one stream: capped at 1 MB/s
     assert t.flow_times([0, 0], [1, 3], [1e6, 1e6]) == pytest.approx([1.0, 1.0])
     # 0->2 and 1->3 cross the group uplink together: 2 MB over 1.5 MB/s
     assert t.flow_times([0, 1], [2, 3], [1e6, 1e6]) == pytest.approx([2 / 1.5, 2 / 1.5])
@@ -89,9 +111,9 @@ def test_ring_routes_match_graph():
 def test_cluster_uses_nics_between_nodes():
     node = SwitchTopology("n", 2, port_bw=10e6, latency=0)
     c = ClusterTopology("c", 4, node=node, nic_bw=1e6, nic_latency=0.5)
-    assert c.flow_times([0], [1], [1e6]) == pytest.approx([0.1])     # inside node 0
-    assert c.flow_times([2], [3], [1e6]) == pytest.approx([0.1])     # inside node 1
-    assert c.flow_times([0], [2], [1e6]) == pytest.approx([1.5])     # NIC of 0 -> NIC of 2
+    assert c.flow_times([0], [1], [1e6]) == pytest.approx([0.1])  # inside node 0
+    assert c.flow_times([2], [3], [1e6]) == pytest.approx([0.1])  # inside node 1
+    assert c.flow_times([0], [2], [1e6]) == pytest.approx([1.5])  # NIC of 0 -> NIC of 2
     assert c.flow_times([0, 0], [2, 3], [1e6, 1e6]) == pytest.approx([2.5, 2.5])  # sender's NIC shared
 
 
@@ -106,8 +128,11 @@ def test_presets_load_and_scale(name):
 
 
 def test_user_topology_files(tmp_path, monkeypatch):
-    spec = {"kind": "graph", "P": 3, "links": [[0, "sw", "1MB/s", "1ms"], [1, "sw", "1MB/s", "1ms"],
-                                               [2, "sw", "1MB/s", "1ms"]]}
+    spec = {
+        "kind": "graph",
+        "P": 3,
+        "links": [[0, "sw", "1MB/s", "1ms"], [1, "sw", "1MB/s", "1ms"], [2, "sw", "1MB/s", "1ms"]],
+    }
     p = tmp_path / "box.json"
     p.write_text(json.dumps(spec))
     t = get_topology(str(p))
@@ -149,15 +174,28 @@ def test_devices_differ_sensibly():
 # ---------------------------------------------------------------- simulator: hand-computable cases
 
 
-def _hand(steps, comp_classes=((True, Compute(0, 0, "all", 0, "all")),), msg_classes=(("q", "all", "all"),), P=2,
-          backward=False):
+def _hand(
+    steps,
+    comp_classes=((True, Compute(0, 0, "all", 0, "all")),),
+    msg_classes=(("q", "all", "all"),),
+    P=2,
+    backward=False,
+):
     """A hand-written compiled schedule; its computes are costed as row blocks (token_ring's ``block_dims``)."""
     arr = lambda x: np.array(x, dtype=np.int64)
-    return CompiledSchedule("token_ring", P, "contiguous", False, backward, list(comp_classes), list(msg_classes),
-                            [tuple(arr(x) for x in st) for st in steps])
+    return CompiledSchedule(
+        "token_ring",
+        P,
+        "contiguous",
+        False,
+        backward,
+        list(comp_classes),
+        list(msg_classes),
+        [tuple(arr(x) for x in st) for st in steps],
+    )
 
 
-SH = Shapes(1, 1000, 1, 1, 250, torch.float32, 2)   # a "q" message of 1000*250*4 = 1 MB
+SH = Shapes(1, 1000, 1, 1, 250, torch.float32, 2)  # a "q" message of 1000*250*4 = 1 MB
 
 
 def test_one_message_only():
@@ -207,8 +245,11 @@ def test_fair_share_between_connections(fair):
     """Rank 0's switch port (1 MB/s): step 0 posts 1 MB from rank 1, due at step 1; step 1 posts 0.5 MB from
     rank 2. FIFO (the default): the second waits for the first, done at 1.5 s. Fair sharing (TCP, the testbeds):
     they share the port at once and the second is done at 1.0 s, as is the first in the model."""
-    cs = _hand([([], [], [1], [0], [0], [1]), ([], [], [2], [0], [1], [1])], P=3,
-               msg_classes=(("q", "all", "all"), ("q", "lo", "all")))
+    cs = _hand(
+        [([], [], [1], [0], [0], [1]), ([], [], [2], [0], [1], [1])],
+        P=3,
+        msg_classes=(("q", "all", "all"), ("q", "lo", "all")),
+    )
     topo = SwitchTopology("s", 3, port_bw=1e6, latency=0, fair_share=fair)
     sh = Shapes(1, 1000, 1, 1, 250, torch.float32, 3)
     assert simulate_pass(cs, sh, topo, flat_kernel(), queued=True).time == pytest.approx(1.0 if fair else 1.5)
@@ -223,9 +264,20 @@ def test_receive_handling_after_wait():
     assert r.time == pytest.approx(nbytes / 1e6 + 0.3)
 
 
-@pytest.mark.parametrize("name", ["token_ring:relay", "token_ring:direct,c=2,k=2", "ring", "ring:direct,c=3,k=1",
-                                  "ulysses", "ring_bidir", "usp:n=2", "double_ring:n=2",
-                                  "token_ring_2d:direct,c=2,k=1,n=2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "token_ring:relay",
+        "token_ring:direct,c=2,k=2",
+        "ring",
+        "ring:direct,c=3,k=1",
+        "ulysses",
+        "ring_bidir",
+        "usp:n=2",
+        "double_ring:n=2",
+        "token_ring_2d:direct,c=2,k=1,n=2",
+    ],
+)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backward", [False, True])
 def test_compiled_schedule_is_the_executors(name, causal, backward):
@@ -236,9 +288,10 @@ def test_compiled_schedule_is_the_executors(name, causal, backward):
     assert len(cs.steps) == len(sched.steps)
     for t, (step, (cr, ck, ms, md, mk, du, rd)) in enumerate(zip(sched.steps, cs.steps)):
         assert list(cr) == [c.rank for c in step.computes]
-        assert [(m.src, m.dst, m.kind, m.part, m.heads, max(m.due, t), t if m.ready < 0 else min(m.ready, t))
-                for m in step.messages] == \
-               [(int(s), int(d), *cs.msg_classes[k], int(u), int(r)) for s, d, k, u, r in zip(ms, md, mk, du, rd)]
+        assert [
+            (m.src, m.dst, m.kind, m.part, m.heads, max(m.due, t), t if m.ready < 0 else min(m.ready, t))
+            for m in step.messages
+        ] == [(int(s), int(d), *cs.msg_classes[k], int(u), int(r)) for s, d, k, u, r in zip(ms, md, mk, du, rd)]
     # bytes a rank sends in the simulation = the schedule's message bytes
     sh = Shapes(1, 64, 8, 2, 16, torch.float32, P)
     r = simulate(name, sh, MeshTopology("m", P, link_bw=1e9), flat_kernel(), causal=causal, backward=backward)
@@ -253,7 +306,7 @@ def test_ring_pure_compute_sums_blocks():
     P = 4
     sh = shapes_for(4096, P, 8, 8, 64, dtype=torch.float32)
     r = simulate("ring", sh, MeshTopology("m", P, link_bw=INF, latency=0), flat_kernel(0.01), causal=False)
-    assert r.time == pytest.approx(P * 0.01)       # P blocks, merges free, links infinitely fast
+    assert r.time == pytest.approx(P * 0.01)  # P blocks, merges free, links infinitely fast
 
 
 def test_paper_effect_mesh_vs_switch():
@@ -283,6 +336,7 @@ def test_paper_a10_per_step_comm():
 
 def test_large_P_is_fast():
     import time
+
     t0 = time.perf_counter()
     sh = shapes_for(131072, 128, 32, 8)
     r = simulate("token_ring", sh, get_topology("ib-2x8", 128), causal=True, backward=True)
@@ -320,6 +374,7 @@ def test_auto_considers_hierarchical_strategies_on_clusters():
     inner_size makes them candidates anywhere."""
     from tokenring.sim.auto import node_sizes
     from tokenring.strategies import get as get_st
+
     kw = dict(s=4096, d=128, dtype=torch.bfloat16, causal=True)
     name = tokenring.choose_strategy(32, 8, 32, topology="ib-2x8", **kw)
     assert get_st(name).hierarchical and get_st(name).inner in (2, 4, 8), name
@@ -327,8 +382,9 @@ def test_auto_considers_hierarchical_strategies_on_clusters():
     assert node_sizes(get_topology("mesh:200mbit", 4), 4) == ()
     assert node_sizes(get_topology("mesh:200mbit", 4), 4, inner=2) == (2,)
     assert node_sizes(get_topology("ib-2x8", 16), 16, inner=3) == (2, 4, 8)  # 3 does not divide 16
-    mixed = tokenring.choose_strategy(32, 32, 4, s=4096, d=64, dtype=torch.float32, topology="mesh:200mbit",
-                                      inner_size=2, requested="token_ring_2d")
+    mixed = tokenring.choose_strategy(
+        32, 32, 4, s=4096, d=64, dtype=torch.float32, topology="mesh:200mbit", inner_size=2, requested="token_ring_2d"
+    )
     assert mixed.startswith("token_ring_2d:") and get_st(mixed).inner == 2, mixed
 
 
@@ -357,6 +413,7 @@ def test_set_topology_and_default(monkeypatch):
 
 def test_cpu_calibration_small():
     from tokenring.sim.kernel_model import calibrate_cpu
+
     m = calibrate_cpu(1, torch.float64, blocks=((32, 2), (64, 2)), d=16, repeats=1)
     t_small = m.block_time(32, 32, 2, 2, 16, False, False)
     t_big = m.block_time(256, 256, 2, 2, 16, False, False)
@@ -374,14 +431,22 @@ def test_queued_variant_only_adds_waits(topo):
     from dataclasses import replace
 
     import torch
+
     from tokenring.schedules import Shapes
     from tokenring.sim import get_topology
+
     sh = Shapes(1, 1024, 8, 8, 64, torch.float32, 4)
     with_notice = get_topology(topo, 4)
     assert with_notice.ready_notice
     t = replace(with_notice, ready_notice=False)
-    for name in ("token_ring:relay", "token_ring:direct,c=2,k=1", "token_ring:direct,c=4,k=2", "ring",
-                 "ring:direct,c=1,k=3", "ulysses"):
+    for name in (
+        "token_ring:relay",
+        "token_ring:direct,c=2,k=1",
+        "token_ring:direct,c=4,k=2",
+        "ring",
+        "ring:direct,c=1,k=3",
+        "ulysses",
+    ):
         for causal in (False, True):
             a = simulate(name, sh, t, flat_kernel(1e-3), causal=causal, backward=True, queued=False).time
             b = simulate(name, sh, t, flat_kernel(1e-3), causal=causal, backward=True).time

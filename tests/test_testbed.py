@@ -1,5 +1,6 @@
 """The interconnect testbed: setup/teardown leaves nothing behind, even when a rank fails or on SIGTERM.
 Needs root and iproute2 (``ip``, ``tc``); skipped, with the reason, otherwise. No timing is asserted."""
+
 import os
 import signal
 import subprocess
@@ -51,8 +52,9 @@ def test_setup_and_teardown_leave_nothing(topology):
 @needs_root
 def test_bench_runs_inside_the_testbed():
     prefix = f"trtest-{os.getpid()}-bench"
-    spec = bench.make_spec(P=2, S=32, H=2, d=8, strategies=["token_ring", "ring"], repeats=1, warmup=0,
-                           comm_only=False, timeout=60)
+    spec = bench.make_spec(
+        P=2, S=32, H=2, d=8, strategies=["token_ring", "ring"], repeats=1, warmup=0, comm_only=False, timeout=60
+    )
     with TB(2, "mesh", rate_mbit=200, prefix=prefix) as tb:
         res = bench.run(spec, **tb.launch_kwargs())
     assert all(r["check"]["ok"] for r in res["results"])
@@ -64,8 +66,19 @@ def test_links_do_not_drop():
     """Four ranks pushing several MB at once through one slow NIC link (the two-level testbed at 20 Mbit/s):
     the default queue holds it all (an interconnect is lossless; a drop would cost TCP a 200 ms timeout)."""
     prefix = f"trtest-{os.getpid()}-drop"
-    spec = bench.make_spec(P=4, S=4096, H=2, Hkv=2, d=64, strategies=["ring:direct,c=1,k=3"], repeats=1, warmup=0,
-                           comm_only=False, trace=False, timeout=120)
+    spec = bench.make_spec(
+        P=4,
+        S=4096,
+        H=2,
+        Hkv=2,
+        d=64,
+        strategies=["ring:direct,c=1,k=3"],
+        repeats=1,
+        warmup=0,
+        comm_only=False,
+        trace=False,
+        timeout=120,
+    )
     with TB(4, "cluster", rate_mbit=20, node=2, prefix=prefix) as tb:
         res = bench.run(spec, **tb.launch_kwargs())
         assert tb.dropped() == 0
@@ -88,8 +101,10 @@ def test_failing_rank_still_tears_down():
 @needs_root
 def test_sigterm_tears_down():
     prefix = f"trtest-{os.getpid()}-sig"
-    code = (f"import time; from tokenring.tools.testbed import Testbed\n"
-            f"with Testbed(2, 'ring', 100, prefix={prefix!r}):\n    print('up', flush=True); time.sleep(60)\n")
+    code = (
+        f"import time; from tokenring.tools.testbed import Testbed\n"
+        f"with Testbed(2, 'ring', 100, prefix={prefix!r}):\n    print('up', flush=True); time.sleep(60)\n"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "up"
@@ -141,8 +156,18 @@ def test_cluster_testbed_routes_through_one_nic_per_node():
     inside it, with the node size from $LOCAL_WORLD_SIZE as torchrun would set it; nothing is left behind."""
     before = _host_state()
     prefix = f"trtest-{os.getpid()}-cluster"
-    spec = bench.make_spec(P=4, S=32, H=2, d=8, causal=True, strategies=["usp", "double_ring"], repeats=1,
-                           warmup=0, comm_only=False, timeout=60)
+    spec = bench.make_spec(
+        P=4,
+        S=32,
+        H=2,
+        d=8,
+        causal=True,
+        strategies=["usp", "double_ring"],
+        repeats=1,
+        warmup=0,
+        comm_only=False,
+        timeout=60,
+    )
     with TB(4, "cluster", rate_mbit=100, node=2, prefix=prefix) as tb:
         assert len(_ours(prefix)) == 4 + 2 + 1  # ranks, routers, switch
         assert tb.spec() == "cluster:2:400mbit:100mbit"

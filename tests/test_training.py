@@ -1,6 +1,7 @@
 """Training the way people train, on gloo ranks with a small Llama: transformers.Trainer, accelerate, FSDP2 and
 DDP over a (dp, cp) mesh give the first step's gradients and the logged loss of one process on the same global
 batch (1e-4 relative; float32); each misuse that used to train silently wrong raises ValueError on every rank."""
+
 import pytest
 
 pytest.importorskip("transformers")

@@ -1,16 +1,16 @@
 """Single-process unit tests: merge math, kernels, layouts and schedule invariants."""
+
 import itertools
-import math
 
 import pytest
 import torch
-
 from cases import reference
+
 from tokenring.kernels import block_backward, block_forward
 from tokenring.layouts import global_order, local_positions
 from tokenring.merge import merge_, new_accumulator
 from tokenring.schedules import block_pair
-from tokenring.strategies import STRATEGIES, get
+from tokenring.strategies import get
 
 
 def test_merge_exact_and_inf_safe():
@@ -23,6 +23,7 @@ def test_merge_exact_and_inf_safe():
         lse = torch.logsumexp(s[..., cols], -1)
         o = torch.einsum("bhnk,bkhd->bnhd", torch.softmax(s[..., cols], -1), v[:, cols])
         return o, lse
+
     o, lse = new_accumulator(B, n, H, d, torch.float64, "cpu")
     for cols in ([0, 1], [2, 3, 4], [5]):
         merge_(o, lse, *part(cols))
@@ -53,8 +54,9 @@ def test_block_kernels(backend, causal, H, Hkv, d):
     want.backward(dout)
     delta = (dout * want).sum(-1).transpose(1, 2)
     for out in (None, want.detach()):  # a fused kernel gets the real output, or one built from delta
-        dq, dk, dv = block_backward(dout, q.detach(), k.detach(), v.detach(), lse, delta.detach(), causal, 0.37,
-                                    backend=backend, out=out)
+        dq, dk, dv = block_backward(
+            dout, q.detach(), k.detach(), v.detach(), lse, delta.detach(), causal, 0.37, backend=backend, out=out
+        )
         for got, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
             assert got.shape == ref.shape and (got - ref).abs().max() < 1e-11
 
@@ -81,10 +83,11 @@ def test_block_backward_low_precision(dtype, tol, backend):
 def test_out_for_delta(dtype):
     """O' has row sums rowsum(dO * O') == delta, including zero rows, tiny rows (no underflow) and huge ones."""
     from tokenring.kernels import out_for_delta
+
     torch.manual_seed(4)
     dout = torch.randn(2, 5, 3, 16, dtype=torch.float64)
-    dout[0, 1] = 0.0          # rows with dO = 0: O' = 0
-    dout[1, 2] *= 1e-30       # |dO|^2 underflows in float32
+    dout[0, 1] = 0.0  # rows with dO = 0: O' = 0
+    dout[1, 2] *= 1e-30  # |dO|^2 underflows in float32
     dout[1, 3] *= 1e30
     delta = torch.randn(2, 3, 5, dtype=torch.float64) * dout.abs().amax(-1).transpose(1, 2)
     delta[0, :, 1] = 0.0
@@ -99,8 +102,9 @@ def test_out_for_delta(dtype):
 
 def test_cpu_backward_choice(monkeypatch):
     """The CPU backward is measured per dtype unless forced; a bad override is an error naming the choices."""
-    from tokenring.kernels import cpu_backward_choice
     import tokenring.kernels as K
+    from tokenring.kernels import cpu_backward_choice
+
     cpu_backward_choice.cache_clear()
     assert cpu_backward_choice(torch.float32, 8) == "cpu_flash"  # fused wherever measured, not timed per run
     for flags, want in (({"avx2", "avx512f"}, "math"), ({"avx512_bf16"}, "cpu_flash"), ({"amx_bf16"}, "cpu_flash")):
@@ -123,6 +127,7 @@ def test_cpu_backward_choice(monkeypatch):
 def test_math_kernel_chunks_rows(monkeypatch):
     """Force tiny row chunks: the chunked math path must equal the one-chunk result."""
     import tokenring.kernels as K
+
     torch.manual_seed(2)
     q, k, v = (torch.randn(1, 13, h, 8, dtype=torch.float64) for h in (4, 2, 2))
     o1, l1 = K.math_forward(q, k, v, True, 0.5)
@@ -178,8 +183,8 @@ def test_schedules_cover_each_pair_once(P, causal, layout):
     half, no masked pair is computed, every compute has its inputs (rows and heads) on the rank that runs it
     (a message counts from the step after it is due), no message goes to its sender or is due before it is
     posted or after the last step."""
-    from tokenring.schedules import part_slice
-    from tokenring.schedules import covers
+    from tokenring.schedules import covers, part_slice
+
     S, pos, need = _attended(P, layout, causal)
     need = {(a, b, h) for a, b in need for h in ("h0", "h1")}
     s = S // P
@@ -191,8 +196,17 @@ def test_schedules_cover_each_pair_once(P, causal, layout):
 
             def held(rank, kind, owner, heads, part, t):
                 got = have.get((rank, kind, owner, heads), []) + have.get((rank, kind, owner, "all"), [])
-                assert any(ready < t and covers(p, part) and h in ("all", heads) for p, h, ready in got), \
-                    (name, sched.backward, t, rank, kind, owner, heads, part, got)
+                assert any(ready < t and covers(p, part) and h in ("all", heads) for p, h, ready in got), (
+                    name,
+                    sched.backward,
+                    t,
+                    rank,
+                    kind,
+                    owner,
+                    heads,
+                    part,
+                    got,
+                )
 
             for t, step in enumerate(sched.steps):
                 for c in step.computes:
@@ -224,6 +238,7 @@ def test_pairings_meet_everyone_once(P):
     """Rounds of the direct schedules: each a set of pairs (partner of partner is oneself), every ordered pair of
     distinct ranks meets exactly once, P - 1 rounds for even P, P for odd (one bye each)."""
     from tokenring.schedules import pairings
+
     rounds = pairings(P)
     assert len(rounds) == (P - 1 if P % 2 == 0 else P) or P == 1
     met = [(r, j) for partner in rounds for r, j in enumerate(partner) if r != j]
@@ -237,7 +252,8 @@ def test_pairings_meet_everyone_once(P):
 def test_own_pieces_partition_the_block(P, c):
     """The own block's pieces tile its rows in order (head, one per bye round on odd P, tail unless nothing goes
     home), each non-empty from 2 local rows (even P) or 2c+1 (odd P) on: the lengths the equal cut accepted."""
-    from tokenring.schedules import part_rows, own_pieces, rows
+    from tokenring.schedules import own_pieces, part_rows, rows
+
     for mover, backward, triangle in itertools.product(("q", "kv"), (False, True), (False, True)):
         pieces = own_pieces(c, P, mover, backward, triangle)
         tail = mover == "q" or backward
@@ -253,6 +269,7 @@ def test_own_pieces_follow_the_bytes():
     rows [0, x) cost x**2, the cut near 1/sqrt(2)); its backward gives the head more (it waits for Q and dO,
     the tail only sends dQ); forward pass-KV returns nothing, so all own rows run first."""
     from tokenring.schedules import own_pieces
+
     assert own_pieces(2, 4) == [(0, 4, 8), (4, 8, 8)]
     assert own_pieces(2, 4, triangle=True) == [(0, 6, 8), (6, 8, 8)]
     assert own_pieces(2, 4, "q", backward=True)[0][1] / 8 > 0.6
@@ -268,8 +285,13 @@ def test_direct_schedules_run_the_own_pieces():
     from tokenring.strategies.token_ring import direct
 
     def own(sched, r):
-        return [(t, c.q_part) for t, st in enumerate(sched.steps) for c in st.computes
-                if c.rank == r and c.q_owner == r and c.kv_owner == r]
+        return [
+            (t, c.q_part)
+            for t, st in enumerate(sched.steps)
+            for c in st.computes
+            if c.rank == r and c.q_owner == r and c.kv_owner == r
+        ]
+
     for P in (2, 4):
         q = direct("token_ring:direct,c=2,k=1", P, "contiguous", False, False, "q", 2, 1)
         assert own(q, 1) == [(0, "lo"), (len(q.steps) - 1, "hi")]
@@ -282,16 +304,49 @@ def test_explain_plan_prints_every_rank_and_step(capsys):
     name is resolved first and says what it resolved to."""
     from tokenring.schedules import Shapes
     from tokenring.tools import explain
-    assert explain.main(["--plan", "--strategy", "token_ring:direct,c=2,k=1", "--ranks", "3", "--seq", "24",
-                         "--heads", "4", "--head-dim", "8", "--causal", "--pass", "fwd"]) == 0
+
+    assert (
+        explain.main(
+            [
+                "--plan",
+                "--strategy",
+                "token_ring:direct,c=2,k=1",
+                "--ranks",
+                "3",
+                "--seq",
+                "24",
+                "--heads",
+                "4",
+                "--head-dim",
+                "8",
+                "--causal",
+                "--pass",
+                "fwd",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     sched = get("token_ring:direct,c=2,k=1").forward_schedule(3, "zigzag", True)
     assert out.count("\nstep ") == len(sched.steps)
     assert all(f"rank {r}: compute" in out for r in range(3)) and "q(" in out and "out(" in out and "MB" in out
     assert "by step" in out  # partials due after the step that posts them
     assert sched.describe(Shapes(1, 8, 4, 4, 8, torch.bfloat16, 3)) in out
-    explain.main(["--plan", "--strategy", "token_ring", "--topology", "mesh:100mbit", "--ranks", "4", "--seq", "64",
-                  "--pass", "fwd"])
+    explain.main(
+        [
+            "--plan",
+            "--strategy",
+            "token_ring",
+            "--topology",
+            "mesh:100mbit",
+            "--ranks",
+            "4",
+            "--seq",
+            "64",
+            "--pass",
+            "fwd",
+        ]
+    )
     assert "token_ring -> token_ring:" in capsys.readouterr().out
 
 
@@ -299,6 +354,7 @@ def test_compiled_merge_matches_eager():
     """The fused (torch.compile) merge used on CUDA gives the eager result on strided accumulator views,
     -inf rows included. Run on CPU here (it needs a C compiler; skipped without one)."""
     import shutil
+
     if not (shutil.which("gcc") or shutil.which("cc")):
         pytest.skip("torch.compile needs a C compiler on CPU")
     torch.manual_seed(5)
@@ -320,13 +376,16 @@ def test_early_receives_keep_tags_and_pair_order(name):
     the tag key ``(step posted, n)`` both ends derive alike; without early receives (NCCL, which matches a
     pair's operations in posting order) every receive is posted at its message's step, in the sender's order."""
     from tokenring.strategies import get
+
     P = 4
     for backward in (False, True):
         sched = get(name).schedule(P, "zigzag", True, backward)
         sent = {r: [(m, at) for step in sched.postings(r) for m, *at in step[1]] for r in range(P)}
         for early in (True, False):
-            got = {r: [(m, at, t) for t, step in enumerate(sched.postings(r, early)) for m, *at in step[2]]
-                   for r in range(P)}
+            got = {
+                r: [(m, at, t) for t, step in enumerate(sched.postings(r, early)) for m, *at in step[2]]
+                for r in range(P)
+            }
             for r in range(P):
                 for p in range(P):
                     keys_sent = [tuple(at) for m, at in sent[p] if m.dst == r]
@@ -350,6 +409,7 @@ def test_identity_cache_never_serves_a_changed_or_new_tensor():
     """Value reads cached per tensor (a model's layers share their documents) are never reused for a tensor
     changed in place, a new tensor that got a freed one's id, or an inference tensor (no version counter)."""
     from tokenring.ops import IdentityCache
+
     cache = IdentityCache(size=4)
     t = torch.tensor([0, 3, 8])
     cache.put([t, None], "docs")
@@ -369,6 +429,7 @@ def test_identity_cache_never_serves_a_changed_or_new_tensor():
 
 def test_one_rank_masks_and_sinks_under_inference_mode():
     import tokenring
+
     q = torch.randn(1, 12, 4, 8)
     cu = torch.tensor([0, 5, 12])
     with torch.inference_mode():
@@ -379,9 +440,14 @@ def test_one_rank_masks_and_sinks_under_inference_mode():
 
 def test_bad_sinks_are_refused():
     import pytest
+
     import tokenring
+
     q = torch.randn(1, 8, 4, 8)
-    for bad, needle in ((torch.zeros(3), "shape \\(4,\\)"), (torch.zeros(4, dtype=torch.int64), "floating"),
-                        (torch.zeros(4, device="meta"), "one device")):
+    for bad, needle in (
+        (torch.zeros(3), "shape \\(4,\\)"),
+        (torch.zeros(4, dtype=torch.int64), "floating"),
+        (torch.zeros(4, device="meta"), "one device"),
+    ):
         with pytest.raises(ValueError, match=needle):
             tokenring.attention(q, q, q, sinks=bad)

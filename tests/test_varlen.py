@@ -4,20 +4,27 @@ bytes the schedules skip; bad arguments.
 
 Tolerances as everywhere: float64 1e-9, float32 1e-5, bfloat16 2e-2 (relative to the reference's max).
 """
+
 import random
 
+import cases
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import cases
-import tokenring
 from tokenring.masks import make_mask, tiles, visible
 from tokenring.strategies import why_not
 
-STRATEGIES = ["token_ring:relay", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c=2,k=1", "ring_bidir",
-              "ulysses", "auto"]
+STRATEGIES = [
+    "token_ring:relay",
+    "token_ring:direct,c=2,k=1",
+    "ring",
+    "ring:direct,c=2,k=1",
+    "ring_bidir",
+    "ulysses",
+    "auto",
+]
 
 
 def documents(S: int, s: int, rng: random.Random) -> list[int]:
@@ -37,17 +44,25 @@ def grid(P: int) -> list[dict]:
     i = 0
     for strategy in STRATEGIES:
         for causal in (False, True):
-            for mode in ("docs", "docs spanning all", "window<shard", "window=shard", "window>shard",
-                         "docs+window"):
+            for mode in ("docs", "docs spanning all", "window<shard", "window=shard", "window>shard", "docs+window"):
                 i += 1
                 H, Hkv = (4, 2) if i % 2 else (4, 4)
                 if strategy != "auto" and why_not(strategy, H, Hkv, P):
                     H, Hkv = 2 * P, 2  # Ulysses: heads divisible by P
                 s = 2 * (3 + i % 4)  # 6..12 rows per rank
                 S = s * P
-                case = dict(B=1 + i % 2, s=s, H=H, Hkv=Hkv, d=(8, 12, 16)[i % 3], causal=causal,
-                            layout="zigzag" if causal and i % 3 else "contiguous", strategy=strategy, seed=i,
-                            dtype=("float64", "float64", "float32", "bfloat16")[i % 4])
+                case = dict(
+                    B=1 + i % 2,
+                    s=s,
+                    H=H,
+                    Hkv=Hkv,
+                    d=(8, 12, 16)[i % 3],
+                    causal=causal,
+                    layout="zigzag" if causal and i % 3 else "contiguous",
+                    strategy=strategy,
+                    seed=i,
+                    dtype=("float64", "float64", "float32", "bfloat16")[i % 4],
+                )
                 if mode == "docs spanning all":  # short documents at both ends, one over every rank between
                     case["cu_seqlens"] = [0, 1, 2 + i % (s - 2), S - 1, S]
                 elif "docs" in mode:
@@ -71,8 +86,19 @@ def per_document_cases(P: int) -> list[dict]:
             cu.append(cu[-1] + n)
         H, Hkv = (2 * P, 2) if strategy == "ulysses" else (4, 2 if i % 2 else 4)
         for causal in (True, False):
-            case = dict(B=1 + i % 2, s=cu[-1] // P, H=H, Hkv=Hkv, d=8, dtype="float64", causal=causal,
-                        layout="zigzag_docs", strategy=strategy, seed=i, cu_seqlens=cu)
+            case = dict(
+                B=1 + i % 2,
+                s=cu[-1] // P,
+                H=H,
+                Hkv=Hkv,
+                d=8,
+                dtype="float64",
+                causal=causal,
+                layout="zigzag_docs",
+                strategy=strategy,
+                seed=i,
+                cu_seqlens=cu,
+            )
             if i % 3 == 0:
                 case["window"] = (5, 1)
             out.append(case)
@@ -91,6 +117,7 @@ def test_per_document_zigzag_balances_causal_work():
     from tokenring.masks import shard_rows, shard_tiles
     from tokenring.schedules import part_slice
     from tokenring.strategies import get
+
     P, rng = 4, random.Random(9)
     lengths = [2 * P * rng.randint(1, 64) for _ in range(16)]
     cu = [0]
@@ -101,14 +128,19 @@ def test_per_document_zigzag_balances_causal_work():
     for layout in ("zigzag", "zigzag_docs"):
         mask = make_mask(S, cu, None, True, force=True)
         per_rank = [0] * P
-        for st in get("ring").schedule(P, layout, True, False, mask).steps:
-            for c in st.computes:
+        for step in get("ring").schedule(P, layout, True, False, mask).steps:
+            for c in step.computes:
                 qs, ks = part_slice(c.q_part, S // P), part_slice(c.kv_part, S // P)
                 qpos, kpos = shard_rows(mask, P, layout, c.q_owner, qs), shard_rows(mask, P, layout, c.kv_owner, ks)
                 for t in shard_tiles(mask, P, layout, c.q_owner, (qs.start, qs.stop), c.kv_owner, (ks.start, ks.stop)):
                     n = t.q1 - t.q0
-                    per_rank[c.rank] += (n * (n + 1) // 2 if t.kind == "causal" else
-                                         n * (t.k1 - t.k0) if t.kind == "full" else int(t.mask(mask, qpos, kpos).sum()))
+                    per_rank[c.rank] += (
+                        n * (n + 1) // 2
+                        if t.kind == "causal"
+                        else n * (t.k1 - t.k0)
+                        if t.kind == "full"
+                        else int(t.mask(mask, qpos, kpos).sum())
+                    )
         work[layout] = max(per_rank) / (sum(per_rank) / P)
     assert work["zigzag_docs"] < 1.02, work
     assert work["zigzag"] > 1.1, work
@@ -116,11 +148,28 @@ def test_per_document_zigzag_balances_causal_work():
 
 def test_per_document_layout_shards_and_refuses():
     from tokenring.layouts import gather, local_positions, shard
+
     cu = [0, 8, 24, 32]
     pos = torch.cat([local_positions(32, 2, r, "zigzag_docs", cu_seqlens=cu) for r in range(2)])
     assert sorted(pos.tolist()) == list(range(32))
-    assert local_positions(32, 2, 0, "zigzag_docs", cu_seqlens=cu).tolist() == \
-        [0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23, 24, 25, 30, 31]
+    assert local_positions(32, 2, 0, "zigzag_docs", cu_seqlens=cu).tolist() == [
+        0,
+        1,
+        6,
+        7,
+        8,
+        9,
+        10,
+        11,
+        20,
+        21,
+        22,
+        23,
+        24,
+        25,
+        30,
+        31,
+    ]
     x = torch.arange(32)[None]
     assert torch.equal(shard(x, layout="zigzag_docs", cu_seqlens=cu), x)  # one process: the whole tensor
     assert torch.equal(gather(x, layout="zigzag_docs", cu_seqlens=cu), x)
@@ -134,10 +183,14 @@ def test_one_rank_packed_and_windowed():
     """No process group: the tiled single-device path, forward and backward, against the reference."""
     rng = random.Random(5)
     for causal in (False, True):
-        for kw in (dict(cu_seqlens=documents(40, 10, rng)), dict(window=(5, 2)),
-                   dict(cu_seqlens=[0, 7, 30, 40], window=(4, -1))):
-            case = dict(B=2, s=40, H=4, Hkv=2, d=16, dtype="float64", causal=causal, layout="contiguous",
-                        strategy="auto", **kw)
+        for kw in (
+            dict(cu_seqlens=documents(40, 10, rng)),
+            dict(window=(5, 2)),
+            dict(cu_seqlens=[0, 7, 30, 40], window=(4, -1)),
+        ):
+            case = dict(
+                B=2, s=40, H=4, Hkv=2, d=16, dtype="float64", causal=causal, layout="contiguous", strategy="auto", **kw
+            )
             cases.check_case(0, 1, case)
 
 
@@ -147,10 +200,12 @@ def test_longer_packed_sequences(pools):
     S, P = 2048, 2
     rng = random.Random(3)
     cu = [0] + sorted(rng.sample(range(1, S), 12)) + [S]
-    todo = [dict(B=1, s=S // P, H=4, Hkv=2, d=32, dtype="float32", causal=c, layout=lay, strategy=st, seed=2, **kw)
-            for st in ("token_ring:direct,c=2,k=1", "ring", "ulysses")
-            for c, lay in ((False, "contiguous"), (True, "zigzag"))
-            for kw in (dict(cu_seqlens=cu), dict(window=(700, 300)), dict(cu_seqlens=cu, window=(100, 100)))]
+    todo = [
+        dict(B=1, s=S // P, H=4, Hkv=2, d=32, dtype="float32", causal=c, layout=lay, strategy=st, seed=2, **kw)
+        for st in ("token_ring:direct,c=2,k=1", "ring", "ulysses")
+        for c, lay in ((False, "contiguous"), (True, "zigzag"))
+        for kw in (dict(cu_seqlens=cu), dict(window=(700, 300)), dict(cu_seqlens=cu, window=(100, 100)))
+    ]
     pools(P).run(cases.check_many, todo)
 
 
@@ -173,19 +228,19 @@ def test_tiles_cover_exactly_the_visible_pairs(S, data):
     got = torch.zeros_like(want, dtype=torch.int64)
     rows = torch.zeros(len(qpos), dtype=torch.int64)
     for t in tiles(m, qpos, kpos):
-        rows[t.q0:t.q1] += 1
-        block = want[t.q0:t.q1, t.k0:t.k1]
+        rows[t.q0 : t.q1] += 1
+        block = want[t.q0 : t.q1, t.k0 : t.k1]
         if t.kind == "full":
             assert block.all()
-            got[t.q0:t.q1, t.k0:t.k1] += 1
+            got[t.q0 : t.q1, t.k0 : t.k1] += 1
         elif t.kind == "causal":
-            assert torch.equal(qpos[t.q0:t.q1], kpos[t.k0:t.k1])
+            assert torch.equal(qpos[t.q0 : t.q1], kpos[t.k0 : t.k1])
             tri = torch.ones_like(block).tril()
             assert torch.equal(block, tri)
-            got[t.q0:t.q1, t.k0:t.k1] += tri.long()
+            got[t.q0 : t.q1, t.k0 : t.k1] += tri.long()
         else:
             assert torch.equal(t.mask(m, qpos, kpos), block)
-            got[t.q0:t.q1, t.k0:t.k1] += block.long()
+            got[t.q0 : t.q1, t.k0 : t.k1] += block.long()
     assert rows.max() <= 1
     assert torch.equal(got, want.long())
     assert torch.equal(visible(m, qpos, kpos), want)
@@ -206,9 +261,11 @@ def test_skipped_blocks_save_bytes_and_the_simulator_knows(pools, P):
     """16 equal documents: each rank's shard meets few others, so the schedules send a fraction of the
     unpacked bytes; the bytes each rank really sent equal the simulator's per pass, packed or not."""
     from test_sim import flat_kernel
+
     from tokenring.schedules import Shapes
     from tokenring.sim.simulator import simulate
     from tokenring.sim.topology import MeshTopology
+
     s = 16
     S = s * P
     cu = list(range(0, S + 1, S // 16)) if S % 16 == 0 else [0, 3, S // 2, S]
@@ -220,30 +277,53 @@ def test_skipped_blocks_save_bytes_and_the_simulator_knows(pools, P):
                 continue
             sent = {}
             for packed in (False, True):
-                case = dict(B=1, s=s, H=4, Hkv=2, d=16, dtype="float32", causal=causal, layout=layout,
-                            strategy=name, **({"cu_seqlens": cu} if packed else {}))
+                case = dict(
+                    B=1,
+                    s=s,
+                    H=4,
+                    Hkv=2,
+                    d=16,
+                    dtype="float32",
+                    causal=causal,
+                    layout=layout,
+                    strategy=name,
+                    **({"cu_seqlens": cu} if packed else {}),
+                )
                 logs = pools(P).run(cases.comm_log_case, case)
-                sim = simulate(name, Shapes(1, s, 4, 2, 16, torch.float32, P), MeshTopology("m", P, link_bw=1e9),
-                               flat_kernel(), causal=causal, layout=layout, backward=True,
-                               mask=mask if packed else None)
+                sim = simulate(
+                    name,
+                    Shapes(1, s, 4, 2, 16, torch.float32, P),
+                    MeshTopology("m", P, link_bw=1e9),
+                    flat_kernel(),
+                    causal=causal,
+                    layout=layout,
+                    backward=True,
+                    mask=mask if packed else None,
+                )
                 for i, what in enumerate(("forward", "backward")):
-                    per_rank = [sum(r["bytes"] for w, recs in log if w.endswith(what) for r in recs
-                                    if r["direction"] == "send") for log in logs]
+                    per_rank = [
+                        sum(r["bytes"] for w, recs in log if w.endswith(what) for r in recs if r["direction"] == "send")
+                        for log in logs
+                    ]
                     assert max(per_rank) == sim.passes[i].bytes_per_rank, (name, packed, what, per_rank)
-                sent[packed] = sum(r["bytes"] for log in logs for _, recs in log for r in recs
-                                   if r["direction"] == "send")
+                sent[packed] = sum(
+                    r["bytes"] for log in logs for _, recs in log for r in recs if r["direction"] == "send"
+                )
             if name == "ulysses":
                 assert sent[True] == sent[False]  # all-to-alls move every row whatever the mask
             else:
                 assert sent[True] < 0.75 * sent[False], (name, causal, sent)
 
 
-@pytest.mark.parametrize("kind,needle", [
-    ("cu_sum", "add up to S"),
-    ("cu_ranks_differ", "cu_seqlens / window"),
-    ("cu_bad_on_one_rank", "non-decreasing"),
-    ("window_bad", "each side must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kind,needle",
+    [
+        ("cu_sum", "add up to S"),
+        ("cu_ranks_differ", "cu_seqlens / window"),
+        ("cu_bad_on_one_rank", "non-decreasing"),
+        ("window_bad", "each side must be >= 0"),
+    ],
+)
 def test_bad_packing_raises_value_error_on_every_rank(pools, kind, needle):
     msgs = pools(3).run(cases.expect_error, kind)
     if kind == "cu_bad_on_one_rank":  # rank 0 says what is wrong, the others that rank 0 refused
@@ -257,6 +337,7 @@ def test_bad_packing_raises_value_error_on_every_rank(pools, kind, needle):
 def test_schedule_skips_documents_that_never_meet():
     """Two documents, each inside one rank's contiguous shard: no rank needs another's rows."""
     from tokenring.strategies import get
+
     mask = make_mask(32, [0, 16, 32], None, False)
     for name in ("token_ring:relay", "ring", "token_ring:direct,c=2,k=1"):
         sched = get(name).schedule(2, "contiguous", False, True, mask)
@@ -283,6 +364,7 @@ def test_batched_shard_pairs_equal_the_pairwise_ones():
     import random
 
     from tokenring.masks import _positions, make_mask, shard_pair
+
     rng = random.Random(3)
     for trial in range(60):
         P = rng.randint(1, 9)

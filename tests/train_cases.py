@@ -1,26 +1,39 @@
 """Rank-side functions for tests/test_training.py: data x sequence parallel training with the stacks people
 use (transformers.Trainer, accelerate, DDP, FSDP2) against the same model and global batch in one process."""
+
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
 
+import hf_cases
 import torch
 import torch.distributed as dist
 
-import hf_cases
 import tokenring.hf as thf
 from tokenring.training import SequenceParallel
 
-SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=128)
+SMALL = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+)
 
 
 def _env(rank: int, P: int) -> None:
     """What torchrun would set (the process group itself is already up)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(P), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(P),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(P),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(P),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29555",
+    )
 
 
 def samples(n: int, S: int, vocab: int) -> list[dict]:
@@ -45,14 +58,17 @@ def compare(loss: float, grads: dict, want: tuple[float, dict]) -> dict:
 
 def mesh_of(dp: int, P: int):
     from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh("cpu", (dp, P // dp), mesh_dim_names=("dp", "cp"))
 
 
-def trainer_step(rank: int, P: int, dp: int, S: int, per_device: int, accumulate: int = 1,
-                 tiled: int | None = None) -> dict:
+def trainer_step(
+    rank: int, P: int, dp: int, S: int, per_device: int, accumulate: int = 1, tiled: int | None = None
+) -> dict:
     """One optimizer step of SequenceParallelTrainer over a (dp, P/dp) mesh: the gradients before the
     optimizer step and the logged loss vs one process on the whole global batch."""
     from transformers import TrainerCallback, TrainingArguments, default_data_collator
+
     _env(rank, P)
     sp = SequenceParallel(mesh_of(dp, P))
     try:
@@ -66,13 +82,30 @@ def trainer_step(rank: int, P: int, dp: int, S: int, per_device: int, accumulate
                 seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
 
         with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=per_device, max_steps=1,
-                                     gradient_accumulation_steps=accumulate, logging_steps=1, report_to=[],
-                                     use_cpu=True, save_strategy="no", learning_rate=1e-3, seed=0,
-                                     disable_tqdm=True, max_grad_norm=1e9, per_device_eval_batch_size=per_device)
-            trainer = thf.SequenceParallelTrainer(sp, model=model, args=args, train_dataset=data,
-                                                  data_collator=default_data_collator, callbacks=[Grab()],
-                                                  tiled_loss=tiled)
+            args = TrainingArguments(
+                output_dir=tmp,
+                per_device_train_batch_size=per_device,
+                max_steps=1,
+                gradient_accumulation_steps=accumulate,
+                logging_steps=1,
+                report_to=[],
+                use_cpu=True,
+                save_strategy="no",
+                learning_rate=1e-3,
+                seed=0,
+                disable_tqdm=True,
+                max_grad_norm=1e9,
+                per_device_eval_batch_size=per_device,
+            )
+            trainer = thf.SequenceParallelTrainer(
+                sp,
+                model=model,
+                args=args,
+                train_dataset=data,
+                data_collator=default_data_collator,
+                callbacks=[Grab()],
+                tiled_loss=tiled,
+            )
             # evaluate first (on the reference's weights), then train: the step must still be DDP's
             evaluated = trainer.evaluate(eval_dataset=data)["eval_loss"]
             trainer.train()
@@ -99,6 +132,7 @@ def stock_trainer_refused(rank: int, P: int, S: int) -> str:
     """A stock Trainer whose collator calls tokenring.hf.shard_batch (each rank shards its own sample, then DDP
     averages over the ranks sharing a sequence): refused on every rank at the first forward."""
     from transformers import Trainer, TrainingArguments
+
     _env(rank, P)
     model = hf_cases.build("llama", "tokenring", **SMALL)
     data = samples(P, S, model.config.vocab_size)
@@ -108,8 +142,16 @@ def stock_trainer_refused(rank: int, P: int, S: int) -> str:
         return thf.shard_batch(ids, labels=ids)
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=1, max_steps=1, report_to=[],
-                                 use_cpu=True, save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+        args = TrainingArguments(
+            output_dir=tmp,
+            per_device_train_batch_size=1,
+            max_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            remove_unused_columns=False,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
         return _expect_value_error(trainer.train, "a stock Trainer with shard_batch")
 
@@ -118,6 +160,7 @@ def accelerate_step(rank: int, P: int, dp: int, S: int, per_device: int, plain: 
     """A plain accelerate loop (``prepare`` wraps the model in DDP over every rank): with SequenceParallel the
     first step's gradients equal one process's on the global batch; with plain shard_batch it is refused."""
     from accelerate import Accelerator
+
     _env(rank, P)
     mesh = mesh_of(dp, P)
     if plain:
@@ -131,12 +174,13 @@ def accelerate_step(rank: int, P: int, dp: int, S: int, per_device: int, plain: 
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         wrapped, opt = acc.prepare(model, opt)
         dp_rank = mesh["dp"].get_local_rank()
-        mine = data[dp_rank * per_device:(dp_rank + 1) * per_device]
+        mine = data[dp_rank * per_device : (dp_rank + 1) * per_device]
         ids = torch.stack([d["input_ids"] for d in mine])
         if plain:
             cp = mesh["cp"].get_group()
-            return _expect_value_error(lambda: wrapped(**thf.shard_batch(ids, labels=ids, group=cp)),
-                                       "accelerate with plain shard_batch")
+            return _expect_value_error(
+                lambda: wrapped(**thf.shard_batch(ids, labels=ids, group=cp)), "accelerate with plain shard_batch"
+            )
         batch = sp.shard_batch(ids, labels=ids)
         loss = wrapped(**batch).loss
         acc.backward(loss)
@@ -148,8 +192,7 @@ def accelerate_step(rank: int, P: int, dp: int, S: int, per_device: int, plain: 
 def _outcome(rank: int, model, loss: float, want) -> dict:
     """Rank 0: this step's loss and (full) gradients against the reference; the others: nothing (every rank
     gathers FSDP's sharded gradients: that is a collective)."""
-    full = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            for n, p in model.named_parameters()}
+    full = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
     return compare(loss, full, want) if rank == 0 else {}
 
 
@@ -164,6 +207,7 @@ def fsdp_step(rank: int, P: int, dp: int, S: int, per_device: int, flat: bool) -
     loss scaling (FSDP averages over every rank); else fully_shard over dp and all_reduce_grads over cp (DTensor
     gradients). First step's gradients vs one process on the global batch."""
     from torch.distributed.fsdp import fully_shard
+
     mesh = mesh_of(dp, P)
     sp = SequenceParallel(mesh) if flat else None
     try:
@@ -174,7 +218,7 @@ def fsdp_step(rank: int, P: int, dp: int, S: int, per_device: int, flat: bool) -
         for layer in model.model.layers:
             fully_shard(layer, mesh=sp.flat_mesh if flat else mesh["dp"])
         fully_shard(model, mesh=sp.flat_mesh if flat else mesh["dp"])
-        mine = data[dp_rank * per_device:(dp_rank + 1) * per_device]
+        mine = data[dp_rank * per_device : (dp_rank + 1) * per_device]
         ids = torch.stack([d["input_ids"] for d in mine])
         if flat:
             batch = sp.shard_batch(ids, labels=ids)
@@ -201,6 +245,7 @@ def misuse_refused(rank: int, P: int, S: int) -> dict:
     (2, P/2) mesh (dp times the true gradient), all_reduce_grads on a DDP model (twice reduced), and ranks of
     one cp group holding different samples."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     mesh = mesh_of(2, P)
     cp = mesh["cp"].get_group()
     msgs = {}
@@ -209,17 +254,21 @@ def misuse_refused(rank: int, P: int, S: int) -> dict:
         model = hf_cases.build("llama", "tokenring", **SMALL)
         ids = hf_cases.tokens(S, model.config.vocab_size, seed=mesh["dp"].get_local_rank())
         model(**thf.shard_batch(ids, labels=ids, group=cp)).loss.backward()
-        msgs["world"] = _expect_value_error(lambda: thf.all_reduce_grads(model, group=dist.group.WORLD),
-                                            "all_reduce_grads over every rank")
-        msgs["ddp"] = _expect_value_error(lambda: thf.all_reduce_grads(DDP(model), group=cp),
-                                          "all_reduce_grads on a DDP model")
+        msgs["world"] = _expect_value_error(
+            lambda: thf.all_reduce_grads(model, group=dist.group.WORLD), "all_reduce_grads over every rank"
+        )
+        msgs["ddp"] = _expect_value_error(
+            lambda: thf.all_reduce_grads(DDP(model), group=cp), "all_reduce_grads on a DDP model"
+        )
         sp = SequenceParallel(mesh)
         try:
             other = hf_cases.tokens(S, model.config.vocab_size, seed=rank)  # a per-rank sampler's batch
-            msgs["samples"] = _expect_value_error(lambda: sp.shard_batch(other, labels=other),
-                                                  "different samples in one cp group")
-            msgs["plain"] = _expect_value_error(lambda: thf.shard_batch(ids, labels=ids),
-                                                "plain shard_batch under SequenceParallel")
+            msgs["samples"] = _expect_value_error(
+                lambda: sp.shard_batch(other, labels=other), "different samples in one cp group"
+            )
+            msgs["plain"] = _expect_value_error(
+                lambda: thf.shard_batch(ids, labels=ids), "plain shard_batch under SequenceParallel"
+            )
         finally:
             sp.close()
     finally:
@@ -231,6 +280,7 @@ def trainer_resume(rank: int, P: int, dp: int, S: int) -> float:
     """Two steps in one go vs one step, a checkpoint, and a resumed second step: the largest parameter
     difference (the resumed run must continue exactly: same samples, optimizer state and schedule)."""
     from transformers import TrainingArguments, default_data_collator
+
     _env(rank, P)
     sp = SequenceParallel(mesh_of(dp, P))
     try:
@@ -243,11 +293,22 @@ def trainer_resume(rank: int, P: int, dp: int, S: int) -> float:
             paths = [os.path.join(tmp, "a"), os.path.join(tmp, "b")]
             for i, out in enumerate(paths):
                 model = hf_cases.build("llama", "tokenring", **SMALL)
-                args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=2,
-                                         report_to=[], use_cpu=True, save_strategy="steps", save_steps=1,
-                                         learning_rate=1e-2, seed=0, disable_tqdm=True, max_grad_norm=1e9)
-                trainer = thf.SequenceParallelTrainer(sp, model=model, args=args, train_dataset=data,
-                                                      data_collator=default_data_collator)
+                args = TrainingArguments(
+                    output_dir=out,
+                    per_device_train_batch_size=2,
+                    max_steps=2,
+                    report_to=[],
+                    use_cpu=True,
+                    save_strategy="steps",
+                    save_steps=1,
+                    learning_rate=1e-2,
+                    seed=0,
+                    disable_tqdm=True,
+                    max_grad_norm=1e9,
+                )
+                trainer = thf.SequenceParallelTrainer(
+                    sp, model=model, args=args, train_dataset=data, data_collator=default_data_collator
+                )
                 if i == 0:
                     trainer.train()
                 else:  # the same run resumed from its first checkpoint (the first run's, written by its rank 0)
@@ -268,16 +329,26 @@ def single_process_trainer() -> dict:
     """SequenceParallelTrainer with no process group (one process: nothing is split): the logged loss is the
     model's own."""
     from transformers import TrainingArguments, default_data_collator
+
     sp = SequenceParallel()
     try:
         model = hf_cases.build("llama", "tokenring", **SMALL)
         data = samples(2, 32, SMALL["vocab_size"])
         want = reference(model, data)[0]
         with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=2, max_steps=1, report_to=[],
-                                     use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1)
-            trainer = thf.SequenceParallelTrainer(sp, model=model, args=args, train_dataset=data,
-                                                  data_collator=default_data_collator)
+            args = TrainingArguments(
+                output_dir=tmp,
+                per_device_train_batch_size=2,
+                max_steps=1,
+                report_to=[],
+                use_cpu=True,
+                save_strategy="no",
+                disable_tqdm=True,
+                logging_steps=1,
+            )
+            trainer = thf.SequenceParallelTrainer(
+                sp, model=model, args=args, train_dataset=data, data_collator=default_data_collator
+            )
             trainer.train()
         logged = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
         return dict(loss=abs(logged - want) / want)

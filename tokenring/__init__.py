@@ -8,17 +8,33 @@
 
 The cost model behind ``strategy="auto"`` (``tokenring.sim``) is imported on first use only.
 """
+
 from .api import STRATEGY_NAMES, attention, choose_strategy
 from .comm import get_timeout, set_timeout
 from .decode import decode_attention
-from .layouts import gather, local_positions, shard
 from .instrument import instrument
+from .layouts import gather, local_positions, shard
 from .settings import configure, options
 
 __version__ = "0.1.0"
-__all__ = ["attention", "decode_attention", "shard", "gather", "local_positions", "choose_strategy", "explain",
-           "set_topology", "get_current_topology", "set_timeout", "get_timeout", "configure", "options", "instrument",
-           "STRATEGY_NAMES", "__version__"]
+__all__ = [
+    "attention",
+    "decode_attention",
+    "shard",
+    "gather",
+    "local_positions",
+    "choose_strategy",
+    "explain",
+    "set_topology",
+    "get_current_topology",
+    "set_timeout",
+    "get_timeout",
+    "configure",
+    "options",
+    "instrument",
+    "STRATEGY_NAMES",
+    "__version__",
+]
 
 _LAZY = {"explain", "set_topology", "get_current_topology"}  # from tokenring.sim.auto, imported when first used
 
@@ -26,5 +42,6 @@ _LAZY = {"explain", "set_topology", "get_current_topology"}  # from tokenring.si
 def __getattr__(name: str):
     if name in _LAZY:
         from .sim import auto
+
         return getattr(auto, name)
     raise AttributeError(f"module 'tokenring' has no attribute {name!r}")

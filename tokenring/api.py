@@ -1,4 +1,5 @@
 """Public entry point: ``tokenring.attention`` — validation and dispatch to a strategy."""
+
 from __future__ import annotations
 
 import datetime
@@ -10,16 +11,19 @@ import torch.nn.functional as F
 
 from . import settings
 from .comm import collective_device, get_timeout, group_store
-from .device import autocast_dtype, device_type as device_kind, values_travel
+from .device import autocast_dtype, values_travel
+from .device import device_type as device_kind
+from .instrument import NONE as NO_HOOKS
+from .instrument import current as current_instruments
 from .kernels import fold_scale, softmax_scale_of
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
 from .masks import check_bounds_tensor, make_mask, whole_numbers, window_pair
-from .instrument import NONE as NO_HOOKS, current as current_instruments
 from .ops import IdentityCache, register_extras
 from .schedules import Shapes
-from .strategies import (CODE_LEN, NAMES, code as strategy_code, from_code, get as get_strategy,
-                         node_size, with_node_size)
 from .single import SINGLE
+from .strategies import CODE_LEN, NAMES, from_code, node_size, with_node_size
+from .strategies import code as strategy_code
+from .strategies import get as get_strategy
 from .strategies.base import Config
 
 __all__ = ["attention", "choose_strategy", "resolve", "STRATEGY_NAMES", "forget_choices"]
@@ -51,36 +55,61 @@ def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{where}{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{where}{name} has shape {tuple(t.shape)}; expected 4 dims (batch, seq_local, heads, "
-                             f"head_dim), the flash-attn layout")
+            raise ValueError(
+                f"{where}{name} has shape {tuple(t.shape)}; expected 4 dims (batch, seq_local, heads, "
+                f"head_dim), the flash-attn layout"
+            )
     if k.shape != v.shape:
         raise ValueError(f"{where}k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     B, s, H, d = q.shape
-    for what, i, name in (("batch", 0, "batch size"), ("seq_local", 1, "local sequence length"),
-                          ("head_dim", 3, "head dim")):
+    for what, i, name in (
+        ("batch", 0, "batch size"),
+        ("seq_local", 1, "local sequence length"),
+        ("head_dim", 3, "head dim"),
+    ):
         if k.shape[i] != q.shape[i]:
-            raise ValueError(f"{where}q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in {name} (dim {i}, "
-                             f"{what}); q and k/v must be shards of the same tokens")
+            raise ValueError(
+                f"{where}q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in {name} (dim {i}, "
+                f"{what}); q and k/v must be shards of the same tokens"
+            )
     Hkv = k.shape[2]
     if Hkv == 0 or H % Hkv:
-        raise ValueError(f"{where}q has {H} heads and k/v {Hkv}: the query heads must be a multiple of the "
-                         f"key/value heads (MHA: equal, GQA: H % Hkv == 0, MQA: Hkv == 1)")
+        raise ValueError(
+            f"{where}q has {H} heads and k/v {Hkv}: the query heads must be a multiple of the "
+            f"key/value heads (MHA: equal, GQA: H % Hkv == 0, MQA: Hkv == 1)"
+        )
     if 0 in q.shape:
-        raise ValueError(f"{where}q has shape {tuple(q.shape)}: batch, local length, heads and head dim must be "
-                         f"positive")
+        raise ValueError(
+            f"{where}q has shape {tuple(q.shape)}: batch, local length, heads and head dim must be positive"
+        )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{where}q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
     if not q.is_floating_point():
         raise ValueError(f"{where}q has dtype {q.dtype}; attention needs floating point inputs")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"{where}q, k, v are on different devices ({q.device}, {k.device}, {v.device}); "
-                         f"move them to one device")
+        raise ValueError(
+            f"{where}q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one device"
+        )
 
 
-def choose_strategy(H: int, Hkv: int, P: int, *, B: int = 1, s: int | None = None, d: int = 128,
-                    dtype: torch.dtype = torch.bfloat16, causal: bool = False, layout: str | None = None,
-                    backward: bool = True, device_type: str = "cpu", topology=None, requested: str = "auto",
-                    mask=None, inner_size: int | None = None) -> str:
+def choose_strategy(
+    H: int,
+    Hkv: int,
+    P: int,
+    *,
+    B: int = 1,
+    s: int | None = None,
+    d: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    causal: bool = False,
+    layout: str | None = None,
+    backward: bool = True,
+    device_type: str = "cpu",
+    topology=None,
+    requested: str = "auto",
+    mask=None,
+    inner_size: int | None = None,
+) -> str:
     """What ``strategy=requested`` (``"auto"``, or a family choice such as ``"token_ring"``) runs for this
     rank's shard shapes on ``P`` ranks: a concrete variant's spec.
 
@@ -98,14 +127,27 @@ def choose_strategy(H: int, Hkv: int, P: int, *, B: int = 1, s: int | None = Non
             return get_strategy(requested).variants(P)[0].name
         return "token_ring:relay" if H == Hkv else "ring"
     from .sim.auto import choose
+
     layout = layout or default_layout(causal)
-    return choose(Shapes(B, s, H, Hkv, d, dtype, P), causal, layout, backward, device_type, topology, requested,
-                  mask, n)[0]
+    return choose(
+        Shapes(B, s, H, Hkv, d, dtype, P), causal, layout, backward, device_type, topology, requested, mask, n
+    )[0]
 
 
-def resolve(strategy: str, q_shape, k_shape, P: int, *, dtype=torch.bfloat16, causal: bool = False,
-            layout: str | None = None, backward: bool = True, device_type: str = "cpu", mask=None,
-            inner_size: int | None = None):
+def resolve(
+    strategy: str,
+    q_shape,
+    k_shape,
+    P: int,
+    *,
+    dtype=torch.bfloat16,
+    causal: bool = False,
+    layout: str | None = None,
+    backward: bool = True,
+    device_type: str = "cpu",
+    mask=None,
+    inner_size: int | None = None,
+):
     """The concrete strategy ``tokenring.attention(strategy=...)`` runs for these shard shapes on ``P`` ranks
     (from this process's topology setting; inside ``attention`` rank 0 decides for everyone)."""
     if strategy != "auto":
@@ -113,32 +155,91 @@ def resolve(strategy: str, q_shape, k_shape, P: int, *, dtype=torch.bfloat16, ca
         if st.mode != "auto":
             return st
     B, s, H, d = q_shape
-    return get_strategy(choose_strategy(H, k_shape[2], P, B=B, s=s, d=d, dtype=dtype, causal=causal,
-                                        layout=layout, backward=backward, device_type=device_type,
-                                        requested=strategy, mask=mask, inner_size=inner_size))
+    return get_strategy(
+        choose_strategy(
+            H,
+            k_shape[2],
+            P,
+            B=B,
+            s=s,
+            d=d,
+            dtype=dtype,
+            causal=causal,
+            layout=layout,
+            backward=backward,
+            device_type=device_type,
+            requested=strategy,
+            mask=mask,
+            inner_size=inner_size,
+        )
+    )
 
 
 def _code(text: str) -> int:
     return zlib.crc32(text.encode())  # stable across processes, unlike hash()
 
 
-def _signature_of(q_shape, k_shape, dtype, device_type: str, causal, layout, strategy, scale, backward,
-                  mask_code: int, inner: int, sinks: bool) -> list[float]:
+def _signature_of(
+    q_shape,
+    k_shape,
+    dtype,
+    device_type: str,
+    causal,
+    layout,
+    strategy,
+    scale,
+    backward,
+    mask_code: int,
+    inner: int,
+    sinks: bool,
+) -> list[float]:
     B, s, H, d = q_shape
-    return [0.0, B, s, H, k_shape[2], d, _code(str(dtype)), _code(device_type),
-            float(causal), LAYOUTS.index(layout), _code(strategy), scale, float(backward), float(mask_code),
-            float(inner), float(sinks)]
+    return [
+        0.0,
+        B,
+        s,
+        H,
+        k_shape[2],
+        d,
+        _code(str(dtype)),
+        _code(device_type),
+        float(causal),
+        LAYOUTS.index(layout),
+        _code(strategy),
+        scale,
+        float(backward),
+        float(mask_code),
+        float(inner),
+        float(sinks),
+    ]
 
 
-def _signature(q, k, causal, layout, strategy, scale, backward, mask_code: int, inner: int,
-               sinks: bool = False) -> list[float]:
-    return _signature_of(q.shape, k.shape, q.dtype, device_kind(q), causal, layout, strategy, scale, backward,
-                         mask_code, inner, sinks)
+def _signature(
+    q, k, causal, layout, strategy, scale, backward, mask_code: int, inner: int, sinks: bool = False
+) -> list[float]:
+    return _signature_of(
+        q.shape, k.shape, q.dtype, device_kind(q), causal, layout, strategy, scale, backward, mask_code, inner, sinks
+    )
 
 
-_FIELDS = ["refused", "batch", "local length", "query heads", "key/value heads", "head dim", "dtype", "device type",
-           "causal", "layout", "strategy", "softmax_scale", "backward (inputs requiring grad)",
-           "cu_seqlens / window (checksum)", "inner_size (ranks per node)", "sinks (given)"]
+_FIELDS = [
+    "refused",
+    "batch",
+    "local length",
+    "query heads",
+    "key/value heads",
+    "head dim",
+    "dtype",
+    "device type",
+    "causal",
+    "layout",
+    "strategy",
+    "softmax_scale",
+    "backward (inputs requiring grad)",
+    "cu_seqlens / window (checksum)",
+    "inner_size (ranks per node)",
+    "sinks (given)",
+]
 # What a rank that refuses its own arguments sends: the flag, and nothing the others could compare.
 _REFUSED = [1.0] + [0.0] * (len(_FIELDS) - 1)
 
@@ -183,27 +284,35 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
         missing = ""
         try:
             gone = [r for r in range(P) if not store.check([prefix + str(r)])]
-            missing = f" Rank(s) {gone} never reached this call: they died or do not call attention here." \
-                if gone else ""
+            missing = (
+                f" Rank(s) {gone} never reached this call: they died or do not call attention here." if gone else ""
+            )
         except Exception:
             pass
         raise RuntimeError(
             f"tokenring: rank {rank} could not compare call signatures with the other ranks within "
             f"{get_timeout():.0f} s ({e}).{missing} A rank has died, or is not calling tokenring.attention at this "
             f"point (every rank of the group must call it with the same shapes and options). The process group "
-            f"cannot be used again after this: destroy it and start the ranks again.") from e
+            f"cannot be used again after this: destroy it and start the ranks again."
+        ) from e
     refused = [r for r, other in enumerate(allsig) if other[0].item()]
     if refused:  # a refusing rank raises its own error; the others say who refused, at the same moment
-        raise ValueError(f"tokenring: rank(s) {refused} refused their arguments to attention (each raised an error "
-                         f"saying why); here: {describe}")
+        raise ValueError(
+            f"tokenring: rank(s) {refused} refused their arguments to attention (each raised an error "
+            f"saying why); here: {describe}"
+        )
     for r, other in enumerate(allsig):
-        bad = [f"{f} ({_show(f, a)} on rank {r}, {_show(f, b)} on rank {rank})"
-               for f, a, b in zip(_FIELDS, other.tolist(), sig) if a != b]
+        bad = [
+            f"{f} ({_show(f, a)} on rank {r}, {_show(f, b)} on rank {rank})"
+            for f, a, b in zip(_FIELDS, other.tolist(), sig)
+            if a != b
+        ]
         if bad:
             raise ValueError(
                 f"tokenring: rank {r} calls attention with a different {'; '.join(bad)}; here: {describe}. "
                 f"Every rank must pass shards of the same shape, dtype and options; shard the sequence with "
-                f"tokenring.shard() so local lengths are equal.")
+                f"tokenring.shard() so local lengths are equal."
+            )
     chosen = from_code(allsig[0][-CODE_LEN:].tolist())
     if remember:
         _checked[key] = chosen
@@ -211,8 +320,14 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
 
 
 def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=k.shape[2] != q.shape[2],
+    )
     return out.transpose(1, 2)
 
 
@@ -222,8 +337,10 @@ def _check_sinks(sinks, q: torch.Tensor, rank: int) -> None:
     H = q.shape[2]
     if not isinstance(sinks, torch.Tensor) or sinks.shape != (H,) or not sinks.is_floating_point():
         shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ValueError(f"rank {rank}: sinks must be a floating point tensor of shape ({H},) (one logit per query "
-                         f"head), got {shape}")
+        raise ValueError(
+            f"rank {rank}: sinks must be a floating point tensor of shape ({H},) (one logit per query "
+            f"head), got {shape}"
+        )
     if sinks.device != q.device:
         raise ValueError(f"rank {rank}: sinks are on {sinks.device} and q on {q.device}; move them to one device")
 
@@ -245,10 +362,21 @@ def _group_name(group) -> str:
     return "" if group is None else group.group_name
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              softmax_scale: float | None = None, strategy: str = "auto", layout: str | None = None,
-              cu_seqlens=None, window: tuple[int, int] | None = None, sinks: torch.Tensor | None = None,
-              group=None, inner_size: int | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    strategy: str = "auto",
+    layout: str | None = None,
+    cu_seqlens=None,
+    window: tuple[int, int] | None = None,
+    sinks: torch.Tensor | None = None,
+    group=None,
+    inner_size: int | None = None,
+) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across the ranks of ``group``.
 
     ``q``: (B, s, H, d), ``k``/``v``: (B, s, Hkv, d), this rank's shard (laid out by ``layout``; default
@@ -299,10 +427,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
         if cu is not None:
             check_bounds_tensor(cu)
-        plan = _plan(tuple(q.shape), tuple(k.shape), q.dtype, device_kind(q), strategy, causal, softmax_scale,
-                     layout, None if cu_seqlens is None or cu is not None else _frozen(cu_seqlens),
-                     cu is not None, _frozen(window), sinks is not None, _group_name(group), inner_size, backward,
-                     compiling)
+        plan = _plan(
+            tuple(q.shape),
+            tuple(k.shape),
+            q.dtype,
+            device_kind(q),
+            strategy,
+            causal,
+            softmax_scale,
+            layout,
+            None if cu_seqlens is None or cu is not None else _frozen(cu_seqlens),
+            cu is not None,
+            _frozen(window),
+            sinks is not None,
+            _group_name(group),
+            inner_size,
+            backward,
+            compiling,
+        )
     except ValueError as e:
         if P == 1 or compiling:
             raise _ranked(e, rank) from None
@@ -318,8 +460,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         raise ValueError("tokenring.attention: tokenring.instrument() (tracing, byte logs) works in eager mode only")
     extras_id, holder = register_extras(hooks)
     from .ops import attention_op
-    out = attention_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, _group_name(group), n,
-                       backward, extras_id)
+
+    out = attention_op(
+        q, k, v, sinks, cu, strategy, causal, scale, layout, window, _group_name(group), n, backward, extras_id
+    )
     del holder  # the op's autograd context keeps it while backward may still run
     return out
 
@@ -335,15 +479,31 @@ def _frozen(x):
 
 
 @torch._dynamo.assume_constant_result
-def _plan(q_shape, k_shape, dtype, device_type: str, strategy: str, causal: bool, softmax_scale, layout,
-          cu_list, cu_tensor: bool, window, sinks: bool, group_name: str, inner_size, backward: bool,
-          compiling: bool):
+def _plan(
+    q_shape,
+    k_shape,
+    dtype,
+    device_type: str,
+    strategy: str,
+    causal: bool,
+    softmax_scale,
+    layout,
+    cu_list,
+    cu_tensor: bool,
+    window,
+    sinks: bool,
+    group_name: str,
+    inner_size,
+    backward: bool,
+    compiling: bool,
+):
     """What can be decided from the call's constants (shapes, dtypes, options), before any value is read or a
     rank is asked: ``(strategy, scale, layout, window, node size, cu_seqlens list, plain)``. Under
     ``torch.compile`` it runs once per trace (a constant of the graph) and also picks the concrete strategy
     (:func:`trace_choice`). ``plain``: one rank and no mask or sinks (PyTorch's SDPA). ValueError for what
     this rank refuses."""
     from .ops import resolve_group
+
     group = resolve_group(group_name)
     rank, P = group_info(group)
     layout = layout if layout is not None else default_layout(causal)
@@ -357,31 +517,65 @@ def _plan(q_shape, k_shape, dtype, device_type: str, strategy: str, causal: bool
     cu_list = whole_numbers(cu_list, "cu_seqlens") if cu_list is not None else None
     window = list(window_pair(window)) if window is not None else None
     if P > 1 and layout == "zigzag" and s % 2:
-        raise ValueError(f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; pad the "
-                         f"global sequence to a multiple of 2*P = {2 * P}")
+        raise ValueError(
+            f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; pad the "
+            f"global sequence to a multiple of 2*P = {2 * P}"
+        )
     if P > 1 and strategy != "auto":
         why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
         if why:
             raise ValueError(why)
     if cu_list is not None or layout == "zigzag_docs" or window is not None:
         _mask_of(s, P, cu_list, window, causal, layout)  # malformed documents / windows fail here
-    plain = P == 1 and cu_list is None and not cu_tensor and not sinks and layout != "zigzag_docs" and \
-        make_mask(s, None, window, causal) is None
+    plain = (
+        P == 1
+        and cu_list is None
+        and not cu_tensor
+        and not sinks
+        and layout != "zigzag_docs"
+        and make_mask(s, None, window, causal) is None
+    )
     if compiling and P > 1:
-        strategy = trace_choice(q_shape, k_shape, dtype, device_type, strategy, causal, layout, window,
-                                cu_list is not None or cu_tensor, backward, group, n, scale, sinks)
+        strategy = trace_choice(
+            q_shape,
+            k_shape,
+            dtype,
+            device_type,
+            strategy,
+            causal,
+            layout,
+            window,
+            cu_list is not None or cu_tensor,
+            backward,
+            group,
+            n,
+            scale,
+            sinks,
+        )
     return strategy, scale, layout, window, n, cu_list, plain
 
 
 def _describe(q, k, causal, layout, strategy, mask, sinks) -> str:
-    return (f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}, "
-            f"strategy={strategy!r}" + (f", {mask.describe()}" if mask is not None else "")
-            + (", with sinks" if sinks is not None else ""))
+    return (
+        f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}, "
+        f"strategy={strategy!r}"
+        + (f", {mask.describe()}" if mask is not None else "")
+        + (", with sinks" if sinks is not None else "")
+    )
 
 
 def _config_of(group, rank, P, causal, layout, scale, mask, sinks, hooks) -> Config:
-    return Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=scale, mask=mask,
-                  sinks=sinks, hooks=hooks or NO_HOOKS)
+    return Config(
+        group=group,
+        rank=rank,
+        P=P,
+        causal=causal,
+        layout=layout,
+        scale=scale,
+        mask=mask,
+        sinks=sinks,
+        hooks=hooks or NO_HOOKS,
+    )
 
 
 _masks = IdentityCache()
@@ -402,8 +596,22 @@ def _mask_of(s: int, P: int, cu, window, causal: bool, layout: str):
     return mask
 
 
-def run_forward(q, k, v, sinks, cu, strategy: str, causal: bool, scale: float, layout: str, window, group,
-                inner: int, backward: bool, extras):
+def run_forward(
+    q,
+    k,
+    v,
+    sinks,
+    cu,
+    strategy: str,
+    causal: bool,
+    scale: float,
+    layout: str,
+    window,
+    group,
+    inner: int,
+    backward: bool,
+    extras,
+):
     """The forward of :func:`attention` on ``P > 1`` ranks once its local arguments are checked (the body of
     the ``tokenring::attention_fwd`` op): the mask, the cross-rank agreement, the strategy's schedule.
     Returns ``(out, strategy, extra)`` (``extra``: what backward needs besides the inputs and ``out``)."""
@@ -421,13 +629,26 @@ def run_forward(q, k, v, sinks, cu, strategy: str, causal: bool, scale: float, l
     n = inner
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
-        return resolve(strategy, q.shape, k.shape, P, dtype=q.dtype, causal=causal, layout=layout,
-                       backward=backward, device_type=device_kind(q), mask=mask, inner_size=n or None)
+        return resolve(
+            strategy,
+            q.shape,
+            k.shape,
+            P,
+            dtype=q.dtype,
+            causal=causal,
+            layout=layout,
+            backward=backward,
+            device_type=device_kind(q),
+            mask=mask,
+            inner_size=n or None,
+        )
 
-    sig = _signature(q, k, causal, layout, strategy, scale, backward, mask.key if mask is not None else 0, n,
-                     sinks is not None)
-    strat = _agree(sig, decide, _describe(q, k, causal, layout, strategy, mask, sinks), group,
-                   collective_device(group), rank, P)
+    sig = _signature(
+        q, k, causal, layout, strategy, scale, backward, mask.key if mask is not None else 0, n, sinks is not None
+    )
+    strat = _agree(
+        sig, decide, _describe(q, k, causal, layout, strategy, mask, sinks), group, collective_device(group), rank, P
+    )
     q, scale = fold_scale(q, scale)
     cfg = _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras)
     q, k, v = strat.prepare(q, k, v, P)
@@ -435,8 +656,9 @@ def run_forward(q, k, v, sinks, cu, strategy: str, causal: bool, scale: float, l
     return out, strat, strat.saved_extra(saved)
 
 
-def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, causal: bool, scale: float, layout: str,
-                 window, group, extras):
+def run_backward(
+    dout, q, k, v, out, sinks, cu, strat, extra: list, causal: bool, scale: float, layout: str, window, group, extras
+):
     """The backward of :func:`run_forward` (the body of ``tokenring::attention_bwd``): ``[dq, dk, dv]``, and
     ``dsinks`` (this rank's rows' share) with sinks."""
     rank, P = group_info(group)
@@ -459,16 +681,32 @@ def fake_extra(q, k, v, cu, strategy: str, causal: bool, layout: str, window, gr
     mask = None
     if st.keep:
         if cu is not None or layout == "zigzag_docs":
-            raise ValueError(f"tokenring: {strategy!r} keeps K/V pieces whose shapes depend on cu_seqlens' values; "
-                             f"under torch.compile use it without 'keep' or without documents")
+            raise ValueError(
+                f"tokenring: {strategy!r} keeps K/V pieces whose shapes depend on cu_seqlens' values; "
+                f"under torch.compile use it without 'keep' or without documents"
+            )
         mask = make_mask(q.shape[1] * P, None, window, causal)
     cfg = Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=1.0, mask=mask)
     q, k, v = st.prepare(q, k, v, P)
     return st.extra_like(q, k, v, cfg)
 
 
-def trace_choice(q_shape, k_shape, dtype, device_type: str, strategy: str, causal: bool, layout: str, window,
-                 documents: bool, backward: bool, group, inner: int, scale: float, sinks: bool) -> str:
+def trace_choice(
+    q_shape,
+    k_shape,
+    dtype,
+    device_type: str,
+    strategy: str,
+    causal: bool,
+    layout: str,
+    window,
+    documents: bool,
+    backward: bool,
+    group,
+    inner: int,
+    scale: float,
+    sinks: bool,
+) -> str:
     """The concrete strategy a traced (``torch.compile``) call runs: a named variant itself; for ``"auto"`` or a
     family choice, the one an eager call agreed on for these shapes (documents aside), else this rank's cost
     model (without the documents, whose bounds are values)."""
@@ -477,10 +715,33 @@ def trace_choice(q_shape, k_shape, dtype, device_type: str, strategy: str, causa
         return strategy
     rank, P = group_info(group)
     mask = None if documents else make_mask(q_shape[1] * P, None, window, causal)
-    sig = _signature_of(q_shape, k_shape, dtype, device_type, causal, layout, strategy, scale, backward,
-                        mask.key if mask is not None else 0, inner, sinks)
+    sig = _signature_of(
+        q_shape,
+        k_shape,
+        dtype,
+        device_type,
+        causal,
+        layout,
+        strategy,
+        scale,
+        backward,
+        mask.key if mask is not None else 0,
+        inner,
+        sinks,
+    )
     hit = _checked.get((id(group), tuple(sig)))
     if hit is not None:
         return hit.name
-    return resolve(strategy, tuple(q_shape), tuple(k_shape), P, dtype=dtype, causal=causal, layout=layout,
-                   backward=backward, device_type=device_type, mask=mask, inner_size=inner or None).name
+    return resolve(
+        strategy,
+        tuple(q_shape),
+        tuple(k_shape),
+        P,
+        dtype=dtype,
+        causal=causal,
+        layout=layout,
+        backward=backward,
+        device_type=device_type,
+        mask=mask,
+        inner_size=inner or None,
+    ).name

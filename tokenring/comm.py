@@ -20,26 +20,27 @@ Rules that keep point-to-point traffic correct on every backend:
 - gloo cannot send CUDA tensors: with CUDA tensors on a gloo group (several processes sharing one GPU, for
   debugging), messages are staged through host memory (copied out before sending, copied back after the wait).
 """
+
 from __future__ import annotations
 
 import datetime
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from . import device, settings
-from .messages import KINDS, kind as message_kind
+from .messages import KINDS
+from .messages import kind as message_kind
 from .schedules import HEADS, Message
 
 __all__ = ["Comm", "Trace", "Packed", "buffers", "pack", "get_timeout", "set_timeout", "collective_device"]
 
 _PAIR_SLOTS = 256  # most messages one step may carry between the same two ranks (distinct tags)
-_ALIGN = 16        # byte alignment of each tensor in a packed buffer (any dtype's view stays aligned)
+_ALIGN = 16  # byte alignment of each tensor in a packed buffer (any dtype's view stays aligned)
 
-_REPORT_WAIT_S = 1.0     # how long a failed rank waits for the others' reports before naming a silent one
+_REPORT_WAIT_S = 1.0  # how long a failed rank waits for the others' reports before naming a silent one
 
 
 def set_timeout(seconds: float) -> None:
@@ -61,6 +62,7 @@ def group_store(group):
     """The key-value store of ``group``'s rendezvous (``None`` if torch keeps none we can reach)."""
     try:
         from torch.distributed import distributed_c10d as c10d
+
         return c10d._get_process_group_store(group) if group is not None else c10d._get_default_store()
     except Exception:  # private API: without it failures are still reported, only less precisely
         return None
@@ -83,8 +85,10 @@ def silent_ranks(store, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> 
                 time.sleep(0.02)
             if not store.check([key]):
                 via = f" (who waits for whom: {' -> '.join(map(str, chain + [r]))})" if len(chain) > 1 else ""
-                return (f" Rank {r} is the one that stopped: it reported no failure of its own within "
-                        f"{wait_s:.0f} s{via}, so it has died, hangs, or is not calling attention.")
+                return (
+                    f" Rank {r} is the one that stopped: it reported no failure of its own within "
+                    f"{wait_s:.0f} s{via}, so it has died, hangs, or is not calling attention."
+                )
             chain.append(r)
             r = int(store.get(key).decode())
         return f" Every rank of {chain} is waiting for the next: a schedule deadlock (please report it)."
@@ -147,6 +151,7 @@ def _peer(direction: str, m: Message) -> int:
 
 class Packed(list):
     """Tensors that are views of one flat byte buffer ``flat`` (what one message travels as)."""
+
     flat: torch.Tensor
 
 
@@ -160,7 +165,7 @@ def buffers(specs, device) -> Packed:
         total += -(-nbytes // _ALIGN) * _ALIGN
     out = Packed()
     out.flat = torch.empty(total, dtype=torch.uint8, device=device)
-    out.extend(out.flat[off:off + n].view(dtype).view(shape) for off, n, dtype, shape in spans)
+    out.extend(out.flat[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in spans)
     return out
 
 
@@ -206,8 +211,18 @@ class _Pending:
     """Posted operations of one step that are due together: ``wait()`` blocks until they are done (on NCCL:
     orders the current stream after them); ``recvs`` are the ``(message, buffers)`` received."""
 
-    def __init__(self, comm: "Comm", step: int, due: int, works: list, records: list[dict], recvs: list,
-                 copies: list, t0: float, posted):
+    def __init__(
+        self,
+        comm: "Comm",
+        step: int,
+        due: int,
+        works: list,
+        records: list[dict],
+        recvs: list,
+        copies: list,
+        t0: float,
+        posted,
+    ):
         self.comm, self.step, self.due, self.works, self.records = comm, step, due, works, records
         self.recvs, self.copies, self.t0, self.posted = recvs, copies, t0, posted
 
@@ -238,8 +253,14 @@ class Comm:
     staged message's record says ``staged=True``.
     """
 
-    def __init__(self, group=None, timeout: float | None = None, trace: Trace | None = None, what: str = "",
-                 stage: bool | str | None = None):
+    def __init__(
+        self,
+        group=None,
+        timeout: float | None = None,
+        trace: Trace | None = None,
+        what: str = "",
+        stage: bool | str | None = None,
+    ):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -288,14 +309,19 @@ class Comm:
             f"attention (same shapes, strategy, layout) - check its log. Raise the bound with "
             f"tokenring.set_timeout() or $TOKENRING_TIMEOUT (gloo) / init_process_group(timeout=...) (NCCL) if "
             f"it is only slow. The process group cannot be used again after this (a timed-out connection is "
-            f"closed): destroy it and start the ranks again.")
+            f"closed): destroy it and start the ranks again."
+        )
 
     def _host(self, t: torch.Tensor) -> bool:
         """Whether ``t`` travels through host memory."""
         return self.stage == "always" or (bool(self.stage) and t.device.type != "cpu")
 
-    def start(self, step: int, sends: list[tuple[Message, list[torch.Tensor], tuple[int, int]]],
-              recvs: list[tuple[Message, list[torch.Tensor], tuple[int, int]]]) -> list[_Pending]:
+    def start(
+        self,
+        step: int,
+        sends: list[tuple[Message, list[torch.Tensor], tuple[int, int]]],
+        recvs: list[tuple[Message, list[torch.Tensor], tuple[int, int]]],
+    ) -> list[_Pending]:
         """Post ``recvs`` (into the given buffers) then ``sends``; returns one handle per due step (a message's
         ``due``, else this step) whose ``wait()`` completes those operations. Each message comes with
         ``(step it is posted by its sender, n)`` (:meth:`Schedule.postings`): its tag, the same on both ends
@@ -334,10 +360,21 @@ class Comm:
                 idx.append(len(ops))  # the buffer stays referenced in `meta` until the wait completes
                 ops.append(dist.P2POp(fn, buf, self._global(peer), self.group, tag))
                 meta.append((direction, m, buf))
-                records.append(dict(step=step, due=due, direction=direction, peer=peer, kind=m.kind,
-                                    owner=m.owner, part=str(m.part), heads=m.heads, staged=staged,
-                                    device=buf.device.type,
-                                    bytes=sum(t.numel() * t.element_size() for t in tensors)))
+                records.append(
+                    dict(
+                        step=step,
+                        due=due,
+                        direction=direction,
+                        peer=peer,
+                        kind=m.kind,
+                        owner=m.owner,
+                        part=str(m.part),
+                        heads=m.heads,
+                        staged=staged,
+                        device=buf.device.type,
+                        bytes=sum(t.numel() * t.element_size() for t in tensors),
+                    )
+                )
         if not ops:
             return []
         t0 = time.monotonic()

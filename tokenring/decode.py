@@ -17,6 +17,7 @@ fewest cached rows, so shards stay within one token of balanced; the order of ca
 attention to later tokens (every cached token precedes every new one), only the causal order among one
 step's new tokens, which the tiles keep.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -60,9 +61,18 @@ def _code(x) -> float:
     return float(zlib.crc32(str(x).encode()))
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, new: tuple[int, int] | None = None,
-                     softmax_scale: float | None = None, group=None, state: tuple = (), check: bool = True,
-                     log: list | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    new: tuple[int, int] | None = None,
+    softmax_scale: float | None = None,
+    group=None,
+    state: tuple = (),
+    check: bool = True,
+    log: list | None = None,
+) -> torch.Tensor:
     """Attention of ``t`` new tokens' queries to a KV cache sharded over the ranks of ``group``.
 
     ``q``: (B, t, H, d), the same on every rank. ``k``, ``v``: (B, n, Hkv, d), the cache rows this rank holds;
@@ -76,13 +86,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, new: 
     rank, P = group_info(group)
     B, t, H, d = q.shape
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or H % max(1, k.shape[2]):
-        raise ValueError(f"rank {rank}: decode_attention takes q (B, t, H, d) and k, v (B, n, Hkv, d) with "
-                         f"H % Hkv == 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"rank {rank}: decode_attention takes q (B, t, H, d) and k, v (B, n, Hkv, d) with "
+            f"H % Hkv == 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     n = k.shape[1]
     a, b = new if new is not None else (0, 0)
     if not (0 <= a <= b <= t) or b - a > n:
-        raise ValueError(f"rank {rank}: new={new} must name token indices 0 <= a <= b <= t={t} stored as the "
-                         f"last {b - a} of this rank's {n} rows")
+        raise ValueError(
+            f"rank {rank}: new={new} must name token indices 0 <= a <= b <= t={t} stored as the "
+            f"last {b - a} of this rank's {n} rows"
+        )
     q, scale = fold_scale(q, softmax_scale_of(softmax_scale, d))
     o, lse = new_accumulator(B, t, H, d, q.dtype, q.device)
     old = n - (b - a)
@@ -97,8 +111,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, new: 
         return o.to(q.dtype)
     device = collective_device(group)
     if check:
-        header = torch.tensor([B, t, H, k.shape[2], d, _code(q.dtype), *map(float, state)], dtype=torch.float64,
-                              device=device)
+        header = torch.tensor(
+            [B, t, H, k.shape[2], d, _code(q.dtype), *map(float, state)], dtype=torch.float64, device=device
+        )
         _exchange_header(header, rank, P, group, state)
     flat = torch.cat([o.reshape(-1), lse.reshape(-1)]).to(device)
     parts = [torch.empty_like(flat) for _ in range(P)]
@@ -109,7 +124,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, new: 
     out, out_lse = new_accumulator(B, t, H, d, q.dtype, q.device)
     for part in parts:  # rank order: the same bits on every rank
         part = part.to(q.device)
-        merge_(out, out_lse, part[:o.numel()].view_as(o), part[o.numel():].view_as(lse))
+        merge_(out, out_lse, part[: o.numel()].view_as(o), part[o.numel() :].view_as(lse))
     return out.to(q.dtype)
 
 
@@ -119,15 +134,21 @@ def _exchange_header(header: torch.Tensor, rank: int, P: int, group, state) -> N
     _wait(work, rank, "the decode step's shapes", group)
     if not values_travel(group):
         return
-    names = ["batch", "new tokens", "query heads", "key/value heads", "head dim", "dtype"] + \
-        [f"state[{i}]" for i in range(len(state))]
+    names = ["batch", "new tokens", "query heads", "key/value heads", "head dim", "dtype"] + [
+        f"state[{i}]" for i in range(len(state))
+    ]
     for r, other in enumerate(every):
-        bad = [f"{nm} ({x:g} on rank {r}, {y:g} here)" for nm, x, y in zip(names, other.tolist(), header.tolist())
-               if x != y]
+        bad = [
+            f"{nm} ({x:g} on rank {r}, {y:g} here)"
+            for nm, x, y in zip(names, other.tolist(), header.tolist())
+            if x != y
+        ]
         if bad:
-            raise ValueError(f"tokenring decode (rank {rank}): rank {r} decodes with a different {'; '.join(bad)}. "
-                             f"Every rank must run the same step on the same new tokens with caches from the same "
-                             f"prefill (tokenring.hf.prefill on every rank with the same prompt)")
+            raise ValueError(
+                f"tokenring decode (rank {rank}): rank {r} decodes with a different {'; '.join(bad)}. "
+                f"Every rank must run the same step on the same new tokens with caches from the same "
+                f"prefill (tokenring.hf.prefill on every rank with the same prompt)"
+            )
 
 
 def _wait(work, rank: int, what: str, group) -> None:
@@ -137,5 +158,7 @@ def _wait(work, rank: int, what: str, group) -> None:
     try:
         work.wait(datetime.timedelta(seconds=get_timeout()))
     except Exception as e:
-        raise RuntimeError(f"tokenring decode (rank {rank}): exchanging {what} failed within {get_timeout():.0f} s "
-                           f"({e}); a rank died or is not decoding this step") from e
+        raise RuntimeError(
+            f"tokenring decode (rank {rank}): exchanging {what} failed within {get_timeout():.0f} s "
+            f"({e}); a rank died or is not decoding this step"
+        ) from e

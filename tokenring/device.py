@@ -6,6 +6,7 @@ the seam :func:`tokenring.testing.pretend_cuda` sets. Inside it, meta tensors co
 pretended GPU and PyTorch's fake process group counts as NCCL, so one CPU process runs rank r's CUDA path with
 real shapes, dtypes, strides and op schemas. Values are not computed there.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,14 +18,27 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-__all__ = ["GPU", "is_cuda", "device_type", "gpu", "nccl", "collective_device", "values_travel", "autocast_dtype", "no_autocast", "Event", "synchronize",
-           "pretended"]
+__all__ = [
+    "GPU",
+    "is_cuda",
+    "device_type",
+    "gpu",
+    "nccl",
+    "collective_device",
+    "values_travel",
+    "autocast_dtype",
+    "no_autocast",
+    "Event",
+    "synchronize",
+    "pretended",
+]
 
 
 @dataclass(frozen=True)
 class GPU:
     """The facts the library uses about a node's GPUs: the model name, its compute capability, how many GPUs
     a node has, and the link between them (``"nvlink"``: NVLink / NVSwitch; ``"pcie"``)."""
+
     name: str
     capability: tuple[int, int]
     per_node: int
@@ -68,6 +82,7 @@ def _nvlinked(index: int) -> bool | None:
     """Whether GPU ``index`` has an active NVLink (NVML, when ``pynvml`` is installed); ``None``: unknown."""
     try:
         import pynvml
+
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByIndex(index)
         for link in range(18):

@@ -7,6 +7,7 @@ the strategy's ``Ops``, and free what no later step reads. What a compute or a r
 the ``Ops``' business. A receive is posted at its message's ``ready`` step where the backend allows it
 (:attr:`Comm.early_receives`, gloo), else with the message.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -21,11 +22,11 @@ __all__ = ["Ops", "execute"]
 
 
 class Ops(Protocol):
-    def payload(self, m: Message) -> list[torch.Tensor]: ...          # tensors to send for ``m``
-    def empty(self, m: Message) -> list[torch.Tensor]: ...            # receive buffers for ``m``
+    def payload(self, m: Message) -> list[torch.Tensor]: ...  # tensors to send for ``m``
+    def empty(self, m: Message) -> list[torch.Tensor]: ...  # receive buffers for ``m``
     def compute(self, c: Compute) -> None: ...
     def receive(self, m: Message, tensors: list[torch.Tensor]) -> None: ...
-    def release(self, step: int, reads: dict) -> None: ...            # free what no later step reads
+    def release(self, step: int, reads: dict) -> None: ...  # free what no later step reads
 
 
 @lru_cache(maxsize=512)
@@ -44,28 +45,48 @@ def execute(sched: Schedule, comm: Comm, ops: Ops, held: list | None = None) -> 
         trace.use(getattr(ops, "device", "cpu"))
     inflight: dict[int, list] = {}  # due step -> posted operations to complete at its end
     for t, (computes, sends, recvs) in enumerate(plan):
-        for pending in comm.start(t, [(m, ops.payload(m), at) for m, *at in sends],
-                                  [(m, ops.empty(m), at) for m, *at in recvs]):
+        for pending in comm.start(
+            t, [(m, ops.payload(m), at) for m, *at in sends], [(m, ops.empty(m), at) for m, *at in recvs]
+        ):
             inflight.setdefault(pending.due, []).append(pending)
         for c in computes:
             t0 = trace.now() if trace is not None else None
             ops.compute(c)
             if trace is not None:
-                trace.add("compute", f"Q{c.q_owner}.{c.q_part} x KV{c.kv_owner}.{c.kv_part}", t0,
-                          trace.now(), step=t, q_owner=c.q_owner, kv_owner=c.kv_owner, diag=c.diag)
+                trace.add(
+                    "compute",
+                    f"Q{c.q_owner}.{c.q_part} x KV{c.kv_owner}.{c.kv_part}",
+                    t0,
+                    trace.now(),
+                    step=t,
+                    q_owner=c.q_owner,
+                    kv_owner=c.kv_owner,
+                    diag=c.diag,
+                )
         for pending in inflight.pop(t, []):
             pending.wait()
             for m, bufs in pending.recvs:
                 ops.receive(m, bufs)
         ops.release(t, reads)
         if held is not None:  # receive buffers in flight, and copies made for sends in flight (not views)
-            flying = sum(b.numel() * b.element_size() for ps in inflight.values() for p in ps
-                         for _, bufs in p.recvs for b in bufs)
-            flying += sum(w[3].numel() * w[3].element_size() for ps in inflight.values() for p in ps
-                          for w in p.works if w[0] == "send" and w[3]._base is None)
+            flying = sum(
+                b.numel() * b.element_size()
+                for ps in inflight.values()
+                for p in ps
+                for _, bufs in p.recvs
+                for b in bufs
+            )
+            flying += sum(
+                w[3].numel() * w[3].element_size()
+                for ps in inflight.values()
+                for p in ps
+                for w in p.works
+                if w[0] == "send" and w[3]._base is None
+            )
             held.append(getattr(ops, "held_bytes", lambda: 0)() + flying)
     if trace is not None:
         trace.resolve()
     if inflight:
-        raise RuntimeError(f"schedule {sched.strategy}: messages due after its last step {len(plan) - 1}: "
-                           f"{sorted(inflight)}")
+        raise RuntimeError(
+            f"schedule {sched.strategy}: messages due after its last step {len(plan) - 1}: {sorted(inflight)}"
+        )

@@ -45,11 +45,12 @@ What is refused, with a ``ValueError`` that says why:
 Not detected: models that overlay their own mask functions on the causal mask (e.g. bidirectional image-token
 blocks in some vision-language models) would silently get plain causal attention; do not use them here.
 """
+
 from __future__ import annotations
 
 import contextlib
-import zlib
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,11 +58,12 @@ import torch
 import torch.distributed as dist
 
 from .api import _group_name, attention
-from .instrument import instrument
-from .strategies import get as get_strategy, node_size
-from .layouts import check_layout, gather, group_info, local_positions, shard
 from .comm import collective_device
+from .instrument import instrument
+from .layouts import check_layout, gather, group_info, local_positions, shard
 from .ops import IdentityCache
+from .strategies import get as get_strategy
+from .strategies import node_size
 from .training import check_ddp
 
 try:
@@ -72,9 +74,22 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .hf_cache import ShardedCache, decode_step, take_step  # noqa: E402  (needs transformers)
 
-__all__ = ["NAME", "register", "configure", "settings", "attention_forward", "shard_batch", "gather_logits",
-           "reduce_loss", "all_reduce_grads", "shift_labels", "prefill", "ShardedCache", "causal_lm_loss",
-           "SequenceParallelTrainer"]
+__all__ = [
+    "NAME",
+    "register",
+    "configure",
+    "settings",
+    "attention_forward",
+    "shard_batch",
+    "gather_logits",
+    "reduce_loss",
+    "all_reduce_grads",
+    "shift_labels",
+    "prefill",
+    "ShardedCache",
+    "causal_lm_loss",
+    "SequenceParallelTrainer",  # noqa: F822 (module __getattr__, imports transformers.Trainer when asked)
+]
 
 NAME = "tokenring"
 IGNORE_INDEX = -100
@@ -93,8 +108,13 @@ class _Settings:
 _settings = _Settings()
 
 
-def configure(strategy: str | None = None, layout: str | None = None, group=None,
-              check_positions: bool | None = None, inner_size: int | None = None) -> None:
+def configure(
+    strategy: str | None = None,
+    layout: str | None = None,
+    group=None,
+    check_positions: bool | None = None,
+    inner_size: int | None = None,
+) -> None:
     """Set the strategy (``"auto"``, ``"token_ring"``, ``"ring"``, ``"ulysses"``, ``"ring_bidir"`` or a variant
     such as ``"token_ring:direct,c=2,k=3"``), the layout the inputs were
     sharded with (``"zigzag"`` default, or ``"contiguous"``) and the process group used by every attention
@@ -143,13 +163,17 @@ def _mask_problem(attention_mask) -> str | None:
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor):
-        return (f"got an attention mask of type {type(attention_mask).__name__}; only full causal or full "
-                f"bidirectional attention can be sharded (pass attention_mask=None)")
+        return (
+            f"got an attention mask of type {type(attention_mask).__name__}; only full causal or full "
+            f"bidirectional attention can be sharded (pass attention_mask=None)"
+        )
     if attention_mask.dim() == 2 and bool(attention_mask.to(torch.bool).all()):
         return None  # an all-ones padding mask means no padding
-    return (f"got an attention mask of shape {tuple(attention_mask.shape)} that masks tokens (padding or a "
-            f"custom mask). TokenRing computes exact full causal/bidirectional attention over the sharded sequence "
-            f"and cannot express padding masks: pass unpadded sequences of one length with attention_mask=None")
+    return (
+        f"got an attention mask of shape {tuple(attention_mask.shape)} that masks tokens (padding or a "
+        f"custom mask). TokenRing computes exact full causal/bidirectional attention over the sharded sequence "
+        f"and cannot express padding masks: pass unpadded sequences of one length with attention_mask=None"
+    )
 
 
 def _documents(full: torch.Tensor, local_default: bool, S: int, layout: str) -> tuple[list[int] | None, str | None]:
@@ -157,31 +181,38 @@ def _documents(full: torch.Tensor, local_default: bool, S: int, layout: str) -> 
     them (a new document wherever a position is not the previous one plus 1): ``(cu_seqlens or None, problem)``.
     ``local_default``: every rank's positions are ``0..s-1``, which is what transformers makes up when
     ``position_ids`` are omitted."""
-    starts = (torch.diff(full, dim=-1) != 1)
+    starts = torch.diff(full, dim=-1) != 1
     if not bool(starts.any()):
         return None, None  # one document: plain (causal) attention over the whole sequence
     h = min(3, S)
     if local_default:
-        return None, (f"every rank's position_ids are 0..s-1, which is what transformers uses when position_ids "
-                      f"are omitted. Pass this rank's global "
-                      f"positions: position_ids=tokenring.shard(torch.arange(S)[None], dim=1, layout={layout!r}) "
-                      f"(or use tokenring.hf.shard_batch); for packed documents of exactly one shard each, "
-                      f"pass cu_seq_lens_q (shard_batch does)")
+        return None, (
+            f"every rank's position_ids are 0..s-1, which is what transformers uses when position_ids "
+            f"are omitted. Pass this rank's global "
+            f"positions: position_ids=tokenring.shard(torch.arange(S)[None], dim=1, layout={layout!r}) "
+            f"(or use tokenring.hf.shard_batch); for packed documents of exactly one shard each, "
+            f"pass cu_seq_lens_q (shard_batch does)"
+        )
     if bool((starts != starts[:1]).any()):
-        return None, ("the rows of this batch pack different documents (position_ids restart at different places); "
-                      "packed batches must share one packing (DataCollatorWithFlattening makes batch 1)")
+        return None, (
+            "the rows of this batch pack different documents (position_ids restart at different places); "
+            "packed batches must share one packing (DataCollatorWithFlattening makes batch 1)"
+        )
     cuts = (starts[0].nonzero().flatten() + 1).tolist()
     firsts = full[:, [0] + cuts]
     if bool((firsts != 0).any()):
-        return None, (f"position_ids restart inside the sequence (packed documents?) but documents do not start at "
-                      f"position 0 (first positions {firsts[0, :h].tolist()}...): pass this rank's shard of the "
-                      f"global position_ids (tokenring.hf.shard_batch(input_ids, position_ids=...)) with "
-                      f"layout={layout!r}")
+        return None, (
+            f"position_ids restart inside the sequence (packed documents?) but documents do not start at "
+            f"position 0 (first positions {firsts[0, :h].tolist()}...): pass this rank's shard of the "
+            f"global position_ids (tokenring.hf.shard_batch(input_ids, position_ids=...)) with "
+            f"layout={layout!r}"
+        )
     return [0] + cuts + [S], None
 
 
-def _check_inputs(module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group,
-                  device) -> list[int] | None:
+def _check_inputs(
+    module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group, device
+) -> list[int] | None:
     """Mask and position checks, agreed on by all ranks (one small all-gather of the flags and position ids),
     so a problem on one rank's shard raises on every rank instead of leaving the others waiting in attention.
     Returns the documents (cu_seqlens over the global sequence) that the position ids pack, or ``None``."""
@@ -198,14 +229,24 @@ def _check_inputs(module, attention_mask, position_ids, s: int, rank: int, P: in
         dist.all_gather(heads, head.to(device), group=group)
         heads = [h.cpu().tolist() for h in heads]
         if not all(h[0] for h in heads):  # every rank stops here: no rank goes on to the gather below
-            raise _refuse(module, f"rank {rank}: {mask_problem}" if mask_problem is not None else
-                          f"rank {rank}: another rank refused its attention mask (see that rank's error)")
-        for i, what in ((2, "local lengths (tokens per rank)"), (1, "batch sizes of their position ids"),
-                        (3, "position ids (given on some ranks only)")):
+            raise _refuse(
+                module,
+                f"rank {rank}: {mask_problem}"
+                if mask_problem is not None
+                else f"rank {rank}: another rank refused its attention mask (see that rank's error)",
+            )
+        for i, what in (
+            (2, "local lengths (tokens per rank)"),
+            (1, "batch sizes of their position ids"),
+            (3, "position ids (given on some ranks only)"),
+        ):
             if len({h[i] for h in heads}) > 1:
-                raise _refuse(module, f"rank {rank}: the ranks pass different {what}: "
-                              f"{ {r: h[i] for r, h in enumerate(heads)} }. Every rank must hold S/P tokens of "
-                              f"the same sequences: shard them with tokenring.hf.shard_batch or tokenring.shard")
+                raise _refuse(
+                    module,
+                    f"rank {rank}: the ranks pass different {what}: "
+                    f"{ {r: h[i] for r, h in enumerate(heads)} }. Every rank must hold S/P tokens of "
+                    f"the same sequences: shard them with tokenring.hf.shard_batch or tokenring.shard",
+                )
         if pos is not None:
             mine = pos.reshape(-1).to(device)
             every = [torch.empty_like(mine) for _ in range(P)]
@@ -224,18 +265,27 @@ def _check_inputs(module, attention_mask, position_ids, s: int, rank: int, P: in
     if problem is None and cu is None and P > 1:
         offset = full - torch.arange(s * P)
         if bool((offset != offset[:, :1]).any()):
-            problem = (f"position_ids are not the global positions of this rank's tokens under layout={layout!r}. "
-                       f"Pass position_ids=tokenring.shard(torch.arange(S)[None], dim=1, layout={layout!r}) (or use "
-                       f"tokenring.hf.shard_batch); without them rotary embeddings use local positions and the "
-                       f"result is wrong")
+            problem = (
+                f"position_ids are not the global positions of this rank's tokens under layout={layout!r}. "
+                f"Pass position_ids=tokenring.shard(torch.arange(S)[None], dim=1, layout={layout!r}) (or use "
+                f"tokenring.hf.shard_batch); without them rotary embeddings use local positions and the "
+                f"result is wrong"
+            )
     if problem is not None:  # every rank derived the same from the same gathered positions
         raise _refuse(module, f"rank {rank}: {problem}")
     return cu
 
 
-def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """The function registered as ``attn_implementation="tokenring"``: ``query`` (B, H, s, d), ``key``/``value``
     (B, Hkv, s, d), this rank's shard; returns ``(out (B, s, H, d), None)``."""
     if kwargs.get("softcap") is not None:
@@ -248,8 +298,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout:
         raise _refuse(module, f"attention dropout {dropout} is not supported; set config.attention_dropout = 0")
     if kwargs.get("output_attentions"):
-        warnings.warn("tokenring never materialises attention weights; output_attentions returns None",
-                      stacklevel=2)
+        warnings.warn("tokenring never materialises attention weights; output_attentions returns None", stacklevel=2)
     s = query.shape[2]
     if not torch.compiler.is_compiling():
         check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD)
@@ -260,13 +309,19 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             raise _refuse(module, problem)
         window = kwargs.get("sliding_window")
         if window is not None and step[0].total > window:
-            raise _refuse(module, f"decoding a sliding-window layer (window {window}) over a sharded cache of "
-                                  f"{step[0].total} tokens is not supported; use a model without sliding layers")
+            raise _refuse(
+                module,
+                f"decoding a sliding-window layer (window {window}) over a sharded cache of "
+                f"{step[0].total} tokens is not supported; use a model without sliding layers",
+            )
         return decode_step(*step, query, key, value, scaling), None
     if key.shape[2] != s:
-        raise _refuse(module, f"keys ({key.shape[2]} tokens) and queries ({s}) differ in length: a KV cache holds "
-                              f"earlier tokens (decoding). Prefill with tokenring.hf.prefill(model, input_ids) "
-                              f"and pass its cache to model.generate (a sharded cache), or pass use_cache=False")
+        raise _refuse(
+            module,
+            f"keys ({key.shape[2]} tokens) and queries ({s}) differ in length: a KV cache holds "
+            f"earlier tokens (decoding). Prefill with tokenring.hf.prefill(model, input_ids) "
+            f"and pass its cache to model.generate (a sharded cache), or pass use_cache=False",
+        )
     group = _settings.group
     rank, P = group_info(group)
     pos = kwargs.get("position_ids")
@@ -276,8 +331,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise _refuse(module, _mask_problem(attention_mask))
     cu = None
     if attention_mask is not None or pos is not None or cu_q is not None:
-        cu = hf_documents(pos, attention_mask, cu_q, cu_k, s, _settings.layout, _group_name(group),
-                          _where(module))
+        cu = hf_documents(pos, attention_mask, cu_q, cu_k, s, _settings.layout, _group_name(group), _where(module))
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = kwargs.get("sliding_window")
@@ -286,9 +340,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     extra = _settings.config_fn(module) if _settings.config_fn is not None else None
     with instrument(**extra) if extra else contextlib.nullcontext():
-        out = attention(q, k, v, causal=causal, softmax_scale=scaling, strategy=_settings.strategy,
-                        layout=_settings.layout, cu_seqlens=cu, window=window, sinks=sinks, group=group,
-                        inner_size=_settings.inner_size)
+        out = attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            softmax_scale=scaling,
+            strategy=_settings.strategy,
+            layout=_settings.layout,
+            cu_seqlens=cu,
+            window=window,
+            sinks=sinks,
+            group=group,
+            inner_size=_settings.inner_size,
+        )
     return out, None
 
 
@@ -300,9 +365,16 @@ _documents_cache = IdentityCache()
 
 
 @torch.library.custom_op("tokenring::hf_documents", mutates_args=())
-def hf_documents(position_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
-                 cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], s: int, layout: str, group: str,
-                 where: str) -> torch.Tensor:
+def hf_documents(
+    position_ids: Optional[torch.Tensor],
+    attention_mask: Optional[torch.Tensor],
+    cu_q: Optional[torch.Tensor],
+    cu_k: Optional[torch.Tensor],
+    s: int,
+    layout: str,
+    group: str,
+    where: str,
+) -> torch.Tensor:
     """The documents (``cu_seqlens`` over the global sequence, padded with ``S`` to ``S + 1`` entries: a fixed
     shape for ``torch.compile``) that a layer's mask, position ids or explicit ``cu_seq_lens_q`` give, checked
     on every rank alike (:func:`_check_inputs`). Once per distinct input: the layers of one forward share the
@@ -312,6 +384,7 @@ def hf_documents(position_ids: Optional[torch.Tensor], attention_mask: Optional[
     if hit is not None and hit[0] == (s, layout, group):
         return hit[1]
     from .ops import resolve_group
+
     grp = resolve_group(group)
     rank, P = group_info(grp)
     device = collective_device(grp) if P > 1 else "cpu"
@@ -323,7 +396,7 @@ def hf_documents(position_ids: Optional[torch.Tensor], attention_mask: Optional[
     S = s * P
     cu = [0, S] if cu is None else list(cu)
     out = torch.full((S + 1,), S, dtype=torch.int64)
-    out[:len(cu)] = torch.tensor(cu[:S + 1], dtype=torch.int64)
+    out[: len(cu)] = torch.tensor(cu[: S + 1], dtype=torch.int64)
     _documents_cache.put(inputs, ((s, layout, group), out))
     return out
 
@@ -331,6 +404,7 @@ def hf_documents(position_ids: Optional[torch.Tensor], attention_mask: Optional[
 @hf_documents.register_fake
 def _(position_ids, attention_mask, cu_q, cu_k, s, layout, group, where):
     from .ops import resolve_group
+
     return torch.empty(s * group_info(resolve_group(group))[1] + 1, dtype=torch.int64)
 
 
@@ -356,15 +430,24 @@ register()
 # ----------------------------------------------------------------------------------------------------------------
 # Batches, loss, gradients
 
+
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Next-token targets on the *full* sequence: ``out[:, i] = labels[:, i + 1]``, last = ``ignore_index``.
     Shift first, then shard: under zigzag the next token of a rank's last local token lives on another rank."""
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
 
 
-def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, layout: str | None = None, group=None,
-                ignore_index: int = IGNORE_INDEX, verify: bool = False, _scaled: bool = False) -> dict:
+def shard_batch(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    layout: str | None = None,
+    group=None,
+    ignore_index: int = IGNORE_INDEX,
+    verify: bool = False,
+    _scaled: bool = False,
+) -> dict:
     """This rank's shard of a batch given as full ``(B, S)`` tensors (identical on every rank), ready for
     ``model(**batch)``.
 
@@ -379,39 +462,52 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, pos
     ValueError on every rank instead of training on a garbled sequence.
     """
     from .training import active
+
     if active() is not None and not _scaled:
-        raise ValueError("tokenring.hf.shard_batch: a tokenring.training.SequenceParallel is active; use its "
-                         "shard_batch (the loss is scaled there for DDP/FSDP's average over every rank)")
+        raise ValueError(
+            "tokenring.hf.shard_batch: a tokenring.training.SequenceParallel is active; use its "
+            "shard_batch (the loss is scaled there for DDP/FSDP's average over every rank)"
+        )
     layout = layout or _settings.layout
     group = group if group is not None else _settings.group
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected the full (batch, seq) tensor")
     B, S = input_ids.shape
     if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
-        raise ValueError("tokenring.hf.shard_batch: attention_mask masks tokens (padding); TokenRing cannot "
-                         "express padding masks: use unpadded sequences of one length")
+        raise ValueError(
+            "tokenring.hf.shard_batch: attention_mask masks tokens (padding); TokenRing cannot "
+            "express padding masks: use unpadded sequences of one length"
+        )
     if verify:
         from .training import same_batch
-        same_batch(group if group is not None else dist.group.WORLD,
-                   [t for t in (input_ids, labels, position_ids) if t is not None])
+
+        same_batch(
+            group if group is not None else dist.group.WORLD,
+            [t for t in (input_ids, labels, position_ids) if t is not None],
+        )
     if position_ids is None:
         position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
-    out = dict(input_ids=shard(input_ids, dim=1, layout=layout, group=group),
-               position_ids=shard(position_ids, dim=1, layout=layout, group=group), use_cache=False)
+    out = dict(
+        input_ids=shard(input_ids, dim=1, layout=layout, group=group),
+        position_ids=shard(position_ids, dim=1, layout=layout, group=group),
+        use_cache=False,
+    )
     if labels is not None:
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
         targets = shift_labels(labels, ignore_index)
         local = shard(targets, dim=1, layout=layout, group=group).contiguous()
-        out.update(labels=local, shift_labels=local,
-                   num_items_in_batch=(targets != ignore_index).sum().to(input_ids.device))
+        out.update(
+            labels=local, shift_labels=local, num_items_in_batch=(targets != ignore_index).sum().to(input_ids.device)
+        )
     return out
 
 
 def gather_logits(logits: torch.Tensor, layout: str | None = None, group=None) -> torch.Tensor:
     """The full ``(B, S, V)`` logits on every rank from each rank's ``(B, s, V)`` (not differentiable)."""
-    return gather(logits.detach(), dim=1, layout=layout or _settings.layout,
-                  group=group if group is not None else _settings.group)
+    return gather(
+        logits.detach(), dim=1, layout=layout or _settings.layout, group=group if group is not None else _settings.group
+    )
 
 
 def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
@@ -436,18 +532,23 @@ def _ranks(group) -> set:
 def _check_reduction(model, group) -> None:
     """Refuse a sum over ``group`` that would count a gradient twice or sum over data-parallel ranks."""
     from torch.nn.parallel import DistributedDataParallel
+
     if isinstance(model, DistributedDataParallel):
-        raise ValueError("tokenring.hf.all_reduce_grads: the model is in DDP, which already reduces its "
-                         "gradients; use tokenring.training.SequenceParallel (its loss is scaled for DDP over "
-                         "all ranks) instead of also summing here")
+        raise ValueError(
+            "tokenring.hf.all_reduce_grads: the model is in DDP, which already reduces its "
+            "gradients; use tokenring.training.SequenceParallel (its loss is scaled for DDP over "
+            "all ranks) instead of also summing here"
+        )
     mine = _ranks(group)
     tokenring_group = _ranks(_settings.group)
     if not mine <= tokenring_group:
-        raise ValueError(f"tokenring.hf.all_reduce_grads sums gradients over the ranks that share a sequence (the "
-                         f"tokenring group {sorted(tokenring_group)}), but group= has ranks {sorted(mine)}: with "
-                         f"data parallelism that sums the data-parallel ranks' gradients too (dp times the true "
-                         f"gradient). Sum over the cp group only and let DDP/FSDP average over dp, or use "
-                         f"tokenring.training.SequenceParallel")
+        raise ValueError(
+            f"tokenring.hf.all_reduce_grads sums gradients over the ranks that share a sequence (the "
+            f"tokenring group {sorted(tokenring_group)}), but group= has ranks {sorted(mine)}: with "
+            f"data parallelism that sums the data-parallel ranks' gradients too (dp times the true "
+            f"gradient). Sum over the cp group only and let DDP/FSDP average over dp, or use "
+            f"tokenring.training.SequenceParallel"
+        )
     for p in model.parameters():
         g = p.grad
         if g is not None and hasattr(g, "device_mesh"):
@@ -455,10 +556,12 @@ def _check_reduction(model, group) -> None:
             for dim in range(g.device_mesh.ndim):
                 shared |= _ranks(g.device_mesh.get_group(dim)) & mine
             if len(shared) > 1:
-                raise ValueError("tokenring.hf.all_reduce_grads: FSDP already reduces these gradients over ranks "
-                                 f"{sorted(shared)} of the tokenring group; shard the model over dp only "
-                                 "(fully_shard(model, mesh=mesh['dp'])), or use FSDP over all ranks with "
-                                 "tokenring.training.SequenceParallel and no all_reduce_grads")
+                raise ValueError(
+                    "tokenring.hf.all_reduce_grads: FSDP already reduces these gradients over ranks "
+                    f"{sorted(shared)} of the tokenring group; shard the model over dp only "
+                    "(fully_shard(model, mesh=mesh['dp'])), or use FSDP over all ranks with "
+                    "tokenring.training.SequenceParallel and no all_reduce_grads"
+                )
             break
 
 
@@ -492,7 +595,7 @@ def all_reduce_grads(model: torch.nn.Module, group=None, bucket_bytes: int = 32 
         dist.all_reduce(flat, group=group)
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
 
@@ -504,6 +607,7 @@ def tiled_loss(model: torch.nn.Module, chunk: int = 2048):
     DDP and FSDP see the head used as usual. ``out.logits`` then holds the final hidden states (the head runs in
     the loss); the backward may run after the block."""
     from .loss import chunked_cross_entropy
+
     inner = getattr(model, "module", model)  # DDP and the like wrap the model
     if getattr(inner.config, "final_logit_softcapping", None):
         raise ValueError("tokenring.hf.tiled_loss: final logit soft-capping is not supported")
@@ -511,12 +615,19 @@ def tiled_loss(model: torch.nn.Module, chunk: int = 2048):
     real = head.forward
     old = inner.__dict__.get("_loss_function")
 
-    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
-                      shift_labels=None, **kwargs):
+    def loss_function(
+        logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX, shift_labels=None, **kwargs
+    ):
         if shift_labels is None:
             shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        return chunked_cross_entropy(logits, real, shift_labels.to(logits.device), chunk=chunk,
-                                     ignore_index=ignore_index, num_items=num_items_in_batch)
+        return chunked_cross_entropy(
+            logits,
+            real,
+            shift_labels.to(logits.device),
+            chunk=chunk,
+            ignore_index=ignore_index,
+            num_items=num_items_in_batch,
+        )
 
     head.forward = lambda h: h  # the model's forward hands the hidden states to the loss
     inner.loss_function = loss_function
@@ -542,6 +653,7 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunk: int = 2048) ->
 def __getattr__(name: str):
     if name == "SequenceParallelTrainer":  # imports transformers.Trainer (and accelerate) only when asked for
         from .hf_trainer import SequenceParallelTrainer
+
         return SequenceParallelTrainer
     raise AttributeError(name)
 
@@ -554,17 +666,22 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
     group = group if group is not None else _settings.group
     rank, P = group_info(group)
     if input_ids.dim() != 2:
-        raise ValueError(f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
-                         f"(batch, seq) prompt, the same on every rank")
+        raise ValueError(
+            f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
+            f"(batch, seq) prompt, the same on every rank"
+        )
     if P > 1:  # the same prompt everywhere, or a ValueError on every rank
-        mine = torch.tensor([float(zlib.crc32(input_ids.cpu().numpy().tobytes())), *input_ids.shape],
-                            dtype=torch.float64)
+        mine = torch.tensor(
+            [float(zlib.crc32(input_ids.cpu().numpy().tobytes())), *input_ids.shape], dtype=torch.float64
+        )
         every = [torch.empty_like(mine) for _ in range(P)]
         dist.all_gather(every, mine, group=group)
         bad = [r for r, e in enumerate(every) if not torch.equal(e, every[0])]
         if bad:
-            raise ValueError(f"tokenring.hf.prefill (rank {rank}): rank(s) {bad} pass a different prompt than rank "
-                             f"0 (shape or tokens); every rank must prefill the same full prompt")
+            raise ValueError(
+                f"tokenring.hf.prefill (rank {rank}): rank(s) {bad} pass a different prompt than rank "
+                f"0 (shape or tokens); every rank must prefill the same full prompt"
+            )
     cache = ShardedCache(group)
     layout = layout or _settings.layout
     S = input_ids.shape[1]

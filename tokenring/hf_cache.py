@@ -3,8 +3,9 @@
     cache = tokenring.hf.prefill(model, input_ids)        # sharded prefill (TokenRing), every rank, same prompt
     out = model.generate(input_ids, cache=cache, max_new_tokens=64)   # every rank, same arguments
 
-:func:`tokenring.hf.prefill` runs the prompt sharded over the ranks (each rank's layers see only its shard, attention runs
-through :func:`tokenring.attention`) into a :class:`ShardedCache`: each rank keeps its rows of every layer's
+:func:`tokenring.hf.prefill` runs the prompt sharded over the ranks (each rank's layers see only its shard,
+attention runs through :func:`tokenring.attention`) into a :class:`ShardedCache`: each rank keeps its rows of every
+layer's
 K/V. ``model.generate`` then runs every decode step replicated on every rank (the new tokens are tiny); each
 layer's :meth:`ShardedLayer.update` stores the new tokens' K/V on the emptiest ranks
 (:func:`tokenring.decode.place_new`) and the attention is :func:`tokenring.decode.decode_attention` over the
@@ -15,8 +16,8 @@ The cache reports one token fewer than it holds until the first decode step: ``g
 prompt's last token again (as it does after any prefill) and that step stores nothing, attending the cached
 prompt, which already contains that token.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -24,7 +25,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .decode import decode_attention, place_new
 from .layouts import group_info
 
-__all__ = ["ShardedCache", "ShardedLayer", "prefill", "take_step", "decode_step"]
+__all__ = ["ShardedCache", "ShardedLayer", "take_step", "decode_step"]
 
 # layer index -> (the layer, what its last update did), set by ShardedLayer.update and read by the attention
 # function of the same layer right after (transformers calls them back to back inside one attention module)
@@ -51,20 +52,25 @@ class ShardedLayer(DynamicLayer):
         o = self.owner
         t = key_states.shape[-2]
         if key_states.shape[1::2] != self.keys.shape[1::2]:  # (every rank checks, even one holding no rows)
-            raise ValueError(f"tokenring ShardedCache (layer {self.layer_idx}): this cache holds K/V with "
-                             f"{self.keys.shape[1]} heads of dim {self.keys.shape[3]}, the model gives "
-                             f"{key_states.shape[1]} of dim {key_states.shape[3]}: a cache from another model")
+            raise ValueError(
+                f"tokenring ShardedCache (layer {self.layer_idx}): this cache holds K/V with "
+                f"{self.keys.shape[1]} heads of dim {self.keys.shape[3]}, the model gives "
+                f"{key_states.shape[1]} of dim {key_states.shape[3]}: a cache from another model"
+            )
         if o.prefilling:
             if self.total:
-                raise ValueError("tokenring ShardedCache: prefill into a cache that already holds tokens; "
-                                 "use a new cache per prompt")
+                raise ValueError(
+                    "tokenring ShardedCache: prefill into a cache that already holds tokens; use a new cache per prompt"
+                )
             self.keys, self.values = key_states, value_states
             self.counts, self.total = [t] * o.P, t * o.P
             info = {"prefill": True}
         elif self.skip:
             if t != 1:
-                raise ValueError(f"tokenring ShardedCache: the first step after prefill must feed the prompt's last "
-                                 f"token again (as model.generate does), got {t} tokens")
+                raise ValueError(
+                    f"tokenring ShardedCache: the first step after prefill must feed the prompt's last "
+                    f"token again (as model.generate does), got {t} tokens"
+                )
             self.skip = 0
             info = {"new": None}
         else:
@@ -122,12 +128,21 @@ def take_step(module) -> tuple[ShardedLayer, dict] | None:
     return _steps.pop(getattr(module, "layer_idx", None), None)
 
 
-def decode_step(layer: ShardedLayer, info: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                scaling: float | None) -> torch.Tensor:
+def decode_step(
+    layer: ShardedLayer, info: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
     """The attention of a decode step's queries (B, H, t, d) over the shards; returns (B, t, H, d)."""
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     # The first layer of a step checks that every rank decodes the same step (shapes, cache length); the
     # others run the same model on the same tokens, so one collective per layer suffices after it.
-    return decode_attention(q, k, v, new=info["new"], softmax_scale=scaling, group=layer.owner.group,
-                            state=(layer.total, len(layer.owner.layers)), check=layer.layer_idx == 0,
-                            log=layer.owner.log)
+    return decode_attention(
+        q,
+        k,
+        v,
+        new=info["new"],
+        softmax_scale=scaling,
+        group=layer.owner.group,
+        state=(layer.total, len(layer.owner.layers)),
+        check=layer.layer_idx == 0,
+        log=layer.owner.log,
+    )

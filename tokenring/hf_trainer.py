@@ -18,6 +18,7 @@ Gradient accumulation, checkpoint save and resume are the Trainer's own. Needs t
 LMs). accelerate's ``ParallelismConfig(cp_size=...)`` cannot carry this: it accepts only its ``"torch"``
 context-parallel backend.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,19 +37,26 @@ class SequenceParallelTrainer(Trainer):
         self.sp, self.tiled_loss = sp, tiled_loss
         super().__init__(*args, **kwargs)
         if not self.args.average_tokens_across_devices:
-            raise ValueError("SequenceParallelTrainer needs average_tokens_across_devices=True (the default): the "
-                             "loss of a sharded sequence is a share of a count over every rank")
+            raise ValueError(
+                "SequenceParallelTrainer needs average_tokens_across_devices=True (the default): the "
+                "loss of a sharded sequence is a share of a count over every rank"
+            )
         if not self.model_accepts_loss_kwargs:
-            raise ValueError("SequenceParallelTrainer needs a model whose forward takes num_items_in_batch "
-                             "(transformers' causal language models do)")
+            raise ValueError(
+                "SequenceParallelTrainer needs a model whose forward takes num_items_in_batch "
+                "(transformers' causal language models do)"
+            )
         self.args.prediction_loss_only = True
 
     def train(self, *args, **kwargs):
         # transformers 5 / accelerate 1.x: an evaluate() before train() marks the bare model as prepared
         # (evaluation needs no DDP), and train()'s prepare() then leaves it bare: the ranks would train
         # without any gradient reduction (stock Trainer too). Undo that mark so train() wraps the model.
-        if self.accelerator.num_processes > 1 and self.model_wrapped is self.model and \
-                getattr(self.model, "_is_accelerate_prepared", False):
+        if (
+            self.accelerator.num_processes > 1
+            and self.model_wrapped is self.model
+            and getattr(self.model, "_is_accelerate_prepared", False)
+        ):
             del self.model._is_accelerate_prepared
             models = getattr(self.accelerator, "_models", [])
             models[:] = [m for m in models if m is not self.model]
@@ -56,23 +64,28 @@ class SequenceParallelTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.accelerator.num_processes > 1 and not _reduces_grads(model):
-            raise ValueError(f"SequenceParallelTrainer: the model trains as a bare {type(model).__name__} on "
-                             f"{self.accelerator.num_processes} ranks, so no gradient would be reduced; the "
-                             f"loss is scaled for DDP/FSDP's average over every rank")
+            raise ValueError(
+                f"SequenceParallelTrainer: the model trains as a bare {type(model).__name__} on "
+                f"{self.accelerator.num_processes} ranks, so no gradient would be reduced; the "
+                f"loss is scaled for DDP/FSDP's average over every rank"
+            )
         return super().training_step(model, inputs, num_items_in_batch)
 
     def get_cp_size(self) -> int:
         return self.sp.cp_size
 
-    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
-                        dataloader_key=None):
+    def _get_dataloader(
+        self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None
+    ):
         loader = super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
         if self.accelerator.num_processes == 1:
             return loader
         shard = getattr(loader, "batch_sampler", None)
         if shard is None or not hasattr(shard, "num_processes"):
-            raise ValueError(f"SequenceParallelTrainer: cannot shard the {description} data loader over the dp "
-                             f"ranks only ({type(loader).__name__}); use a map-style dataset")
+            raise ValueError(
+                f"SequenceParallelTrainer: cannot shard the {description} data loader over the dp "
+                f"ranks only ({type(loader).__name__}); use a map-style dataset"
+            )
         shard.num_processes, shard.process_index = self.sp.dp_size, self.sp.dp_rank  # the same on cp ranks
         return loader
 
@@ -82,11 +95,16 @@ class SequenceParallelTrainer(Trainer):
         n = num_items_in_batch  # the Trainer's global count over its accumulated batch (see get_cp_size)
         if labels is not None and n is None:  # evaluation: count this batch's targets over the dp ranks
             n = self.sp.count(labels)
-        batch = self.sp.shard_batch(ids, labels=labels, position_ids=inputs.get("position_ids"),
-                                    attention_mask=inputs.get("attention_mask"),
-                                    num_items_in_batch=n if labels is not None else None)
+        batch = self.sp.shard_batch(
+            ids,
+            labels=labels,
+            position_ids=inputs.get("position_ids"),
+            attention_mask=inputs.get("attention_mask"),
+            num_items_in_batch=n if labels is not None else None,
+        )
         if self.tiled_loss and labels is not None:
             from .hf import tiled_loss
+
             with tiled_loss(model, self.tiled_loss):
                 outputs = model(**batch)
         else:
@@ -107,9 +125,11 @@ class SequenceParallelTrainer(Trainer):
 def _reduces_grads(model) -> bool:
     """Whether ``model`` is wrapped (or sharded) by something that averages gradients over the ranks."""
     from torch.nn.parallel import DistributedDataParallel
+
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     except ImportError:  # pragma: no cover
         FSDPModule = FullyShardedDataParallel = DistributedDataParallel
-    return isinstance(model, (DistributedDataParallel, FSDPModule, FullyShardedDataParallel)) or \
-        type(model).__name__ in ("DeepSpeedEngine",)
+    return isinstance(model, (DistributedDataParallel, FSDPModule, FullyShardedDataParallel)) or type(
+        model
+    ).__name__ in ("DeepSpeedEngine",)

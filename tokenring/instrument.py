@@ -6,6 +6,7 @@
 A forward keeps the instrumentation it started with for its backward, wherever the backward runs. Eager mode
 only (a traced graph cannot carry Python objects into the op).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,13 +17,13 @@ __all__ = ["Instruments", "instrument", "current"]
 
 @dataclass(frozen=True)
 class Instruments:
-    trace: object = None            # tokenring.comm.Trace: filled with timeline events
-    comm_log: list | None = None    # receives (pass, per-message byte records) of forward and backward
-    held_log: list | None = None    # receives (pass, bytes of visiting data held after each step)
-    backward_kernel: str = "auto"   # kernels.block_backward backend: "auto", "math", "cpu_flash", "cuda"
+    trace: object = None  # tokenring.comm.Trace: filled with timeline events
+    comm_log: list | None = None  # receives (pass, per-message byte records) of forward and backward
+    held_log: list | None = None  # receives (pass, bytes of visiting data held after each step)
+    backward_kernel: str = "auto"  # kernels.block_backward backend: "auto", "math", "cpu_flash", "cuda"
     stage: bool | str | None = None  # Comm's host staging (None: on gloo; "always": CPU tensors too)
-    expand_kv: bool | None = None   # repeat K/V heads once per stored block (None: where the kernel needs it)
-    timeout: float | None = None    # this call's bound on a wait for a peer (None: the timeout setting)
+    expand_kv: bool | None = None  # repeat K/V heads once per stored block (None: where the kernel needs it)
+    timeout: float | None = None  # this call's bound on a wait for a peer (None: the timeout setting)
 
 
 NONE = Instruments()

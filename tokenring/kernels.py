@@ -19,6 +19,7 @@ The backward takes ``delta = rowsum(dO * O)``, which is what the strategies ship
 (one number per row and head instead of ``O``'s ``d``); fused kernels, which form ``delta`` from ``O``
 themselves, get an equivalent ``O'`` (:func:`out_for_delta`) when the real output is not at hand.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,19 @@ from . import settings
 from .device import gpu, is_cuda
 from .merge import acc_dtype
 
-__all__ = ["block_forward", "block_backward", "tiled_forward", "tiled_backward", "math_forward", "math_backward",
-           "out_for_delta", "cpu_backward_choice", "needs_equal_heads", "cuda_kernel", "BACKENDS"]
+__all__ = [
+    "block_forward",
+    "block_backward",
+    "tiled_forward",
+    "tiled_backward",
+    "math_forward",
+    "math_backward",
+    "out_for_delta",
+    "cpu_backward_choice",
+    "needs_equal_heads",
+    "cuda_kernel",
+    "BACKENDS",
+]
 
 BACKENDS = ("auto", "cpu_flash", "cuda", "math")
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -54,7 +66,7 @@ def _pick(q: torch.Tensor, backend: str, mask: torch.Tensor | None = None) -> st
 
 def softmax_scale_of(softmax_scale: float | None, d: int) -> float:
     """The scale the caller asked for (default ``d ** -0.5``); ValueError unless it is a finite number."""
-    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
     return scale
@@ -67,8 +79,15 @@ def fold_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     return (q * scale, 1.0) if scale <= 0 else (q, scale)
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                  backend: str = "auto", mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    backend: str = "auto",
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one Q block over one K/V block. Returns ``(out (B,n,H,d) q.dtype, lse (B,H,n) acc)``.
     ``mask``: optional (n, m) bool, True where a query sees a key (rows that see none get out 0, lse -inf);
     it runs on the CPU kernel or the math path (the CUDA fused ops take no boolean mask)."""
@@ -76,8 +95,14 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if which == "cpu_flash":
         # The op takes (B, H, S, d); transposed views are accepted and it handles GQA itself.
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=_additive(mask, q),
-            scale=scale)
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            0.0,
+            causal,
+            attn_mask=_additive(mask, q),
+            scale=scale,
+        )
         o, lse = o.transpose(1, 2), lse.to(acc_dtype(q.dtype)).contiguous()
         if mask is not None:  # the op leaves lse 0 on rows that see no key; the merge needs -inf there
             lse.masked_fill_(~mask.any(1), float("-inf"))
@@ -96,24 +121,36 @@ def _additive(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None
     return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
 
 
-def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles, mask_of, scale: float,
-                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def tiled_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles, mask_of, scale: float, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of a block cut into :class:`tokenring.masks.Tile` s (disjoint query rows): each tile's rows come
     from one kernel call; rows in no tile see no key (out 0, lse -inf). ``mask_of(tile)``: its bool mask."""
     B, n, H, d = q.shape
     o = torch.zeros(B, n, H, d, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, n), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
     for t in tiles:
-        ot, lt = block_forward(q[:, t.q0:t.q1], k[:, t.k0:t.k1], v[:, t.k0:t.k1], t.kind == "causal", scale,
-                               backend, mask_of(t))
-        o[:, t.q0:t.q1] = ot
-        lse[:, :, t.q0:t.q1] = lt
+        ot, lt = block_forward(
+            q[:, t.q0 : t.q1], k[:, t.k0 : t.k1], v[:, t.k0 : t.k1], t.kind == "causal", scale, backend, mask_of(t)
+        )
+        o[:, t.q0 : t.q1] = ot
+        lse[:, :, t.q0 : t.q1] = lt
     return o, lse
 
 
-def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-                   delta: torch.Tensor, tiles, mask_of, scale: float, backend: str = "auto",
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tiled_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    tiles,
+    mask_of,
+    scale: float,
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`block_backward` of a block cut into tiles (see :func:`tiled_forward`), in the accumulator dtype:
     dQ rows come from one tile each, dK/dV rows sum over the tiles that read them."""
     acc = acc_dtype(q.dtype)
@@ -122,8 +159,19 @@ def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dv = torch.zeros_like(dk)
     for t in tiles:
         rows, keys = slice(t.q0, t.q1), slice(t.k0, t.k1)
-        g = block_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], lse[:, :, rows], delta[:, :, rows],
-                           t.kind == "causal", scale, backend, None if out is None else out[:, rows], mask_of(t))
+        g = block_backward(
+            dout[:, rows],
+            q[:, rows],
+            k[:, keys],
+            v[:, keys],
+            lse[:, :, rows],
+            delta[:, :, rows],
+            t.kind == "causal",
+            scale,
+            backend,
+            None if out is None else out[:, rows],
+            mask_of(t),
+        )
         dq[:, rows] += g[0]
         dk[:, keys] += g[1]
         dv[:, keys] += g[2]
@@ -135,14 +183,14 @@ def _cuda_forward(q, k, v, causal, scale):
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     op = _cuda_op(q)
     if op == "cudnn":  # GQA-native
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False,
-                                                                 scale=scale)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qt, kt, vt, None, True, 0.0, causal, False, scale=scale
+        )
     elif op == "flash":  # GQA-native
         res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
     else:  # equal heads only (callers repeat a visiting block's K/V heads once, see needs_equal_heads)
         kt, vt = _repeat_heads(kt, H), _repeat_heads(vt, H)
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal,
-                                                                      scale=scale)
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal, scale=scale)
     return res[0].transpose(1, 2), _lse_from(op, res[1], n, acc_dtype(q.dtype))
 
 
@@ -188,7 +236,7 @@ def _scores(qc, kt, scale, causal, row0, mask=None):
     ``mask`` (n, m) bool hides the pairs where it is False."""
     s = torch.matmul(qc, kt) * scale
     if mask is not None:
-        s = s.masked_fill(~mask[row0:row0 + s.shape[-2]], float("-inf"))
+        s = s.masked_fill(~mask[row0 : row0 + s.shape[-2]], float("-inf"))
     if causal:
         c, m = s.shape[-2], s.shape[-1]
         rows = torch.arange(row0, row0 + c, device=s.device).unsqueeze(1)
@@ -196,25 +244,26 @@ def _scores(qc, kt, scale, causal, row0, mask=None):
     return s
 
 
-def math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def math_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference-quality forward in the accumulator dtype, chunked over query rows (memory O(chunk * m))."""
     acc = acc_dtype(q.dtype)
     B, n, H, d = q.shape
     m, Hkv = k.shape[1], k.shape[2]
     qg = _grouped(q, Hkv).to(acc)
     kt = k.transpose(1, 2).unsqueeze(2).to(acc).transpose(-1, -2)  # (B, Hkv, 1, d, m)
-    vg = v.transpose(1, 2).unsqueeze(2).to(acc)                    # (B, Hkv, 1, m, d)
+    vg = v.transpose(1, 2).unsqueeze(2).to(acc)  # (B, Hkv, 1, m, d)
     out = torch.empty_like(qg)
-    lse = torch.empty(qg.shape[:-1], dtype=acc, device=q.device)   # (B, Hkv, g, n)
+    lse = torch.empty(qg.shape[:-1], dtype=acc, device=q.device)  # (B, Hkv, g, n)
     step = _chunk_rows(q, m)
     for r0 in range(0, n, step):
-        s = _scores(qg[..., r0:r0 + step, :], kt, scale, causal, r0, mask)
+        s = _scores(qg[..., r0 : r0 + step, :], kt, scale, causal, r0, mask)
         l = torch.logsumexp(s, dim=-1)
         # Rows with no key: lse = -inf, out = 0 (exp(s - 0) of all -inf is 0, never NaN).
         p = torch.exp(s - torch.where(torch.isneginf(l), torch.zeros_like(l), l).unsqueeze(-1))
-        out[..., r0:r0 + step, :] = torch.matmul(p, vg)
-        lse[..., r0:r0 + step] = l
+        out[..., r0 : r0 + step, :] = torch.matmul(p, vg)
+        lse[..., r0 : r0 + step] = l
     return _ungrouped(out).to(q.dtype), lse.reshape(B, H, n)
 
 
@@ -228,18 +277,27 @@ def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     get ``O' = 0`` (their gradient is 0 whatever ``delta`` is)."""
     acc = acc_dtype(dout.dtype)
     g = dout.to(acc)
-    top = g.abs().amax(-1, keepdim=True)                      # (B, n, H, 1)
+    top = g.abs().amax(-1, keepdim=True)  # (B, n, H, 1)
     live = top > 0
-    u = g / torch.where(live, top, torch.ones_like(top))      # entries in [-1, 1], max |u| = 1
-    norm = (u * u).sum(-1, keepdim=True).clamp_min(1.0)       # >= 1 on live rows
+    u = g / torch.where(live, top, torch.ones_like(top))  # entries in [-1, 1], max |u| = 1
+    norm = (u * u).sum(-1, keepdim=True).clamp_min(1.0)  # >= 1 on live rows
     c = delta.to(acc).transpose(1, 2).unsqueeze(-1) / (top * norm).where(live, torch.ones_like(top))
     return (u * c.where(live, torch.zeros_like(c))).to(dout.dtype)
 
 
-def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-                   delta: torch.Tensor, causal: bool, scale: float, backend: str = "auto",
-                   out: torch.Tensor | None = None, mask: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+    scale: float,
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the rows' *global* ``lse`` and ``delta = rowsum(dO * O)`` (both (B, H, n)).
 
     Returns ``dq`` (B, n, H, d) and ``dk``, ``dv`` (B, m, Hkv, d): in the accumulator dtype from the math
@@ -255,8 +313,17 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     lse = lse.to(acc_dtype(q.dtype)).contiguous()
     if which == "cpu_flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o.transpose(1, 2),
-            lse, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
+            dout.transpose(1, 2),
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            o.transpose(1, 2),
+            lse,
+            0.0,
+            causal,
+            attn_mask=_additive(mask, q),
+            scale=scale,
+        )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     if which == "cuda":
         return _cuda_backward(dout, q, k, v, o, lse, causal, scale)
@@ -313,14 +380,14 @@ def _cpu_backward_measured(dtype: torch.dtype, d: int) -> str:
         return "cpu_flash" if flags.intersection(_FAST_FLAGS[dtype]) else "math"
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 256, 4, d, generator=g).to(dtype) for _ in range(4))
-    o, lse = block_forward(q, k, v, False, d ** -0.5)
+    o, lse = block_forward(q, k, v, False, d**-0.5)
     delta = (do.to(lse.dtype) * o.to(lse.dtype)).sum(-1).transpose(1, 2).contiguous()
     best = {}
     for which in ("cpu_flash", "math"):
         times = []
         for _ in range(3):  # the first run warms up
             t0 = time.perf_counter()
-            block_backward(do, q, k, v, lse, delta, False, d ** -0.5, backend=which, out=o)
+            block_backward(do, q, k, v, lse, delta, False, d**-0.5, backend=which, out=o)
             times.append(time.perf_counter() - t0)
         best[which] = min(times[1:])
     return "math" if best["cpu_flash"] > _MATH_MARGIN * best["math"] else "cpu_flash"
@@ -383,21 +450,43 @@ def _cuda_backward(dout, q, k, v, o, lse, causal, scale):
     seed = torch.empty((), dtype=torch.long, device=q.device)
     if op == "cudnn":  # GQA-native: dK/dV come back with the K/V's heads
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dot, qt, kt, vt, ot, lse, seed, seed, None, None, None, n, m, 0.0, causal, scale=scale)
+            dot, qt, kt, vt, ot, lse, seed, seed, None, None, None, n, m, 0.0, causal, scale=scale
+        )
     elif op == "flash":  # GQA-native
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dot, qt, kt, vt, ot, lse, None, None, n, m, 0.0, causal, seed, seed, scale=scale)[:3]
+            dot, qt, kt, vt, ot, lse, None, None, n, m, 0.0, causal, seed, seed, scale=scale
+        )[:3]
     else:  # the efficient op takes equal heads
         dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dot, qt, _repeat_heads(kt, H), _repeat_heads(vt, H), None, ot, lse, seed, seed, 0.0,
-            [True, True, True, False], causal, scale=scale)[:3]
+            dot,
+            qt,
+            _repeat_heads(kt, H),
+            _repeat_heads(vt, H),
+            None,
+            ot,
+            lse,
+            seed,
+            seed,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )[:3]
         dk, dv = _sum_heads(dk, Hkv), _sum_heads(dv, Hkv)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-                  delta: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def math_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference backward in the accumulator dtype (any device and dtype), chunked over query rows (memory
     O(chunk * m)); consumes ``delta`` directly."""
     acc = acc_dtype(q.dtype)
@@ -406,7 +495,7 @@ def math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     g = H // Hkv
     qg = _grouped(q, Hkv).to(acc)
     dog = _grouped(dout, Hkv).to(acc)
-    kg = k.transpose(1, 2).unsqueeze(2).to(acc)                    # (B, Hkv, 1, m, d)
+    kg = k.transpose(1, 2).unsqueeze(2).to(acc)  # (B, Hkv, 1, m, d)
     vt = v.transpose(1, 2).unsqueeze(2).to(acc).transpose(-1, -2)  # (B, Hkv, 1, d, m)
     kt = kg.transpose(-1, -2)
     lse_g = lse.to(acc).view(B, Hkv, g, n)
@@ -416,11 +505,11 @@ def math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dv = torch.zeros_like(dk)
     step = _chunk_rows(q, m)
     for r0 in range(0, n, step):
-        qc, doc = qg[..., r0:r0 + step, :], dog[..., r0:r0 + step, :]
+        qc, doc = qg[..., r0 : r0 + step, :], dog[..., r0 : r0 + step, :]
         c = qc.shape[-2]
-        p = torch.exp(_scores(qc, kt, scale, causal, r0, mask) - lse_g[..., r0:r0 + step].unsqueeze(-1))
-        ds = p * (torch.matmul(doc, vt) - delta_g[..., r0:r0 + step].unsqueeze(-1))
-        dq[..., r0:r0 + step, :] = torch.matmul(ds, kg) * scale
+        p = torch.exp(_scores(qc, kt, scale, causal, r0, mask) - lse_g[..., r0 : r0 + step].unsqueeze(-1))
+        ds = p * (torch.matmul(doc, vt) - delta_g[..., r0 : r0 + step].unsqueeze(-1))
+        dq[..., r0 : r0 + step, :] = torch.matmul(ds, kg) * scale
         # Sum over the g query heads sharing a K/V head by folding them into the row dimension.
         p2, ds2 = p.reshape(B, Hkv, g * c, m), ds.reshape(B, Hkv, g * c, m)
         dv += torch.matmul(p2.transpose(-1, -2), doc.reshape(B, Hkv, g * c, d))

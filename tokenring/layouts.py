@@ -12,13 +12,23 @@
 Within a rank the local tokens are always in increasing global order, so a causal mask on a rank's own
 Q against its own K/V is the plain lower-triangular mask.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["LAYOUTS", "default_layout", "check_layout", "local_positions", "global_order", "shard", "gather",
-           "group_info", "document_bounds"]
+__all__ = [
+    "LAYOUTS",
+    "default_layout",
+    "check_layout",
+    "local_positions",
+    "global_order",
+    "shard",
+    "gather",
+    "group_info",
+    "document_bounds",
+]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_docs")
 
@@ -45,23 +55,28 @@ def _check_divisible(S: int, P: int, layout: str, what: str = "sequence length")
     if S % parts:
         raise ValueError(
             f"{what} {S} cannot be split for layout={layout!r} over {P} ranks: it must be divisible by {parts}"
-            f" ({'2*P chunks' if parts == 2 * P else 'P shards'}); pad the sequence to a multiple of {parts}")
+            f" ({'2*P chunks' if parts == 2 * P else 'P shards'}); pad the sequence to a multiple of {parts}"
+        )
 
 
 def document_bounds(S: int, P: int, cu_seqlens) -> tuple[int, ...]:
     """``cu_seqlens`` as a tuple, checked for ``zigzag_docs``: from 0 to ``S``, every document a multiple of
     ``2P`` tokens (empty ones allowed)."""
     if cu_seqlens is None:
-        raise ValueError("layout='zigzag_docs' splits each document over the ranks and needs cu_seqlens (the "
-                         "packed documents' cumulative lengths [0, end_1, ..., S])")
+        raise ValueError(
+            "layout='zigzag_docs' splits each document over the ranks and needs cu_seqlens (the "
+            "packed documents' cumulative lengths [0, end_1, ..., S])"
+        )
     cu = tuple(int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != S or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {S}; got {list(cu[:4])}...")
     bad = [b - a for a, b in zip(cu, cu[1:]) if (b - a) % (2 * P)]
     if bad:
-        raise ValueError(f"layout='zigzag_docs' over {P} ranks needs every document length to be a multiple of "
-                         f"2*P = {2 * P}; got lengths {bad[:4]}{'...' if len(bad) > 4 else ''}. Pad each document "
-                         f"to a multiple of {2 * P} (padding tokens in their own document), or use layout='zigzag'")
+        raise ValueError(
+            f"layout='zigzag_docs' over {P} ranks needs every document length to be a multiple of "
+            f"2*P = {2 * P}; got lengths {bad[:4]}{'...' if len(bad) > 4 else ''}. Pad each document "
+            f"to a multiple of {2 * P} (padding tokens in their own document), or use layout='zigzag'"
+        )
     return cu
 
 
@@ -75,8 +90,10 @@ def local_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
         cu = document_bounds(S, P, cu_seqlens)
         for a, b in zip(cu, cu[1:]):
             c = (b - a) // (2 * P)
-            parts += [torch.arange(a + rank * c, a + (rank + 1) * c, device=device),
-                      torch.arange(a + (2 * P - 1 - rank) * c, a + (2 * P - rank) * c, device=device)]
+            parts += [
+                torch.arange(a + rank * c, a + (rank + 1) * c, device=device),
+                torch.arange(a + (2 * P - 1 - rank) * c, a + (2 * P - rank) * c, device=device),
+            ]
         return torch.cat(parts)
     if layout == "contiguous":
         s = S // P
@@ -93,8 +110,7 @@ def global_order(S: int, P: int, layout: str, device=None, cu_seqlens=None) -> t
     return torch.cat([local_positions(S, P, r, layout, device, cu_seqlens) for r in range(P)])
 
 
-def shard(x_full: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None,
-          cu_seqlens=None) -> torch.Tensor:
+def shard(x_full: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None, cu_seqlens=None) -> torch.Tensor:
     """This rank's shard of ``x_full`` (identical on every rank) along ``dim`` (``cu_seqlens``: the packed
     documents, for ``layout="zigzag_docs"``).
 
@@ -108,8 +124,9 @@ def shard(x_full: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=
     return x_full.index_select(dim, idx)
 
 
-def gather(x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None,
-           cu_seqlens=None) -> torch.Tensor:
+def gather(
+    x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None, cu_seqlens=None
+) -> torch.Tensor:
     """Inverse of :func:`shard`: the full tensor along ``dim``, on every rank (not differentiable)."""
     check_layout(layout)
     rank, P = group_info(group)

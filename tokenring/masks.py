@@ -18,6 +18,7 @@ Nothing outside a document or window is computed, and no tile's mask exceeds ``T
 :meth:`Mask.pair` tells the schedules which rows of two ranks' shards meet at all, so empty blocks are
 neither computed nor sent, and partly empty ones send only the rows that are needed.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -26,8 +27,19 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["Mask", "Tile", "make_mask", "tiles", "visible", "shard_pair", "shard_tiles", "shard_rows",
-           "block_tiles", "whole_tiles", "TILE_ROWS"]
+__all__ = [
+    "Mask",
+    "Tile",
+    "make_mask",
+    "tiles",
+    "visible",
+    "shard_pair",
+    "shard_tiles",
+    "shard_rows",
+    "block_tiles",
+    "whole_tiles",
+    "TILE_ROWS",
+]
 
 TILE_ROWS = 512  # query rows per explicitly masked tile: bounds a tile's mask at 512 x its keys
 
@@ -37,6 +49,7 @@ class Mask:
     """Documents (``bounds`` = cu_seqlens as a tuple) and a window over a global sequence of ``S`` tokens.
     ``right`` is already capped at 0 when causal; ``-1`` means unbounded. Hashable by value (schedules are
     cached per mask)."""
+
     S: int
     bounds: tuple[int, ...]
     left: int
@@ -52,8 +65,14 @@ class Mask:
         return self.key
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Mask) and (self.key, self.S, self.left, self.right, self.causal, self.bounds) == \
-            (other.key, other.S, other.left, other.right, other.causal, other.bounds)
+        return isinstance(other, Mask) and (self.key, self.S, self.left, self.right, self.causal, self.bounds) == (
+            other.key,
+            other.S,
+            other.left,
+            other.right,
+            other.causal,
+            other.bounds,
+        )
 
     @property
     def documents(self) -> int:
@@ -113,8 +132,10 @@ def whole_numbers(values, what: str) -> list[int]:
 def check_bounds_tensor(cu_seqlens: torch.Tensor) -> None:
     """ValueError unless ``cu_seqlens`` is a 1-D integer tensor."""
     if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, end_1, ..., S], got shape "
-                         f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor [0, end_1, ..., S], got shape "
+            f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
+        )
 
 
 def window_pair(window) -> tuple[int, int]:
@@ -122,8 +143,7 @@ def window_pair(window) -> tuple[int, int]:
     try:
         left, right = (_whole(x, "window", window) for x in window)
     except (TypeError, ValueError):
-        raise ValueError(f"window must be a pair (left, right) of ints, -1 for unbounded; got {window!r}") \
-            from None
+        raise ValueError(f"window must be a pair (left, right) of ints, -1 for unbounded; got {window!r}") from None
     return left, right
 
 
@@ -139,9 +159,11 @@ def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> 
         else:
             cu = [_whole(x, "cu_seqlens", cu_seqlens) for x in cu_seqlens]
         if len(cu) < 2 or cu[0] != 0 or cu[-1] != S:
-            raise ValueError(f"cu_seqlens must start at 0 and end at the global sequence length S = {S} (local "
-                             f"length x ranks), got {cu[:4]}{'...' if len(cu) > 4 else ''} ending at "
-                             f"{cu[-1] if cu else None}; the document lengths must add up to S")
+            raise ValueError(
+                f"cu_seqlens must start at 0 and end at the global sequence length S = {S} (local "
+                f"length x ranks), got {cu[:4]}{'...' if len(cu) > 4 else ''} ending at "
+                f"{cu[-1] if cu else None}; the document lengths must add up to S"
+            )
         if any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError("cu_seqlens must be non-decreasing (cumulative document lengths)")
         bounds = tuple(dict.fromkeys(cu))  # empty documents change nothing
@@ -162,6 +184,7 @@ def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> 
 @lru_cache(maxsize=4096)
 def _layout_positions(S: int, P: int, layout: str, owner: int, bounds) -> torch.Tensor:
     from .layouts import local_positions
+
     return local_positions(S, P, owner, layout, cu_seqlens=bounds)
 
 
@@ -200,8 +223,9 @@ def _pair_row(mask: Mask, P: int, layout: str, q_owner: int) -> tuple:
 
 
 @lru_cache(maxsize=8192)
-def shard_tiles(mask: Mask, P: int, layout: str, q_owner: int, q_rows: tuple[int, int], kv_owner: int,
-                kv_rows: tuple[int, int]) -> tuple["Tile", ...]:
+def shard_tiles(
+    mask: Mask, P: int, layout: str, q_owner: int, q_rows: tuple[int, int], kv_owner: int, kv_rows: tuple[int, int]
+) -> tuple["Tile", ...]:
     """:func:`tiles` of rows ``q_rows`` of ``q_owner``'s shard against rows ``kv_rows`` of ``kv_owner``'s
     (``P = 1``: the whole sequence in natural order, as Ulysses computes it)."""
     qpos = _positions(mask, P, layout, q_owner)[slice(*q_rows)]
@@ -209,8 +233,9 @@ def shard_tiles(mask: Mask, P: int, layout: str, q_owner: int, q_rows: tuple[int
     return _tiles(mask, qpos, kpos)
 
 
-def block_tiles(mask: Mask, P: int, layout: str, q_owner: int, q_rows: slice, kv_owner: int, kv_rows: slice,
-                device=None):
+def block_tiles(
+    mask: Mask, P: int, layout: str, q_owner: int, q_rows: slice, kv_owner: int, kv_rows: slice, device=None
+):
     """The tiles of rows ``q_rows`` of ``q_owner``'s shard against rows ``kv_rows`` of ``kv_owner``'s, and
     ``mask_of(tile)``: a tile's bool mask on ``device`` (``None`` for full / causal tiles; the rows' positions
     are moved to ``device`` only once a tile needs them). ``P = 1``, ``"contiguous"``: the whole sequence."""
@@ -224,6 +249,7 @@ def block_tiles(mask: Mask, P: int, layout: str, q_owner: int, q_rows: slice, kv
             where["q"] = shard_rows(mask, P, layout, q_owner, q_rows).to(device)
             where["k"] = shard_rows(mask, P, layout, kv_owner, kv_rows).to(device)
         return t.mask(mask, where["q"], where["k"])
+
     return ts, mask_of
 
 
@@ -244,6 +270,7 @@ class Tile:
     """Query rows ``q0:q1`` against key rows ``k0:k1`` of a block: ``kind`` ``"full"`` (every pair visible),
     ``"causal"`` (equal positions on both sides: the lower triangle) or ``"mask"`` (an explicit mask, built
     by :meth:`mask`)."""
+
     q0: int
     q1: int
     k0: int
@@ -251,7 +278,7 @@ class Tile:
     kind: str
 
     def mask(self, m: Mask, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor | None:
-        return visible(m, qpos[self.q0:self.q1], kpos[self.k0:self.k1]) if self.kind == "mask" else None
+        return visible(m, qpos[self.q0 : self.q1], kpos[self.k0 : self.k1]) if self.kind == "mask" else None
 
 
 def tiles(mask: Mask, qpos: torch.Tensor, kpos: torch.Tensor) -> list[Tile]:
@@ -279,8 +306,8 @@ def _tiles(mask: Mask, q: torch.Tensor, k: torch.Tensor) -> tuple[Tile, ...]:
 def _rectangle(mask: Mask, q, k, qa, qb, ka, kb) -> list[Tile]:
     """Tiles of one document's rows: query rows ``qa:qb`` and key rows ``ka:kb`` (positions ``q``, ``k``)."""
     qmin, qmax, kmin, kmax = int(q[qa]), int(q[qb - 1]), int(k[ka]), int(k[kb - 1])
-    left_ok = mask.left < 0 or kmin >= qmax - mask.left       # every query reaches back to the first key
-    right_ok = mask.right < 0 or kmax <= qmin + mask.right    # and forward to the last one
+    left_ok = mask.left < 0 or kmin >= qmax - mask.left  # every query reaches back to the first key
+    right_ok = mask.right < 0 or kmax <= qmin + mask.right  # and forward to the last one
     if left_ok and right_ok:
         return [Tile(qa, qb, ka, kb, "full")]
     if mask.left < 0 and mask.right == 0 and qb - qa == kb - ka and torch.equal(q[qa:qb], k[ka:kb]):

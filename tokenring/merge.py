@@ -7,6 +7,7 @@ P grows.
 
 Shapes: ``o`` (B, n, H, d), ``lse`` (B, H, n). A row that saw no key has ``lse = -inf`` and ``o = 0``.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -39,8 +40,9 @@ def new_accumulator(B: int, n: int, H: int, d: int, dtype: torch.dtype, device) 
     return o, lse
 
 
-def merge_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-           compiled: bool | None = None) -> None:
+def merge_(
+    acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, compiled: bool | None = None
+) -> None:
     """In place: ``(acc_o, acc_lse) <- merge((acc_o, acc_lse), (o, lse))``.
 
     ``acc_o``/``acc_lse`` may be views (a row slice of a larger accumulator). Rows where both sides are
@@ -80,7 +82,6 @@ def merge_eager_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, ls
     w_new = torch.exp(lse - new_safe).transpose(1, 2).unsqueeze(-1)
     acc_o.mul_(w_acc).addcmul_(o.to(acc_o.dtype), w_new)  # no temporary for o * w_new
     acc_lse.copy_(new_lse)
-
 
 
 def merge_sink_(acc_o: torch.Tensor, acc_lse: torch.Tensor, sinks: torch.Tensor) -> None:

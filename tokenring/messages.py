@@ -12,6 +12,7 @@ Tensor specs name a row shape per message row ``n`` (``B`` batch, ``H`` query he
 - ``kv_acc``: (B, n, Hkv, d) in the accumulator dtype (a travelling dK/dV accumulator);
 - ``uq`` / ``ukv``: Ulysses' head groups, (B, n, H/P, d) and (B, n, Hkv'/P, d), input dtype.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,21 +23,24 @@ __all__ = ["Kind", "KINDS", "FLOWS", "Flow", "Receive", "Handling", "kind"]
 
 class Flow(StrEnum):
     """The two traffic flows of the TokenRing paper: inputs going out to be computed on, results coming home."""
+
     DATA = "data"
     RESULTS = "results"
 
 
 class Receive(StrEnum):
     """What an arrival does on the receiver."""
-    STORE = "store"        # kept for the computes that need it
-    MERGE = "merge"        # merged into the owner's output accumulator (a partial out + lse)
-    ADD_DQ = "add_dq"      # added into the owner's dQ
-    ADD_DKV = "add_dkv"    # added into a travelling or home dK/dV accumulator
-    COLLECT = "collect"    # an all-to-all piece, placed by the strategy (Ulysses)
+
+    STORE = "store"  # kept for the computes that need it
+    MERGE = "merge"  # merged into the owner's output accumulator (a partial out + lse)
+    ADD_DQ = "add_dq"  # added into the owner's dQ
+    ADD_DKV = "add_dkv"  # added into a travelling or home dK/dV accumulator
+    COLLECT = "collect"  # an all-to-all piece, placed by the strategy (Ulysses)
 
 
 class Handling(StrEnum):
     """What handling an arrival costs the receiver, for the simulator."""
+
     MERGE = "merge"
     ADD = "add"
     COPY = "copy"
@@ -48,10 +52,10 @@ FLOWS = {Flow.DATA: "#1f77b4", Flow.RESULTS: "#ff7f0e"}
 @dataclass(frozen=True)
 class Kind:
     name: str
-    tensors: tuple[str, ...]    # tensor specs, see the module docstring
+    tensors: tuple[str, ...]  # tensor specs, see the module docstring
     flow: Flow
     receive: Receive
-    handling: Handling | None   # None: nothing to do beyond landing in its buffer
+    handling: Handling | None  # None: nothing to do beyond landing in its buffer
     doc: str
 
     @property
@@ -68,16 +72,36 @@ _ROWS = (
     Kind("q", ("q",), Flow.DATA, Receive.STORE, None, "queries travelling to the K/V they attend to (pass-Q)"),
     Kind("kv", ("kv", "kv"), Flow.DATA, Receive.STORE, None, "keys and values travelling to the queries (pass-KV)"),
     Kind("out", ("q", "stat"), Flow.RESULTS, Receive.MERGE, Handling.MERGE, "a partial output and its lse, going home"),
-    Kind("qgrad", ("q", "q", "stat", "stat"), Flow.DATA, Receive.STORE, None,
-         "backward pass-Q: queries, dO, lse and delta"),
+    Kind(
+        "qgrad",
+        ("q", "q", "stat", "stat"),
+        Flow.DATA,
+        Receive.STORE,
+        None,
+        "backward pass-Q: queries, dO, lse and delta",
+    ),
     Kind("dq", ("q",), Flow.RESULTS, Receive.ADD_DQ, Handling.ADD, "a partial dQ going home"),
-    Kind("dkv", ("kv_acc", "kv_acc"), Flow.RESULTS, Receive.ADD_DKV, Handling.ADD,
-         "a dK/dV accumulator travelling from contributor to contributor, then home"),
+    Kind(
+        "dkv",
+        ("kv_acc", "kv_acc"),
+        Flow.RESULTS,
+        Receive.ADD_DKV,
+        Handling.ADD,
+        "a dK/dV accumulator travelling from contributor to contributor, then home",
+    ),
     Kind("u_qkv", ("uq", "ukv", "ukv"), Flow.DATA, Receive.COLLECT, None, "Ulysses: my rows of your Q/K/V head group"),
-    Kind("u_out", ("uq",), Flow.RESULTS, Receive.COLLECT, Handling.COPY, "Ulysses: your rows of my head group's output"),
+    Kind(
+        "u_out", ("uq",), Flow.RESULTS, Receive.COLLECT, Handling.COPY, "Ulysses: your rows of my head group's output"
+    ),
     Kind("u_dout", ("uq",), Flow.DATA, Receive.COLLECT, None, "Ulysses backward: my rows of your dO head group"),
-    Kind("u_grad", ("uq", "ukv", "ukv"), Flow.RESULTS, Receive.COLLECT, Handling.COPY,
-         "Ulysses backward: your rows of my head group's dQ, dK, dV"),
+    Kind(
+        "u_grad",
+        ("uq", "ukv", "ukv"),
+        Flow.RESULTS,
+        Receive.COLLECT,
+        Handling.COPY,
+        "Ulysses backward: your rows of my head group's dQ, dK, dV",
+    ),
 )
 _ORDER = [k.name for k in _ROWS]
 KINDS: dict[str, Kind] = {k.name: k for k in _ROWS}

@@ -12,6 +12,7 @@ Eager calls with ``strategy="auto"`` (or a family choice) let rank 0 decide insi
 takes the choice an earlier eager call agreed on for these shapes, else this rank's cost model; the signature
 check at run time still refuses, on every rank, ranks that traced different strategies.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -50,8 +51,10 @@ def _extras(extras_id: int):
         return None
     holder = _EXTRAS.get(extras_id)
     if holder is None:
-        raise RuntimeError("tokenring: the instrumentation (tokenring.instrument) of this call is gone; run "
-                           "backward while the forward's graph is alive")
+        raise RuntimeError(
+            "tokenring: the instrumentation (tokenring.instrument) of this call is gone; run "
+            "backward while the forward's graph is alive"
+        )
     return holder.hooks
 
 
@@ -91,6 +94,7 @@ def _pretended_meta(t: torch.Tensor) -> bool:
     fake implementation; there they stand for CUDA tensors and take the real one). Tracing's fake tensors are
     not."""
     from torch._subclasses.fake_tensor import FakeTensor
+
     return pretended() is not None and t.device.type == "meta" and not isinstance(t, FakeTensor)
 
 
@@ -102,27 +106,56 @@ def resolve_group(name: str):
 
 
 @torch.library.custom_op("tokenring::attention_fwd", mutates_args=())
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
-                  cu_seqlens: Optional[torch.Tensor], strategy: str, causal: bool, scale: float, layout: str,
-                  window: Optional[List[int]], group: str, inner: int, backward: bool,
-                  extras: int) -> List[torch.Tensor]:
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    strategy: str,
+    causal: bool,
+    scale: float,
+    layout: str,
+    window: Optional[List[int]],
+    group: str,
+    inner: int,
+    backward: bool,
+    extras: int,
+) -> List[torch.Tensor]:
     from .api import run_forward
+
     with no_autocast(q):  # the inputs are already in the autocast dtype
-        out, strat, extra = run_forward(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window,
-                                        resolve_group(group), inner, backward, _extras(extras))
+        out, strat, extra = run_forward(
+            q,
+            k,
+            v,
+            sinks,
+            cu_seqlens,
+            strategy,
+            causal,
+            scale,
+            layout,
+            window,
+            resolve_group(group),
+            inner,
+            backward,
+            _extras(extras),
+        )
     return [out, _choice(strat), *_unaliased([out, *extra], (q, k, v))[1:]]
 
 
 def _choice(strat) -> torch.Tensor:
     """The strategy that ran, as numbers (-1: one rank, :data:`tokenring.single.SINGLE`)."""
-    from .strategies import CODE_LEN, code
     from .single import SINGLE
+    from .strategies import CODE_LEN, code
+
     return torch.tensor([-1.0] * CODE_LEN if strat is SINGLE else code(strat), dtype=torch.float64)
 
 
 def _chosen(choice: torch.Tensor):
-    from .strategies import from_code
     from .single import SINGLE
+    from .strategies import from_code
+
     values = choice.tolist()
     return SINGLE if values[0] < 0 else from_code(values)
 
@@ -130,8 +163,10 @@ def _chosen(choice: torch.Tensor):
 def _unaliased(outputs: list, inputs) -> list:
     """``outputs`` with copies where two share storage or one shares an input's (a custom op's outputs may
     not alias): e.g. kept K and V pieces that arrived as views of one message buffer."""
+
     def base(t):
         return t.untyped_storage().data_ptr()
+
     count: dict = {}
     for t in list(outputs) + list(inputs):
         count[base(t)] = count.get(base(t), 0) + 1
@@ -142,30 +177,65 @@ def _unaliased(outputs: list, inputs) -> list:
 def _(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window, group, inner, backward, extras):
     from .api import fake_extra
     from .strategies import CODE_LEN
+
     if _pretended_meta(q):  # tokenring.testing.pretend_cuda: run the CUDA path on meta tensors
-        return attention_fwd._init_fn(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window, group,
-                                      inner, backward, extras)
-    return [q.new_empty(q.shape), torch.empty(CODE_LEN, dtype=torch.float64),
-            *fake_extra(q, k, v, cu_seqlens, strategy, causal, layout, window, resolve_group(group), inner)]
+        return attention_fwd._init_fn(
+            q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window, group, inner, backward, extras
+        )
+    return [
+        q.new_empty(q.shape),
+        torch.empty(CODE_LEN, dtype=torch.float64),
+        *fake_extra(q, k, v, cu_seqlens, strategy, causal, layout, window, resolve_group(group), inner),
+    ]
 
 
 @torch.library.custom_op("tokenring::attention_bwd", mutates_args=())
-def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], choice: torch.Tensor,
-                  extra: List[torch.Tensor], causal: bool, scale: float, layout: str, window: Optional[List[int]],
-                  group: str, extras: int) -> List[torch.Tensor]:
+def attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    sinks: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    choice: torch.Tensor,
+    extra: List[torch.Tensor],
+    causal: bool,
+    scale: float,
+    layout: str,
+    window: Optional[List[int]],
+    group: str,
+    extras: int,
+) -> List[torch.Tensor]:
     from .api import run_backward
+
     with no_autocast(q):
-        grads = run_backward(dout, q, k, v, out, sinks, cu_seqlens, _chosen(choice), list(extra), causal,
-                             scale, layout, window, resolve_group(group), _extras(extras))
+        grads = run_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            sinks,
+            cu_seqlens,
+            _chosen(choice),
+            list(extra),
+            causal,
+            scale,
+            layout,
+            window,
+            resolve_group(group),
+            _extras(extras),
+        )
     return list(grads)
 
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, sinks, cu_seqlens, choice, extra, causal, scale, layout, window, group, extras):
     if _pretended_meta(q):
-        return attention_bwd._init_fn(dout, q, k, v, out, sinks, cu_seqlens, choice, extra, causal, scale, layout,
-                                      window, group, extras)
+        return attention_bwd._init_fn(
+            dout, q, k, v, out, sinks, cu_seqlens, choice, extra, causal, scale, layout, window, group, extras
+        )
     grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
     return grads + ([sinks.new_empty(sinks.shape)] if sinks is not None else [])
 
@@ -194,8 +264,36 @@ def _backward(ctx, grads):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_op(q, k, v, sinks, cu_seqlens, strategy: str, causal: bool, scale: float, layout: str, window,
-                 group: str, inner: int, backward: bool, extras: int) -> torch.Tensor:
+def attention_op(
+    q,
+    k,
+    v,
+    sinks,
+    cu_seqlens,
+    strategy: str,
+    causal: bool,
+    scale: float,
+    layout: str,
+    window,
+    group: str,
+    inner: int,
+    backward: bool,
+    extras: int,
+) -> torch.Tensor:
     """The forward op's output (the rest of its results are for its backward)."""
-    return attention_fwd(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout,
-                         list(window) if window is not None else None, group, inner, backward, extras)[0]
+    return attention_fwd(
+        q,
+        k,
+        v,
+        sinks,
+        cu_seqlens,
+        strategy,
+        causal,
+        scale,
+        layout,
+        list(window) if window is not None else None,
+        group,
+        inner,
+        backward,
+        extras,
+    )[0]

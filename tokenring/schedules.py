@@ -19,6 +19,7 @@ Vocabulary
   computes; what they deliver is usable from step ``t + 1`` on (from ``due + 1`` for a message given until
   step ``due``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -28,18 +29,49 @@ from math import gcd
 import torch
 
 from .merge import acc_dtype
-from .messages import Receive, kind as message_kind
+from .messages import Receive
+from .messages import kind as message_kind
 
-__all__ = ["Rows", "ALL", "LO", "HI", "PARTS", "HEADS", "head_slice", "Compute", "Message", "Step", "Schedule",
-           "Shapes", "block_pair", "part_slice", "part_union", "part_intersection", "covers", "overlaps", "part_rows",
-           "chunk", "rows", "own_pieces", "all_own_pieces", "pairings", "pairing",
-           "drop_empty_tail", "payload", "message_bytes", "relay", "ulysses_kv_heads"]
+__all__ = [
+    "Rows",
+    "ALL",
+    "LO",
+    "HI",
+    "PARTS",
+    "HEADS",
+    "head_slice",
+    "Compute",
+    "Message",
+    "Step",
+    "Schedule",
+    "Shapes",
+    "block_pair",
+    "part_slice",
+    "part_union",
+    "part_intersection",
+    "covers",
+    "overlaps",
+    "part_rows",
+    "chunk",
+    "rows",
+    "own_pieces",
+    "all_own_pieces",
+    "pairings",
+    "pairing",
+    "drop_empty_tail",
+    "payload",
+    "message_bytes",
+    "relay",
+    "ulysses_kv_heads",
+]
+
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Rows:
     """Rows ``[a*s//n, b*s//n)`` of a rank's ``s`` local rows, an exact fraction kept reduced. Its text is
     ``"all"``, ``"lo"``, ``"hi"`` or ``"a:b/n"``; a Rows equals (and hashes as) its text, so a part written as
     text in a schedule or a test finds the same entries."""
+
     a: int
     b: int
     n: int
@@ -195,6 +227,7 @@ class Message:
     the moment its queries leave, and a receiver that says so early lets the transfer start the moment the
     sender posts it (gloo's TCP transport holds a send until the receiver's "ready" notice arrives, and that
     notice queues behind whatever bulk data the receiver is itself sending the other way on the connection)."""
+
     src: int
     dst: int
     kind: str
@@ -220,6 +253,7 @@ class Step:
 class Schedule:
     """Steps of one strategy for ``P`` ranks. ``q_kind`` names the store entry a compute reads queries from
     (``"q"`` forward, ``"qgrad"`` backward: queries with dO, lse and delta)."""
+
     strategy: str
     P: int
     layout: str
@@ -238,16 +272,23 @@ class Schedule:
                     raise RuntimeError(
                         f"schedule {self.strategy} (P={self.P}, {self.layout}, causal={self.causal}, "
                         f"{'backward' if self.backward else 'forward'}): {m} posted at step {t} of "
-                        f"{len(self.steps)} is due or ready outside them (please report it)")
+                        f"{len(self.steps)} is due or ready outside them (please report it)"
+                    )
 
     def for_rank(self, r: int) -> list[tuple[list[Compute], list[Message], list[Message]]]:
         """Per step: this rank's computes, the messages it sends and those it receives, in posting order."""
-        return [([c for c in st.computes if c.rank == r],
-                 [m for m in st.messages if m.src == r],
-                 [m for m in st.messages if m.dst == r]) for st in self.steps]
+        return [
+            (
+                [c for c in st.computes if c.rank == r],
+                [m for m in st.messages if m.src == r],
+                [m for m in st.messages if m.dst == r],
+            )
+            for st in self.steps
+        ]
 
-    def postings(self, r: int, early: bool = True) -> list[tuple[list[Compute], list[tuple[Message, int, int]],
-                                                                 list[tuple[Message, int, int]]]]:
+    def postings(
+        self, r: int, early: bool = True
+    ) -> list[tuple[list[Compute], list[tuple[Message, int, int]], list[tuple[Message, int, int]]]]:
         """What rank ``r`` does at each step: its computes, the sends it posts and the receives it posts (at a
         message's ``ready`` step when it has one and ``early``), each as ``(message, step posted by the sender,
         n)`` where ``n`` counts the earlier messages between the same two ranks posted in that step: both ends
@@ -300,8 +341,10 @@ class Schedule:
         """A per-step, per-rank table of what each rank computes, sends and receives (with bytes when ``sh``
         is given; ``spec``: the strategy's :func:`payload`, where it differs): the plan ``tokenring explain
         --plan`` prints."""
-        what = f"{self.strategy} {'backward' if self.backward else 'forward'}, P={self.P}, layout={self.layout}, " \
-               f"causal={self.causal}"
+        what = (
+            f"{self.strategy} {'backward' if self.backward else 'forward'}, P={self.P}, layout={self.layout}, "
+            f"causal={self.causal}"
+        )
         if sh is not None:
             what += f"; B={sh.B} s={sh.s}/rank H={sh.H} Hkv={sh.Hkv} d={sh.d} {str(sh.dtype).replace('torch.', '')}"
         lines = [what]
@@ -316,17 +359,28 @@ class Schedule:
         for t, st in enumerate(self.steps):
             lines.append(f"step {t}")
             for r in ranks:
-                comp = [f"Q{c.q_owner}.{c.q_part} x KV{c.kv_owner}.{c.kv_part}{heads(c.heads)}"
-                        f"{' diag' if c.diag else ''}" for c in st.computes if c.rank == r]
-                send = [f"{m.kind}({m.owner}.{m.part}){heads(m.heads)}->{m.dst}{size(m)}"
-                        f"{f' by step {m.due}' if m.due > t else ''}" for m in st.messages if m.src == r]
+                comp = [
+                    f"Q{c.q_owner}.{c.q_part} x KV{c.kv_owner}.{c.kv_part}{heads(c.heads)}{' diag' if c.diag else ''}"
+                    for c in st.computes
+                    if c.rank == r
+                ]
+                send = [
+                    f"{m.kind}({m.owner}.{m.part}){heads(m.heads)}->{m.dst}{size(m)}"
+                    f"{f' by step {m.due}' if m.due > t else ''}"
+                    for m in st.messages
+                    if m.src == r
+                ]
                 recv = [f"{m.kind}({m.owner}.{m.part}){heads(m.heads)}<-{m.src}" for m in st.messages if m.dst == r]
                 if comp or send or recv:
-                    lines.append(f"  rank {r}: compute {', '.join(comp) or '-'} | send {', '.join(send) or '-'} | "
-                                 f"recv {', '.join(recv) or '-'}")
+                    lines.append(
+                        f"  rank {r}: compute {', '.join(comp) or '-'} | send {', '.join(send) or '-'} | "
+                        f"recv {', '.join(recv) or '-'}"
+                    )
         if sh is not None:
-            sent = [sum(message_bytes(m, sh, spec) for st in self.steps for m in st.messages if m.src == r)
-                    for r in range(self.P)]
+            sent = [
+                sum(message_bytes(m, sh, spec) for st in self.steps for m in st.messages if m.src == r)
+                for r in range(self.P)
+            ]
             lines.append(f"bytes sent per rank: max {max(sent) / 1e6:.4g} MB, total {sum(sent) / 1e6:.4g} MB")
         return "\n".join(lines)
 
@@ -334,8 +388,9 @@ class Schedule:
         return self.describe()
 
 
-def block_pair(q_owner: int, kv_owner: int, P: int, layout: str, causal: bool,
-               mask=None) -> tuple[str, str, bool] | None:
+def block_pair(
+    q_owner: int, kv_owner: int, P: int, layout: str, causal: bool, mask=None
+) -> tuple[str, str, bool] | None:
     """Which rows of ``q_owner``'s queries meet which rows of ``kv_owner``'s keys, and whether the block is the
     causal diagonal: ``(q_part, kv_part, diag)``, or ``None`` when the block is empty (never computed, never
     communicated).
@@ -350,6 +405,7 @@ def block_pair(q_owner: int, kv_owner: int, P: int, layout: str, causal: bool,
     """
     if mask is not None:
         from .masks import shard_pair
+
         hit = shard_pair(mask, P, layout, q_owner, kv_owner)
         if hit is None:
             return None
@@ -372,8 +428,9 @@ def pairing(P: int, layout: str, causal: bool, mask=None):
     return lambda q_owner, kv_owner: block_pair(q_owner, kv_owner, P, layout, causal, mask)
 
 
-def relay(owner: int, path: list[int], needs: list[str | None], kind: str,
-          heads: str = "all") -> list[tuple[int, Message]]:
+def relay(
+    owner: int, path: list[int], needs: list[str | None], kind: str, heads: str = "all"
+) -> list[tuple[int, Message]]:
     """Messages that carry ``owner``'s payload hop by hop along ``path`` (``path[t]`` is visited at step
     ``t + 1``). Each hop carries the union of what the rest of the path still needs, so once only the second
     half is needed downstream only the second half travels; hops nobody downstream needs are dropped.
@@ -428,8 +485,9 @@ def pairings(P: int) -> list[list[int]]:
 _HEAD_TAIL = {("q", False): (1, 1), ("q", True): (2, 1), ("kv", False): (1, 0), ("kv", True): (1, 1)}
 
 
-def own_pieces(chunks: int, P: int, mover: str = "q", backward: bool = False,
-               triangle: bool = False) -> list[tuple[int, int, int]]:
+def own_pieces(
+    chunks: int, P: int, mover: str = "q", backward: bool = False, triangle: bool = False
+) -> list[tuple[int, int, int]]:
     """How :func:`direct_steps` cuts a rank's own block on ``P`` ranks: ``(a, b, n)`` = rows ``[a/n, b/n)``
     of its query part, one piece per step that computes it, in step order: the head (step 0), one piece per
     bye round (odd ``P``: ``chunks`` of them, ``1/(2*chunks+1)`` of the rows each), the tail (the last step;
@@ -446,7 +504,7 @@ def own_pieces(chunks: int, P: int, mover: str = "q", backward: bool = False,
     if P % 2 == 0:
         if not tail:
             return [(0, 1, 1)]
-        x = share ** 0.5 if triangle else share
+        x = share**0.5 if triangle else share
         a = min(7, max(4, round(8 * x)))  # head >= half the rows (it holds >= half the compute) and a tail row
         return [(0, a, 8), (a, 8, 8)]
     n = 2 * chunks + 1
@@ -464,8 +522,14 @@ def own_pieces(chunks: int, P: int, mover: str = "q", backward: bool = False,
 def all_own_pieces(chunks: int, P: int, mover: str) -> list[tuple[int, int, int]]:
     """Every piece :func:`own_pieces` may cut for ``mover``, either pass, on or off the causal diagonal (what
     a length check must find non-empty)."""
-    return sorted({p for backward in (False, True) for triangle in (False, True)
-                   for p in own_pieces(chunks, P, mover, backward, triangle)})
+    return sorted(
+        {
+            p
+            for backward in (False, True)
+            for triangle in (False, True)
+            for p in own_pieces(chunks, P, mover, backward, triangle)
+        }
+    )
 
 
 def ulysses_kv_heads(H: int, Hkv: int, P: int) -> int:
@@ -477,6 +541,7 @@ def ulysses_kv_heads(H: int, Hkv: int, P: int) -> int:
 @dataclass(frozen=True)
 class Shapes:
     """Per-rank problem size: batch, local length, query heads, K/V heads, head dim, dtype, ranks."""
+
     B: int
     s: int
     H: int
@@ -496,9 +561,14 @@ def payload(kind: str, part: str, sh: Shapes, heads: str = "all") -> list[tuple[
         sh = replace(sh, H=sh.H // 2, Hkv=sh.Hkv // 2)
     n = part_rows(part, sh.s)
     B, H, Hkv, d, dt, acc = sh.B, sh.H, sh.Hkv, sh.d, sh.dtype, acc_dtype(sh.dtype)
-    shapes = {"q": ((B, n, H, d), dt, 1), "kv": ((B, n, Hkv, d), dt, 1), "stat": ((B, H, n), acc, 2),
-              "kv_acc": ((B, n, Hkv, d), acc, 1),
-              "uq": ((B, n, H // sh.P, d), dt, 1), "ukv": ((B, n, ulysses_kv_heads(H, Hkv, sh.P) // sh.P, d), dt, 1)}
+    shapes = {
+        "q": ((B, n, H, d), dt, 1),
+        "kv": ((B, n, Hkv, d), dt, 1),
+        "stat": ((B, H, n), acc, 2),
+        "kv_acc": ((B, n, Hkv, d), acc, 1),
+        "uq": ((B, n, H // sh.P, d), dt, 1),
+        "ukv": ((B, n, ulysses_kv_heads(H, Hkv, sh.P) // sh.P, d), dt, 1),
+    }
     return [shapes[t] for t in spec.tensors]
 
 

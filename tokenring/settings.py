@@ -20,6 +20,7 @@ setting            environment variable         default
                                                 strategies (torchrun sets the variable)
 =================  ===========================  ===================================================
 """
+
 from __future__ import annotations
 
 import os
@@ -59,6 +60,7 @@ def _ranks(x) -> int:
 
 def _topology(x):
     from .sim.topology import get_topology
+
     get_topology(x)  # validate now, not at the first attention call
     return x
 
@@ -73,15 +75,30 @@ class Setting:
     from_env: Callable[[str], Any] | None = None  # how the variable's text reads, if not as ``parse`` does
 
 
-SETTINGS = {s.name: s for s in (
-    Setting("timeout", "TOKENRING_TIMEOUT", 300.0, _positive_seconds, "longest wait for a peer on gloo, seconds"),
-    Setting("topology", "TOKENRING_TOPOLOGY", None, _topology, "the interconnect auto models"),
-    Setting("compile_merge", "TOKENRING_COMPILE_MERGE", True, _flag, "compiled merge kernel on CUDA",
-            lambda text: text != "0"),
-    Setting("cpu_backward", "TOKENRING_CPU_BACKWARD", None, _cpu_backward, "fused or math backward on CPU"),
-    Setting("node_size", "LOCAL_WORLD_SIZE", 0, _ranks, "ranks per node for the hierarchical strategies",
-            lambda text: int(text) if text.isdigit() else 0),
-)}
+SETTINGS = {
+    s.name: s
+    for s in (
+        Setting("timeout", "TOKENRING_TIMEOUT", 300.0, _positive_seconds, "longest wait for a peer on gloo, seconds"),
+        Setting("topology", "TOKENRING_TOPOLOGY", None, _topology, "the interconnect auto models"),
+        Setting(
+            "compile_merge",
+            "TOKENRING_COMPILE_MERGE",
+            True,
+            _flag,
+            "compiled merge kernel on CUDA",
+            lambda text: text != "0",
+        ),
+        Setting("cpu_backward", "TOKENRING_CPU_BACKWARD", None, _cpu_backward, "fused or math backward on CPU"),
+        Setting(
+            "node_size",
+            "LOCAL_WORLD_SIZE",
+            0,
+            _ranks,
+            "ranks per node for the hierarchical strategies",
+            lambda text: int(text) if text.isdigit() else 0,
+        ),
+    )
+}
 _configured: dict[str, Any] = {}
 _listeners: list[Callable[[str], None]] = []  # called with a setting's name when configure changes it
 

@@ -1,8 +1,8 @@
 """One rank with documents, a window or attention sinks: the tiles of the whole sequence, no communication
 (no (S, S) mask is ever built). Not a registry strategy: :func:`tokenring.attention` runs it when ``P == 1``
 and PyTorch's own attention cannot express the call."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 from .kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
 from .masks import whole_tiles

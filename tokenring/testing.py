@@ -11,6 +11,7 @@ accept meta tensors and complete at once. Shapes, dtypes, strides, devices and o
 not. Any host read of a value (``.item()``, ``.tolist()``, ``.cpu()``) or a CPU tensor mixed into the work fails
 loudly on meta tensors, which is what such a test is for.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,9 @@ __all__ = ["pretend_cuda", "fake_rank", "GPU"]
 
 
 @contextlib.contextmanager
-def pretend_cuda(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int, int] = (9, 0), per_node: int = 8,
-                 link: str = "nvlink"):
+def pretend_cuda(
+    name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int, int] = (9, 0), per_node: int = 8, link: str = "nvlink"
+):
     """Within this block meta tensors are CUDA tensors on ``per_node`` GPUs called ``name`` of compute
     ``capability``, linked by ``link`` (``"nvlink"`` or ``"pcie"``)."""
     old = _set_pretend(GPU(name, tuple(capability), int(per_node), link))
@@ -42,12 +44,12 @@ def fake_rank(rank: int, world_size: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from . import api
+
     if dist.is_initialized():
         raise RuntimeError("tokenring.testing.fake_rank: a default process group exists already; destroy it first")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
-    dist.init_process_group(backend="cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(backend="cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -20,6 +20,7 @@ without this loss scaling (``accelerate``'s ``prepare`` / ``Trainer`` with plain
 a DDP/FSDP model (twice reduced) or over ranks beyond the tokenring group (``dp`` times the true gradient),
 and ranks of one ``cp`` group holding different samples (a per-rank data sampler: checked per batch).
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,8 +47,9 @@ class SequenceParallel:
     batch's full inputs across the ``cp`` group (one 16-byte all-gather per batch). Configures
     :mod:`tokenring.hf` (group, layout) for the model's attention layers."""
 
-    def __init__(self, mesh=None, *, dp_dim: str = "dp", cp_dim: str = "cp", layout: str = "zigzag",
-                 verify: bool = True):
+    def __init__(
+        self, mesh=None, *, dp_dim: str = "dp", cp_dim: str = "cp", layout: str = "zigzag", verify: bool = True
+    ):
         global _active
         if mesh is None or mesh.ndim == 1:
             self.cp = mesh.get_group() if mesh is not None else dist.group.WORLD
@@ -56,8 +58,10 @@ class SequenceParallel:
         else:
             names = mesh.mesh_dim_names or ()
             if dp_dim not in names or cp_dim not in names or mesh.ndim != 2:
-                raise ValueError(f"SequenceParallel needs a 2-D mesh with dims ({dp_dim!r}, {cp_dim!r}), got "
-                                 f"{mesh.ndim}-D dims {names}")
+                raise ValueError(
+                    f"SequenceParallel needs a 2-D mesh with dims ({dp_dim!r}, {cp_dim!r}), got "
+                    f"{mesh.ndim}-D dims {names}"
+                )
             self.cp = mesh[cp_dim].get_group()
             self.dp = mesh[dp_dim].get_group()
             self.flat_mesh = mesh[(dp_dim, cp_dim)]._flatten(f"{dp_dim}_{cp_dim}")
@@ -69,6 +73,7 @@ class SequenceParallel:
         self.layout, self.verify = layout, verify
         self.world_ranks = tuple(dist.get_process_group_ranks(self.world)) if self.world_size > 1 else (0,)
         from . import hf
+
         hf.configure(group=self.cp, layout=layout)
         _active = self
 
@@ -90,22 +95,36 @@ class SequenceParallel:
         """ValueError on every rank of the cp group unless all of them hold these very tensors (checksums)."""
         same_batch(self.cp, list(tensors))
 
-    def shard_batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                    position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                    ignore_index: int = -100, num_items_in_batch=None) -> dict:
+    def shard_batch(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        num_items_in_batch=None,
+    ) -> dict:
         """This rank's shard of this dp rank's full ``(B, S)`` batch (:func:`tokenring.hf.shard_batch`), with
         ``num_items_in_batch`` = ``N / W`` so that the model's loss is this rank's part of the global mean
         scaled for DDP/FSDP's average over the ``W`` ranks. ``num_items_in_batch``: the global target count
         if already known (a Trainer counts over its accumulated batch), else counted here."""
         from . import hf
+
         if self.verify:
             self.check_same_batch(*(t for t in (input_ids, labels, position_ids) if t is not None))
-        out = hf.shard_batch(input_ids, labels=labels, position_ids=position_ids, attention_mask=attention_mask,
-                             layout=self.layout, group=self.cp, ignore_index=ignore_index, _scaled=True)
+        out = hf.shard_batch(
+            input_ids,
+            labels=labels,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            layout=self.layout,
+            group=self.cp,
+            ignore_index=ignore_index,
+            _scaled=True,
+        )
         if labels is not None:
             n = self.count(labels, ignore_index) if num_items_in_batch is None else num_items_in_batch
-            out["num_items_in_batch"] = torch.as_tensor(n, dtype=torch.float64).to(input_ids.device) / \
-                self.world_size
+            out["num_items_in_batch"] = torch.as_tensor(n, dtype=torch.float64).to(input_ids.device) / self.world_size
         return out
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -127,11 +146,13 @@ def same_batch(group, tensors: list) -> None:
     dist.all_gather(every, mine.to(dev), group=group)
     if any(not torch.equal(e.cpu(), every[0].cpu()) for e in every):
         differ = [r for r, e in enumerate(every) if not torch.equal(e.cpu(), every[0].cpu())]
-        raise ValueError(f"tokenring: the ranks of one sequence-parallel group hold different samples (ranks "
-                         f"{differ} differ from rank 0); they must all get the same full sequences, which each "
-                         f"shards. The data loader is the likely cause: it must be sharded over the data-parallel "
-                         f"ranks only (a DistributedSampler over dp, or tokenring.hf.SequenceParallelTrainer), "
-                         f"not over every rank")
+        raise ValueError(
+            f"tokenring: the ranks of one sequence-parallel group hold different samples (ranks "
+            f"{differ} differ from rank 0); they must all get the same full sequences, which each "
+            f"shards. The data loader is the likely cause: it must be sharded over the data-parallel "
+            f"ranks only (a DistributedSampler over dp, or tokenring.hf.SequenceParallelTrainer), "
+            f"not over every rank"
+        )
 
 
 def _checksum(t: torch.Tensor) -> int:
@@ -146,6 +167,7 @@ def check_ddp(group) -> None:
     when the loss was not scaled for it (its average over the group's ranks would give 1/cp of the
     gradient), or that averages over other ranks than the active :class:`SequenceParallel`'s."""
     from torch.nn.parallel import DistributedDataParallel
+
     ddp = DistributedDataParallel._get_active_ddp_module()
     if ddp is None or not (dist.is_available() and dist.is_initialized()):
         return
@@ -160,4 +182,5 @@ def check_ddp(group) -> None:
             f"sequence (tokenring group {sorted(cp_ranks)}). DDP averages their gradients, so with the plain "
             f"per-rank loss shares the gradient would be 1/{len(cp_ranks & set(ddp_ranks))} of the true one. Use "
             f"tokenring.training.SequenceParallel(mesh) and its shard_batch (the loss is scaled for DDP over all "
-            f"dp x cp ranks), or tokenring.hf.SequenceParallelTrainer with a transformers Trainer")
+            f"dp x cp ranks), or tokenring.hf.SequenceParallelTrainer with a transformers Trainer"
+        )

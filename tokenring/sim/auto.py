@@ -1,14 +1,17 @@
 """``strategy="auto"``: pick the strategy the cost model predicts fastest, and say why.
 
 Which interconnect: the ``topology`` setting (:mod:`tokenring.settings`: :func:`set_topology` /
-``tokenring.configure(topology=...)``, else ``$TOKENRING_TOPOLOGY``; a preset name, ``"mesh:200mbit"``, a JSON/YAML
-path, a dict or a :class:`~tokenring.sim.topology.Topology`), else a documented default: ``loopback`` (local gloo ranks sharing one host, a switch-like model of the loopback's ~1.4 GB/s)
-on CPU; on CUDA the machine's own (:func:`~tokenring.sim.topology.detected_topology`: the GPU model from its
-name, GPUs per node from ``$LOCAL_WORLD_SIZE``, NVLink or PCIe between them). The kernel model is the topology's device (``cpu``: a fixed analytic
-model, never a timing taken on this rank). ``tokenring.attention`` asks the model on rank 0 only and sends its
+``tokenring.configure(topology=...)``, else ``$TOKENRING_TOPOLOGY``; a preset name, ``"mesh:200mbit"``, a
+JSON/YAML path, a dict or a :class:`~tokenring.sim.topology.Topology`), else a documented default:
+``loopback`` (local gloo ranks sharing one host, a switch-like model of the loopback's ~1.4 GB/s) on CPU; on
+CUDA the machine's own (:func:`~tokenring.sim.topology.detected_topology`: the GPU model from its name, GPUs
+per node from ``$LOCAL_WORLD_SIZE``, NVLink or PCIe between them). The kernel model is the topology's device
+(``cpu``: a fixed analytic model, never a timing taken on this rank). ``tokenring.attention`` asks the model on
+rank 0 only and sends its
 choice to every rank with the signature check, so ranks never disagree. Choices are cached per
 (shapes, dtype, causal, layout, pass, topology).
 """
+
 from __future__ import annotations
 
 import io
@@ -16,11 +19,12 @@ import sys
 
 import torch
 
+from .. import settings
+from ..device import device_type as device_kind
+from ..device import gpu
 from ..schedules import Shapes
 from .kernel_model import cpu_share, kernel_model
 from .simulator import SimResult, fastest, simulate, variant_candidates
-from .. import settings
-from ..device import device_type as device_kind, gpu
 from .topology import Topology, detected_topology, get_topology
 
 __all__ = ["set_topology", "get_current_topology", "choose", "explain", "DEFAULT_TOPOLOGY"]
@@ -51,8 +55,9 @@ def get_current_topology(P: int, device_type: str = "cpu") -> tuple[Topology, st
         return get_topology(spec, P), "tokenring.set_topology" if origin == "tokenring.configure" else origin
     if device_type == "cuda":
         g = gpu()
-        return detected_topology(g, P), (f"detected: {g.name} (sm{g.capability[0]}{g.capability[1]}), "
-                                         f"{g.per_node} per node, {g.link}")
+        return detected_topology(g, P), (
+            f"detected: {g.name} (sm{g.capability[0]}{g.capability[1]}), {g.per_node} per node, {g.link}"
+        )
     name = DEFAULT_TOPOLOGY.get(device_type, "loopback")
     return get_topology(name, P), f"default for {device_type} (set tokenring.set_topology or $TOKENRING_TOPOLOGY)"
 
@@ -76,16 +81,27 @@ def node_sizes(topo: Topology, P: int, inner: int = 0) -> tuple[int, ...]:
     return tuple(sorted(k for k in sizes if 1 < k < P and P % k == 0))
 
 
-def _evaluate(sh: Shapes, causal: bool, layout: str, backward: bool, topo: Topology, requested: str,
-              mask=None, inner: int = 0) -> list[SimResult]:
+def _evaluate(
+    sh: Shapes, causal: bool, layout: str, backward: bool, topo: Topology, requested: str, mask=None, inner: int = 0
+) -> list[SimResult]:
     km = _kernel(topo, sh.P)
-    return [simulate(n, sh, topo, km, causal=causal, layout=layout, backward=backward, mask=mask)
-            for n in variant_candidates(requested, sh, causal, layout, node_sizes(topo, sh.P, inner))]
+    return [
+        simulate(n, sh, topo, km, causal=causal, layout=layout, backward=backward, mask=mask)
+        for n in variant_candidates(requested, sh, causal, layout, node_sizes(topo, sh.P, inner))
+    ]
 
 
-def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_type: str = "cpu",
-           topology=None, requested: str = "auto", mask=None,
-           inner: int = 0) -> tuple[str, list[SimResult], Topology, str]:
+def choose(
+    sh: Shapes,
+    causal: bool,
+    layout: str,
+    backward: bool = True,
+    device_type: str = "cpu",
+    topology=None,
+    requested: str = "auto",
+    mask=None,
+    inner: int = 0,
+) -> tuple[str, list[SimResult], Topology, str]:
     """``(strategy, predictions, topology, where the topology came from)`` for ``requested`` (``"auto"`` or a
     family choice such as ``"token_ring"``): the fastest prediction wins, ties (within 0.5%) go to the earlier
     candidate (token_ring's relay, then its direct variants by chunks and lookahead, then ring, ulysses, then
@@ -94,13 +110,26 @@ def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_
         topo, origin = get_topology(topology, sh.P), "argument"
     else:
         topo, origin = get_current_topology(sh.P, device_type)
-    key = (sh, causal, layout, backward, topo.name, topo.P, repr(settings.get("topology")), torch.get_num_threads(),
-           topology if isinstance(topology, (str, type(None))) else repr(topology), requested, mask, inner)
+    key = (
+        sh,
+        causal,
+        layout,
+        backward,
+        topo.name,
+        topo.P,
+        repr(settings.get("topology")),
+        torch.get_num_threads(),
+        topology if isinstance(topology, (str, type(None))) else repr(topology),
+        requested,
+        mask,
+        inner,
+    )
     if key not in _cache:
         results = _evaluate(sh, causal, layout, backward, topo, requested, mask, inner)
         if not results:
-            raise ValueError(f"no variant of {requested!r} can run B={sh.B} s={sh.s} H={sh.H} Hkv={sh.Hkv} on "
-                             f"P={sh.P} ranks")
+            raise ValueError(
+                f"no variant of {requested!r} can run B={sh.B} s={sh.s} H={sh.H} Hkv={sh.Hkv} on P={sh.P} ranks"
+            )
         _cache[key] = (fastest(results).strategy, results, topo, origin)
     return _cache[key]
 
@@ -108,13 +137,16 @@ def choose(sh: Shapes, causal: bool, layout: str, backward: bool = True, device_
 def _kernel_choice(dtype, d: int) -> str:
     """Which CUDA op runs this rank's blocks, and why (tokenring.kernels.cuda_kernel's table)."""
     from ..kernels import CUDNN_MIN_CAPABILITY, cuda_kernel
+
     cap = gpu().capability
     op = cuda_kernel(dtype, d, cap)
-    why = {"cudnn": f"cuDNN on sm{CUDNN_MIN_CAPABILITY[0]}{CUDNN_MIN_CAPABILITY[1]}+ for fp16/bf16, head dim <= 128 "
-                    f"(1.7-1.9x the flash op on an H200)",
-           "flash": "flash for fp16/bf16 below sm90 or head dim 129-256",
-           "efficient": "memory-efficient for fp32 (or head dims flash does not take)",
-           None: "no fused op takes this dtype / head dim: the math path"}[op]
+    why = {
+        "cudnn": f"cuDNN on sm{CUDNN_MIN_CAPABILITY[0]}{CUDNN_MIN_CAPABILITY[1]}+ for fp16/bf16, head dim <= 128 "
+        f"(1.7-1.9x the flash op on an H200)",
+        "flash": "flash for fp16/bf16 below sm90 or head dim 129-256",
+        "efficient": "memory-efficient for fp32 (or head dims flash does not take)",
+        None: "no fused op takes this dtype / head dim: the math path",
+    }[op]
     return f"{op or 'math'} ({str(dtype).replace('torch.', '')}, d={d}, sm{cap[0]}{cap[1]}: {why})"
 
 
@@ -129,9 +161,21 @@ def _shape(x) -> tuple:
     return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x)
 
 
-def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: int | None = None, group=None,
-            topology=None, backward: bool = True, dtype=None, strategy: str = "auto", file="stdout",
-            device_type: str | None = None) -> str:
+def explain(
+    q,
+    k=None,
+    *,
+    causal: bool = False,
+    layout: str | None = None,
+    P: int | None = None,
+    group=None,
+    topology=None,
+    backward: bool = True,
+    dtype=None,
+    strategy: str = "auto",
+    file="stdout",
+    device_type: str | None = None,
+) -> str:
     """Print (to ``file``; ``None``: don't) and return why ``strategy`` (``"auto"``, or a family choice such as
     ``"token_ring"``) runs the variant it runs for this rank's shard ``q`` (B, s, H, d) and ``k``
     (B, s, Hkv, d) -- tensors or shape tuples -- on ``P`` ranks (default: the size of ``group`` / the default
@@ -158,21 +202,31 @@ def explain(q, k=None, *, causal: bool = False, layout: str | None = None, P: in
     else:
         name, results, topo, origin = choose(sh, causal, layout, backward, device_type, topology, strategy)
         best = min(r.time for r in results)
-        print(f"tokenring.auto: B={B} S={s * P} (s={s}/rank) H={H} Hkv={ks[2]} d={d} {str(dtype).replace('torch.', '')} "
-              f"P={P} causal={causal} layout={layout} {'forward+backward' if backward else 'forward'}; "
-              f"strategy={strategy!r}", file=out)
+        print(
+            f"tokenring.auto: B={B} S={s * P} (s={s}/rank) H={H} Hkv={ks[2]} d={d} {str(dtype).replace('torch.', '')} "
+            f"P={P} causal={causal} layout={layout} {'forward+backward' if backward else 'forward'}; "
+            f"strategy={strategy!r}",
+            file=out,
+        )
         print(f"topology: {topo.describe()} [{origin}]; kernel model: {_kernel(topo, P).name}", file=out)
         if device_type == "cuda":
             print(f"block kernel: {_kernel_choice(dtype, d)}", file=out)
         w = max(12, *(len(r.strategy) + 1 for r in results))
-        print(f"{'strategy':<{w}}{'predicted':>12}{'vs best':>9}{'compute':>12}{'exposed comm':>14}"
-              f"{'MB sent/rank':>14}  regime", file=out)
+        print(
+            f"{'strategy':<{w}}{'predicted':>12}{'vs best':>9}{'compute':>12}{'exposed comm':>14}"
+            f"{'MB sent/rank':>14}  regime",
+            file=out,
+        )
         for r in sorted(results, key=lambda r: r.time):
             mb = sum(p.bytes_per_rank for p in r.passes) / 1e6
-            print(f"{r.strategy:<{w}}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
-                  f"{fmt_time(r.exposed_comm):>14}{mb:>14.2f}  {r.regime}", file=out)
+            print(
+                f"{r.strategy:<{w}}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
+                f"{fmt_time(r.exposed_comm):>14}{mb:>14.2f}  {r.regime}",
+                file=out,
+            )
         from ..strategies import why_not
         from .simulator import AUTO_STRATEGIES
+
         for fam in AUTO_STRATEGIES:
             why = why_not(fam, H, ks[2], P)
             if why:

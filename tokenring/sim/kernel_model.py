@@ -14,6 +14,7 @@ measurements:
   gets the same answer.
 Merges (exact float32 ``(o, lse)`` update) and elementwise adds are memory-bound: ``t = m0 + elems · c``.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,17 @@ from importlib import resources
 
 import numpy as np
 
-__all__ = ["KernelModel", "DEVICES", "kernel_model", "h200_table", "fit_table", "calibrate_cpu", "cpu_share", "CPU_ANALYTIC",
-           "block_flops"]
+__all__ = [
+    "KernelModel",
+    "DEVICES",
+    "kernel_model",
+    "h200_table",
+    "fit_table",
+    "calibrate_cpu",
+    "cpu_share",
+    "CPU_ANALYTIC",
+    "block_flops",
+]
 
 
 def block_flops(nq: int, nk: int, H: int, d: int, causal: bool, backward: bool = False) -> float:
@@ -36,13 +46,13 @@ def block_flops(nq: int, nk: int, H: int, d: int, causal: bool, backward: bool =
 @dataclass(frozen=True)
 class KernelModel:
     name: str
-    fwd: tuple[float, float]          # (t0 seconds, peak FLOP/s) for full blocks
-    fwd_causal: tuple[float, float]   # for causal diagonal blocks (FLOPs already halved)
+    fwd: tuple[float, float]  # (t0 seconds, peak FLOP/s) for full blocks
+    fwd_causal: tuple[float, float]  # for causal diagonal blocks (FLOPs already halved)
     bwd: tuple[float, float]
     bwd_causal: tuple[float, float]
-    mem_bw: float = 3e12              # bytes/s for the memory-bound terms
-    merge: tuple[float, float] = (60e-6, 14e-12)   # (m0 s, s per output element): float32 (o, lse) merge
-    add: tuple[float, float] = (10e-6, 3e-12)      # elementwise accumulate, s per element
+    mem_bw: float = 3e12  # bytes/s for the memory-bound terms
+    merge: tuple[float, float] = (60e-6, 14e-12)  # (m0 s, s per output element): float32 (o, lse) merge
+    add: tuple[float, float] = (10e-6, 3e-12)  # elementwise accumulate, s per element
     source: str = ""
     # Host time per step on each rank that takes part in it: the executor's Python loop, posting the step's
     # messages, launching its kernels. Small on a GPU host; on CPU ranks sharing cores it is milliseconds.
@@ -58,8 +68,9 @@ class KernelModel:
                 return float(np.exp(np.interp(np.log(F), lf, lt))) / self.speed
         return None
 
-    def block_time(self, nq: int, nk: int, H: int, Hkv: int, d: int, causal: bool, backward: bool,
-                   elem: int = 2) -> float:
+    def block_time(
+        self, nq: int, nk: int, H: int, Hkv: int, d: int, causal: bool, backward: bool, elem: int = 2
+    ) -> float:
         F = block_flops(nq, nk, H, d, causal, backward)
         t0, peak = (self.bwd_causal if causal else self.bwd) if backward else (self.fwd_causal if causal else self.fwd)
         io = (2 * nq * H + 2 * nk * Hkv) * d * elem * (2 if backward else 1)
@@ -79,9 +90,20 @@ class KernelModel:
         """Same efficiency curve with every peak multiplied by ``speed`` and memory rates by ``mem_speed``."""
         s = lambda p: (p[0], p[1] * speed)
         m = lambda p: (p[0], p[1] / mem_speed)
-        return replace(self, name=name, fwd=s(self.fwd), fwd_causal=s(self.fwd_causal), bwd=s(self.bwd),
-                       bwd_causal=s(self.bwd_causal), mem_bw=self.mem_bw * mem_speed, merge=m(self.merge),
-                       add=m(self.add), source=source, speed=self.speed * speed, step=self.step)
+        return replace(
+            self,
+            name=name,
+            fwd=s(self.fwd),
+            fwd_causal=s(self.fwd_causal),
+            bwd=s(self.bwd),
+            bwd_causal=s(self.bwd_causal),
+            mem_bw=self.mem_bw * mem_speed,
+            merge=m(self.merge),
+            add=m(self.add),
+            source=source,
+            speed=self.speed * speed,
+            step=self.step,
+        )
 
 
 def _fit_line(F: np.ndarray, t: np.ndarray) -> tuple[float, float]:
@@ -100,8 +122,9 @@ def h200_table() -> dict:
         return json.load(f)
 
 
-def fit_table(rows: list[dict], backend: str = "flash", name: str = "h200", mem_bw: float | None = None,
-              source: str = "") -> KernelModel:
+def fit_table(
+    rows: list[dict], backend: str = "flash", name: str = "h200", mem_bw: float | None = None, source: str = ""
+) -> KernelModel:
     """Fit a :class:`KernelModel` to rows of ``{hq, hkv, n, d, causal, <backend>_fwd_ms, <backend>_fb_ms,
     merge_ms}`` (square ``n×n`` blocks, batch 1)."""
     fits, curves = {}, []
@@ -127,18 +150,31 @@ def fit_table(rows: list[dict], backend: str = "flash", name: str = "h200", mem_
         (m0, c), *_ = np.linalg.lstsq(A, tm, rcond=None)
         merge = (max(float(m0), 0.0), float(c))
     mem = mem_bw or 3e12
-    return KernelModel(name, fits[("f", False)], fits[("f", True)], fits[("b", False)], fits[("b", True)],
-                       mem_bw=mem, merge=merge, add=(merge[0] / 4, merge[1] / 4), source=source,
-                       curves=tuple(curves))
+    return KernelModel(
+        name,
+        fits[("f", False)],
+        fits[("f", True)],
+        fits[("b", False)],
+        fits[("b", True)],
+        mem_bw=mem,
+        merge=merge,
+        add=(merge[0] / 4, merge[1] / 4),
+        source=source,
+        curves=tuple(curves),
+    )
 
 
 @lru_cache(maxsize=None)
 @lru_cache(maxsize=None)
 def _h200(backend: str = "flash") -> KernelModel:
     d = h200_table()
-    return fit_table(d["rows"], backend, "h200", mem_bw=d.get("d2d_copy_TBps", 4.2) * 1e12,
-                     source=f"fitted to tokenring/data/h200_sdpa.json (H200, PyTorch {backend} SDPA op, bf16): "
-                            + d["provenance"])
+    return fit_table(
+        d["rows"],
+        backend,
+        "h200",
+        mem_bw=d.get("d2d_copy_TBps", 4.2) * 1e12,
+        source=f"fitted to tokenring/data/h200_sdpa.json (H200, PyTorch {backend} SDPA op, bf16): " + d["provenance"],
+    )
 
 
 # Other devices: the H200 curve scaled by (datasheet dense bf16/fp16 peak x FlashAttention-2 fraction there) /
@@ -148,18 +184,29 @@ DEVICES = {
     # name: (dense peak FLOP/s, fraction of it attention reaches / fraction the H200 reaches, HBM B/s, note)
     "h200": (989e12, 1.0, 4.8e12, "measured table"),
     "h100": (989e12, 1.0, 3.35e12, "H100 SXM: same tensor cores as H200 (989 TFLOP/s dense bf16), 3.35 TB/s HBM3"),
-    "a10": (125e12, 1.7, 0.6e12, "A10: 125 TFLOP/s dense fp16, 600 GB/s; FlashAttention-2 reaches ~60% of peak on "
-                                 "Ampere vs ~35% on Hopper (FA2 paper), hence x1.7 relative efficiency"),
-    "ascend910b": (313e12, 1.4, 1.6e12, "Ascend 910B: ~313 TFLOP/s fp16, 1.6 TB/s HBM; ~50% of peak in FA "
-                                        "(estimate)"),
-    "mi300x": (1307e12, 1.0, 5.3e12, "MI300X: 1307 TFLOP/s dense fp16, 5.3 TB/s; CK FlashAttention ~35% of "
-                                     "peak (estimate)"),
-    "b200": (2250e12, 1.0, 8e12, "B200: 2250 TFLOP/s dense bf16, 8 TB/s HBM3e; the H200's fraction of peak "
-                                 "(estimate)"),
-    "a100": (312e12, 1.7, 2.0e12, "A100 SXM: 312 TFLOP/s dense bf16, 2.0 TB/s; FlashAttention-2 reaches ~60% of "
-                                  "peak on Ampere vs ~35% on Hopper (FA2 paper), hence x1.7"),
-    "l40s": (362e12, 1.4, 0.864e12, "L40S: 362 TFLOP/s dense bf16, 864 GB/s GDDR6; ~50% of peak in FA2 "
-                                    "(estimate)"),
+    "a10": (
+        125e12,
+        1.7,
+        0.6e12,
+        "A10: 125 TFLOP/s dense fp16, 600 GB/s; FlashAttention-2 reaches ~60% of peak on "
+        "Ampere vs ~35% on Hopper (FA2 paper), hence x1.7 relative efficiency",
+    ),
+    "ascend910b": (313e12, 1.4, 1.6e12, "Ascend 910B: ~313 TFLOP/s fp16, 1.6 TB/s HBM; ~50% of peak in FA (estimate)"),
+    "mi300x": (
+        1307e12,
+        1.0,
+        5.3e12,
+        "MI300X: 1307 TFLOP/s dense fp16, 5.3 TB/s; CK FlashAttention ~35% of peak (estimate)",
+    ),
+    "b200": (2250e12, 1.0, 8e12, "B200: 2250 TFLOP/s dense bf16, 8 TB/s HBM3e; the H200's fraction of peak (estimate)"),
+    "a100": (
+        312e12,
+        1.7,
+        2.0e12,
+        "A100 SXM: 312 TFLOP/s dense bf16, 2.0 TB/s; FlashAttention-2 reaches ~60% of "
+        "peak on Ampere vs ~35% on Hopper (FA2 paper), hence x1.7",
+    ),
+    "l40s": (362e12, 1.4, 0.864e12, "L40S: 362 TFLOP/s dense bf16, 864 GB/s GDDR6; ~50% of peak in FA2 (estimate)"),
 }
 # Devices whose kernel is cuDNN's (compute capability 9.0 and newer, see tokenring.kernels.cuda_kernel); the
 # others run the flash op. A device's model is the H200's fit of that op, scaled.
@@ -177,11 +224,18 @@ CUDNN_DEVICES = ("h200", "h100", "b200")
 # the step-free model predicted.
 def _cpu_analytic(threads: int = 1, share: float = 1.0) -> KernelModel:
     g = 1e9 * threads * share
-    return KernelModel(f"cpu-analytic-{threads}t" + (f"-share{share:.2g}" if share < 1 else ""),
-                       (170e-6, 80 * g), (400e-6, 65 * g), (220e-6, 80 * g), (1000e-6, 63 * g),
-                       mem_bw=10e9 * share, merge=(50e-6, 0.75e-9 / share), add=(12e-6, 0.19e-9 / share),
-                       source="analytic CPU model (a measured x86 core, frozen), not calibrated here",
-                       step=2e-3 / share)
+    return KernelModel(
+        f"cpu-analytic-{threads}t" + (f"-share{share:.2g}" if share < 1 else ""),
+        (170e-6, 80 * g),
+        (400e-6, 65 * g),
+        (220e-6, 80 * g),
+        (1000e-6, 63 * g),
+        mem_bw=10e9 * share,
+        merge=(50e-6, 0.75e-9 / share),
+        add=(12e-6, 0.19e-9 / share),
+        source="analytic CPU model (a measured x86 core, frozen), not calibrated here",
+        step=2e-3 / share,
+    )
 
 
 CPU_ANALYTIC = _cpu_analytic(1)
@@ -207,7 +261,7 @@ def _calib_rows(threads: int, dtype_name: str, blocks, d: int, repeats: int, bar
         for n, H in blocks:
             for causal in (False, True):
                 q, k, v, do = (torch.randn(1, n, H, d, generator=g, dtype=dtype) for _ in range(4))
-                out, lse = block_forward(q, k, v, causal, d ** -0.5)
+                out, lse = block_forward(q, k, v, causal, d**-0.5)
                 delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
 
                 def best(fn):
@@ -219,13 +273,24 @@ def _calib_rows(threads: int, dtype_name: str, blocks, d: int, repeats: int, bar
                         fn()
                         ts.append(time.perf_counter() - t)
                     return min(ts)
-                tf = best(lambda: block_forward(q, k, v, causal, d ** -0.5))
-                tb = best(lambda: block_backward(do, q, k, v, lse, delta, causal, d ** -0.5))
+
+                tf = best(lambda: block_forward(q, k, v, causal, d**-0.5))
+                tb = best(lambda: block_backward(do, q, k, v, lse, delta, causal, d**-0.5))
                 acc_o, acc_l = new_accumulator(1, n, H, d, dtype, "cpu")
                 merge_(acc_o, acc_l, out, lse)
                 tm = best(lambda: merge_(acc_o, acc_l, out, lse))
-                rows.append(dict(hq=H, hkv=H, n=n, d=d, causal=causal, cpu_fwd_ms=tf * 1e3,
-                                 cpu_fb_ms=(tf + tb) * 1e3, merge_ms=tm * 1e3))
+                rows.append(
+                    dict(
+                        hq=H,
+                        hkv=H,
+                        n=n,
+                        d=d,
+                        causal=causal,
+                        cpu_fwd_ms=tf * 1e3,
+                        cpu_fb_ms=(tf + tb) * 1e3,
+                        merge_ms=tm * 1e3,
+                    )
+                )
     finally:
         torch.set_num_threads(old)
     return rows
@@ -235,8 +300,9 @@ def _calib_child(args, barrier, queue):
     queue.put(_calib_rows(*args, barrier=barrier))
 
 
-def calibrate_cpu(threads: int | None = None, dtype=None, blocks=CALIB_BLOCKS, d: int = 64, repeats: int = 2,
-                  concurrent: int = 1) -> KernelModel:
+def calibrate_cpu(
+    threads: int | None = None, dtype=None, blocks=CALIB_BLOCKS, d: int = 64, repeats: int = 2, concurrent: int = 1
+) -> KernelModel:
     """Time ``tokenring.kernels`` on this CPU with ``threads`` torch threads and fit a :class:`KernelModel`
     (once per process per ``(threads, dtype, concurrent)``; a few seconds). ``concurrent`` > 1 runs that many
     timing processes at once, as local ranks run, so core sharing and memory contention are measured, not
@@ -253,6 +319,7 @@ def calibrate_cpu(threads: int | None = None, dtype=None, blocks=CALIB_BLOCKS, d
         rows = _calib_rows(*args)
     else:
         import multiprocessing as mp
+
         ctx = mp.get_context("spawn")
         barrier, queue = ctx.Barrier(concurrent), ctx.Queue()
         procs = [ctx.Process(target=_calib_child, args=(args, barrier, queue)) for _ in range(concurrent)]
@@ -263,11 +330,19 @@ def calibrate_cpu(threads: int | None = None, dtype=None, blocks=CALIB_BLOCKS, d
             p.join()
         rows = []
         for i, row in enumerate(runs[0]):
-            rows.append(dict(row, **{k: sum(r[i][k] for r in runs) / len(runs)
-                                     for k in ("cpu_fwd_ms", "cpu_fb_ms", "merge_ms")}))
+            rows.append(
+                dict(
+                    row, **{k: sum(r[i][k] for r in runs) / len(runs) for k in ("cpu_fwd_ms", "cpu_fb_ms", "merge_ms")}
+                )
+            )
     where = f"{threads} thread(s)" + (f", {concurrent} processes at once" if concurrent > 1 else "")
-    model = fit_table(rows, "cpu", f"cpu-{threads}t" + (f"-x{concurrent}" if concurrent > 1 else ""), mem_bw=5e9,
-                      source=f"calibrated at run time: tokenring.kernels on this CPU, {where}, {dtype}")
+    model = fit_table(
+        rows,
+        "cpu",
+        f"cpu-{threads}t" + (f"-x{concurrent}" if concurrent > 1 else ""),
+        mem_bw=5e9,
+        source=f"calibrated at run time: tokenring.kernels on this CPU, {where}, {dtype}",
+    )
     model = replace(model, add=(model.merge[0] / 4, model.merge[1] / 4))
     _CPU_CACHE[key] = model
     return model
@@ -276,12 +351,20 @@ def calibrate_cpu(threads: int | None = None, dtype=None, blocks=CALIB_BLOCKS, d
 def cpu_share(P: int, threads: int, cores: int | None = None) -> float:
     """Fraction of its threads' cores a rank gets when ``P`` ranks x ``threads`` share ``cores``."""
     import os
+
     cores = cores or os.cpu_count() or 1
     return min(1.0, cores / max(1, P * threads))
 
 
-def kernel_model(device: str = "h200", threads: int = 1, calibrated: bool = False, dtype=None,
-                 share: float = 1.0, concurrent: int = 1, backend: str | None = None) -> KernelModel:
+def kernel_model(
+    device: str = "h200",
+    threads: int = 1,
+    calibrated: bool = False,
+    dtype=None,
+    share: float = 1.0,
+    concurrent: int = 1,
+    backend: str | None = None,
+) -> KernelModel:
     """The model for a device name: ``h200``, ``h100``, ``b200``, ``a100``, ``l40s``, ``a10``, ``ascend910b``,
     ``mi300x`` or ``cpu`` (analytic unless ``calibrated``; calibration times this machine; ``share`` < 1 slows
     it for ranks that share cores, see :func:`cpu_share`). ``backend``: the SDPA op the GPU model is fitted to
@@ -290,8 +373,13 @@ def kernel_model(device: str = "h200", threads: int = 1, calibrated: bool = Fals
         if not calibrated:
             return _cpu_analytic(threads, share)
         m = calibrate_cpu(threads, dtype, concurrent=concurrent)
-        return m if share >= 1 else m.scaled(m.name + f"-share{share:.2g}", share, share, m.source +
-                                             f"; x{share:.2g} for ranks sharing cores")
+        return (
+            m
+            if share >= 1
+            else m.scaled(
+                m.name + f"-share{share:.2g}", share, share, m.source + f"; x{share:.2g} for ranks sharing cores"
+            )
+        )
     if device not in DEVICES:
         raise ValueError(f"no kernel model for device {device!r}; choose one of {', '.join(DEVICES)} or cpu")
     backend = backend or ("cudnn" if device in CUDNN_DEVICES else "flash")
@@ -299,5 +387,6 @@ def kernel_model(device: str = "h200", threads: int = 1, calibrated: bool = Fals
     if device == "h200":
         return base
     peak, rel, mem, note = DEVICES[device]
-    return base.scaled(device, peak / _H200_PEAK * rel, mem / _H200_MEM,
-                       source=f"{note}; shape of the H200 {backend} fit")
+    return base.scaled(
+        device, peak / _H200_PEAK * rel, mem / _H200_MEM, source=f"{note}; shape of the H200 {backend} fit"
+    )

@@ -17,6 +17,7 @@ compute-bound on a rank when its computes outlast its messages, comm-bound other
 *exposed* communication. Schedules are the very objects the executor runs (``STRATEGIES[name]``), compiled
 once per ``(strategy, P, layout, causal, pass)`` into arrays, so P = 1024 costs seconds, not minutes.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,14 +28,28 @@ import numpy as np
 import torch
 
 from ..layouts import default_layout
-from ..messages import Handling, kind as message_kind
+from ..messages import Handling
+from ..messages import kind as message_kind
 from ..schedules import Message, Shapes, message_bytes
-from ..strategies import HIERARCHICAL, STRATEGIES, get as get_strategy, runnable as runnable_strategies
+from ..strategies import HIERARCHICAL, STRATEGIES
+from ..strategies import get as get_strategy
+from ..strategies import runnable as runnable_strategies
 from .kernel_model import KernelModel, kernel_model
 from .topology import Topology
 
-__all__ = ["CompiledSchedule", "compile_schedule", "simulate", "simulate_pass", "SimResult", "PassResult",
-           "StepStat", "candidates", "variant_candidates", "fastest", "AUTO_STRATEGIES"]
+__all__ = [
+    "CompiledSchedule",
+    "compile_schedule",
+    "simulate",
+    "simulate_pass",
+    "SimResult",
+    "PassResult",
+    "StepStat",
+    "candidates",
+    "variant_candidates",
+    "fastest",
+    "AUTO_STRATEGIES",
+]
 
 
 @dataclass
@@ -44,16 +59,17 @@ class CompiledSchedule:
     layout: str
     causal: bool
     backward: bool
-    comp_classes: list      # Compute objects with rank 0 / owners canonicalised: (own queries?, the compute)
-    msg_classes: list       # (kind, part, heads)
-    steps: list             # per step: (comp_rank, comp_cls, msg_src, msg_dst, msg_cls, msg_due, msg_ready) arrays
+    comp_classes: list  # Compute objects with rank 0 / owners canonicalised: (own queries?, the compute)
+    msg_classes: list  # (kind, part, heads)
+    steps: list  # per step: (comp_rank, comp_cls, msg_src, msg_dst, msg_cls, msg_due, msg_ready) arrays
     deferred: bool = False  # some message is due after the step that posts it
-    mask: object = None     # the schedule's tokenring.masks.Mask (documents / window), or None
+    mask: object = None  # the schedule's tokenring.masks.Mask (documents / window), or None
 
 
 @lru_cache(maxsize=48)
-def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward: bool,
-                     mask=None, early: bool = True) -> CompiledSchedule:
+def compile_schedule(
+    strategy: str, P: int, layout: str, causal: bool, backward: bool, mask=None, early: bool = True
+) -> CompiledSchedule:
     """The strategy's schedule (exactly what the executor runs) as per-step arrays. ``early=False``: every
     receive posted with its message, ignoring ``Message.ready`` (as the executor does on NCCL)."""
     sched = get_strategy(strategy).schedule(P, layout, causal, backward, mask)
@@ -64,13 +80,21 @@ def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward:
         cr = np.fromiter((c.rank for c in step.computes), np.int64, len(step.computes))
         # A compute's cost depends on its rows, heads and mask, and on whether it merges locally (own queries).
         # Under a mask the owners matter too (their tokens' documents decide the tiles).
-        ck = np.fromiter((cc.setdefault((c.q_owner == c.rank, c if mask is not None else
-                                         replace(c, rank=0, q_owner=0, kv_owner=0)), len(cc))
-                          for c in step.computes), np.int64, len(step.computes))
+        ck = np.fromiter(
+            (
+                cc.setdefault(
+                    (c.q_owner == c.rank, c if mask is not None else replace(c, rank=0, q_owner=0, kv_owner=0)), len(cc)
+                )
+                for c in step.computes
+            ),
+            np.int64,
+            len(step.computes),
+        )
         ms = np.fromiter((m.src for m in step.messages), np.int64, len(step.messages))
         md = np.fromiter((m.dst for m in step.messages), np.int64, len(step.messages))
-        mk = np.fromiter((mc.setdefault((m.kind, m.part, m.heads), len(mc)) for m in step.messages), np.int64,
-                         len(step.messages))
+        mk = np.fromiter(
+            (mc.setdefault((m.kind, m.part, m.heads), len(mc)) for m in step.messages), np.int64, len(step.messages)
+        )
         du = np.fromiter((len(steps) if m.due < 0 else m.due for m in step.messages), np.int64, len(step.messages))
         rd = np.fromiter((m.receive_step(len(steps), early) for m in step.messages), np.int64, len(step.messages))
         steps.append((cr, ck, ms, md, mk, du, rd))
@@ -81,6 +105,7 @@ def compile_schedule(strategy: str, P: int, layout: str, causal: bool, backward:
 @dataclass
 class StepStat:
     """One step, on its slowest rank: wall time, compute (+ receive handling), longest message, exposed comm."""
+
     time: float
     compute: float
     comm: float
@@ -95,10 +120,10 @@ class StepStat:
 class PassResult:
     strategy: str
     backward: bool
-    time: float                 # until the last rank finishes
-    compute: float              # busy compute time of the slowest rank
-    exposed_comm: float         # its time waiting for messages
-    bytes_per_rank: float       # most bytes any rank sends
+    time: float  # until the last rank finishes
+    compute: float  # busy compute time of the slowest rank
+    exposed_comm: float  # its time waiting for messages
+    bytes_per_rank: float  # most bytes any rank sends
     steps: list = field(default_factory=list)
 
     @property
@@ -114,7 +139,7 @@ class SimResult:
     shapes: Shapes
     causal: bool
     layout: str
-    passes: list                # PassResult, forward then backward (if simulated)
+    passes: list  # PassResult, forward then backward (if simulated)
 
     @property
     def time(self) -> float:
@@ -134,14 +159,39 @@ class SimResult:
         return "comm-bound" if comm > 0.5 * self.time else "compute-bound"
 
     def to_dict(self) -> dict:
-        return dict(strategy=self.strategy, topology=self.topology, causal=self.causal, layout=self.layout,
-                    shapes=dict(B=self.shapes.B, s=self.shapes.s, H=self.shapes.H, Hkv=self.shapes.Hkv,
-                                d=self.shapes.d, dtype=str(self.shapes.dtype).replace("torch.", ""), P=self.shapes.P),
-                    time_s=self.time, compute_s=self.compute, exposed_comm_s=self.exposed_comm, regime=self.regime,
-                    passes=[dict(backward=p.backward, time_s=p.time, compute_s=p.compute,
-                                 exposed_comm_s=p.exposed_comm, bytes_per_rank=p.bytes_per_rank, regime=p.regime,
-                                 step_time_s=[s.time for s in p.steps], step_compute_s=[s.compute for s in p.steps],
-                                 step_comm_s=[s.comm for s in p.steps]) for p in self.passes])
+        return dict(
+            strategy=self.strategy,
+            topology=self.topology,
+            causal=self.causal,
+            layout=self.layout,
+            shapes=dict(
+                B=self.shapes.B,
+                s=self.shapes.s,
+                H=self.shapes.H,
+                Hkv=self.shapes.Hkv,
+                d=self.shapes.d,
+                dtype=str(self.shapes.dtype).replace("torch.", ""),
+                P=self.shapes.P,
+            ),
+            time_s=self.time,
+            compute_s=self.compute,
+            exposed_comm_s=self.exposed_comm,
+            regime=self.regime,
+            passes=[
+                dict(
+                    backward=p.backward,
+                    time_s=p.time,
+                    compute_s=p.compute,
+                    exposed_comm_s=p.exposed_comm,
+                    bytes_per_rank=p.bytes_per_rank,
+                    regime=p.regime,
+                    step_time_s=[s.time for s in p.steps],
+                    step_compute_s=[s.compute for s in p.steps],
+                    step_comm_s=[s.comm for s in p.steps],
+                )
+                for p in self.passes
+            ],
+        )
 
 
 def _compute_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> np.ndarray:
@@ -153,8 +203,10 @@ def _compute_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> np.ndar
         if dims.tiles is None:
             t = km.block_time(dims.rows_q, dims.rows_k, dims.H, dims.Hkv, sh.d, c.diag, cs.backward, e)
         else:  # one kernel call per tile; an explicitly masked tile costs its whole rectangle
-            t = sum(km.block_time(nq, nk, dims.H, dims.Hkv, sh.d, kind == "causal", cs.backward, e)
-                    for nq, nk, kind in dims.tiles)
+            t = sum(
+                km.block_time(nq, nk, dims.H, dims.Hkv, sh.d, kind == "causal", cs.backward, e)
+                for nq, nk, kind in dims.tiles
+            )
         t += sum(km.copy_time(b) for b in dims.copies)
         if not dims.copies:  # merging / accumulating the block's results on this rank
             if not cs.backward:
@@ -204,8 +256,9 @@ class _Shared:
         self.topo = topo
         self.flows: dict = {}  # resource -> [(finish, connection)] of the messages crossing it
 
-    def delay(self, fi: np.ndarray, ri: np.ndarray, start: np.ndarray, nbytes: np.ndarray,
-              pair: np.ndarray) -> np.ndarray:
+    def delay(
+        self, fi: np.ndarray, ri: np.ndarray, start: np.ndarray, nbytes: np.ndarray, pair: np.ndarray
+    ) -> np.ndarray:
         """Seconds each message (``fi`` -> resources ``ri``) waits for other connections' earlier messages."""
         extra = np.zeros(start.size)
         cap = self.topo._cap(ri) if ri.size else ri
@@ -262,8 +315,9 @@ def _notice_plan(cs: CompiledSchedule) -> tuple[dict, list]:
     return posts, arrive
 
 
-def _post_notices(notice: tuple[dict, list], s: int, cs: CompiledSchedule, topo: Topology, T: np.ndarray,
-                  res_free: np.ndarray) -> np.ndarray:
+def _post_notices(
+    notice: tuple[dict, list], s: int, cs: CompiledSchedule, topo: Topology, T: np.ndarray, res_free: np.ndarray
+) -> np.ndarray:
     """Receives posted at step ``s`` (before the step's sends, as the executor posts them): each sends the
     sender its ready notice, which crosses the reverse route (receiver -> sender) after the data already queued
     on it (``res_free``: when each resource's last message finishes), so a transfer starts no earlier than the
@@ -279,8 +333,9 @@ def _post_notices(notice: tuple[dict, list], s: int, cs: CompiledSchedule, topo:
     return res_free
 
 
-def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelModel,
-                  queued: bool = False) -> PassResult:
+def simulate_pass(
+    cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelModel, queued: bool = False
+) -> PassResult:
     """One pass of ``cs``. ``queued`` (``simulate``'s default, ``Topology.queued``): a message also waits for
     the links/ports/NICs it uses to be free of messages posted in *earlier* steps and still in flight
     (prefetches, partials due later; :meth:`Topology.queue_routes`); ``False``: only messages posted in the
@@ -363,8 +418,15 @@ def simulate_pass(cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelMo
         steps.append(StepStat(float(new[r] - T[r]), float(comp[r] + post[r]), comm_t, float(wait[r])))
         T = new
     last = int(np.argmax(T))
-    return PassResult(cs.strategy, cs.backward, float(T[last]), float(busy[last]), float(waited[last]),
-                      float(sent.max()) if P else 0.0, steps)
+    return PassResult(
+        cs.strategy,
+        cs.backward,
+        float(T[last]),
+        float(busy[last]),
+        float(waited[last]),
+        float(sent.max()) if P else 0.0,
+        steps,
+    )
 
 
 # What ``auto`` chooses among: every family (and so every variant of token_ring and pass-KV); validated against
@@ -376,8 +438,9 @@ def candidates(H: int, P: int, Hkv: int | None = None, inner=()) -> list[str]:
     """Strategies ``auto`` may pick for ``H`` query / ``Hkv`` K/V heads on ``P`` ranks: those of
     :data:`AUTO_STRATEGIES` whose ``check`` passes, and the hierarchical ones for each node size in ``inner``
     (1 < n < P, dividing P)."""
-    names = list(AUTO_STRATEGIES) + [get_strategy(f).with_inner(n).name for n in inner if 1 < n < P and P % n == 0
-                                     for f in HIERARCHICAL]
+    names = list(AUTO_STRATEGIES) + [
+        get_strategy(f).with_inner(n).name for n in inner if 1 < n < P and P % n == 0 for f in HIERARCHICAL
+    ]
     return runnable_strategies(H, H if Hkv is None else Hkv, P, names)
 
 
@@ -388,8 +451,12 @@ def variant_candidates(requested: str, sh: Shapes, causal: bool, layout: str, in
     for these shapes."""
     fams = candidates(sh.H, sh.P, sh.Hkv, inner) if requested == "auto" else [requested]
     zigzag = causal and layout == "zigzag"
-    return [v.name for f in fams for v in get_strategy(f).variants(sh.P)
-            if v.check(sh.H, sh.Hkv, sh.P, sh.s, zigzag) is None]
+    return [
+        v.name
+        for f in fams
+        for v in get_strategy(f).variants(sh.P)
+        if v.check(sh.H, sh.Hkv, sh.P, sh.s, zigzag) is None
+    ]
 
 
 def fastest(results: list[SimResult]) -> SimResult:
@@ -398,9 +465,19 @@ def fastest(results: list[SimResult]) -> SimResult:
     return next(r for r in results if r.time <= best * 1.005)
 
 
-def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelModel | None = None, *,
-             causal: bool = False, layout: str | None = None, backward: bool = False, mask=None,
-             queued: bool | None = None, early: bool = True) -> SimResult:
+def simulate(
+    strategy: str,
+    shapes: Shapes,
+    topology: Topology,
+    kernel: KernelModel | None = None,
+    *,
+    causal: bool = False,
+    layout: str | None = None,
+    backward: bool = False,
+    mask=None,
+    queued: bool | None = None,
+    early: bool = True,
+) -> SimResult:
     """Predict one attention call (``backward=True``: forward + backward) of ``strategy`` on ``topology``
     (resized to ``shapes.P`` ranks if needed). ``mask``: a :class:`tokenring.masks.Mask` (packed documents,
     a window; see :func:`tokenring.masks.make_mask`) whose empty blocks the schedules skip. ``queued``: the
@@ -414,20 +491,39 @@ def simulate(strategy: str, shapes: Shapes, topology: Topology, kernel: KernelMo
     if why:
         raise ValueError(why)
     if st.mode == "auto":  # a family choice: its fastest variant (what tokenring.attention would run)
-        return fastest([simulate(n, shapes, topology, kernel, causal=causal, layout=layout, backward=backward,
-                                 mask=mask, queued=queued, early=early)
-                        for n in variant_candidates(strategy, shapes, causal, layout)])
+        return fastest(
+            [
+                simulate(
+                    n,
+                    shapes,
+                    topology,
+                    kernel,
+                    causal=causal,
+                    layout=layout,
+                    backward=backward,
+                    mask=mask,
+                    queued=queued,
+                    early=early,
+                )
+                for n in variant_candidates(strategy, shapes, causal, layout)
+            ]
+        )
     if topology.P != shapes.P:
         topology = topology.with_P(shapes.P)
     queued = topology.queued if queued is None else queued
     km = kernel or kernel_model(topology.device)
-    passes = [simulate_pass(compile_schedule(strategy, shapes.P, layout, causal, bwd, mask, early), shapes, topology,
-                            km, queued) for bwd in ((False, True) if backward else (False,))]
+    passes = [
+        simulate_pass(
+            compile_schedule(strategy, shapes.P, layout, causal, bwd, mask, early), shapes, topology, km, queued
+        )
+        for bwd in ((False, True) if backward else (False,))
+    ]
     return SimResult(strategy, topology.name, shapes, causal, layout, passes)
 
 
-def shapes_for(S: int, P: int, H: int, Hkv: int | None = None, d: int = 128, B: int = 1,
-               dtype=torch.bfloat16) -> Shapes:
+def shapes_for(
+    S: int, P: int, H: int, Hkv: int | None = None, d: int = 128, B: int = 1, dtype=torch.bfloat16
+) -> Shapes:
     """Per-rank :class:`Shapes` for a global length ``S`` split over ``P`` ranks."""
     if S % P:
         raise ValueError(f"S={S} is not divisible by P={P}")

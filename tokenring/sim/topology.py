@@ -21,6 +21,7 @@ Presets (:data:`PRESETS`) cite their sources; numbers marked *effective* are nom
 fraction. Choose one with :func:`get_topology` (``"mesh:200mbit"``, ``"h100-nvswitch-8"``, a JSON/YAML file)
 or the environment variable ``TOKENRING_TOPOLOGY``.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,22 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-__all__ = ["Topology", "SwitchTopology", "MeshTopology", "RingTopology", "ClusterTopology", "GraphTopology",
-           "PRESETS", "get_topology", "parse_rate", "parse_time", "topology_from_dict", "preset_names",
-           "detected_topology", "gpu_model"]
+__all__ = [
+    "Topology",
+    "SwitchTopology",
+    "MeshTopology",
+    "RingTopology",
+    "ClusterTopology",
+    "GraphTopology",
+    "PRESETS",
+    "get_topology",
+    "parse_rate",
+    "parse_time",
+    "topology_from_dict",
+    "preset_names",
+    "detected_topology",
+    "gpu_model",
+]
 
 INF = float("inf")
 
@@ -69,12 +83,13 @@ def parse_time(x) -> float:
 @dataclass
 class Topology:
     """Base: ``P`` ranks, a per-flow rate cap, the device whose kernel model goes with it, a citation."""
+
     name: str
     P: int
     flow_bw: float = INF
     device: str = "cpu"
     source: str = ""
-    preset: str = ""                                  # set on presets: with_P rebuilds from the preset
+    preset: str = ""  # set on presets: with_P rebuilds from the preset
     # Seconds of a rank's compute time per byte it sends or receives: 0 where DMA engines move the data
     # (GPUs); on CPU hosts the kernel's TCP stack and gloo copy every byte on the cores that also compute.
     cpu_per_byte: float = 0.0
@@ -159,6 +174,7 @@ class Topology:
 class SwitchTopology(Topology):
     """One full-duplex port per rank into a switch. ``group`` ranks share a sub-switch whose uplink to the
     root has ``uplink_bw`` per direction (PCIe PXB / NODE); ``backplane_bw`` caps all traffic together."""
+
     port_bw: float = 25e9
     latency: float = 10e-6
     group: int = 0
@@ -170,8 +186,7 @@ class SwitchTopology(Topology):
 
     def _capacity(self) -> np.ndarray:
         g = self._ngroups()
-        return np.concatenate([np.full(2 * self.P, self.port_bw), np.full(2 * g, self.uplink_bw),
-                               [self.backplane_bw]])
+        return np.concatenate([np.full(2 * self.P, self.port_bw), np.full(2 * g, self.uplink_bw), [self.backplane_bw]])
 
     def _routes(self, src, dst):
         n, P = src.size, self.P
@@ -198,6 +213,7 @@ class SwitchTopology(Topology):
 class MeshTopology(Topology):
     """A dedicated link per ordered pair, ``link_bw`` per direction; ``port_bw`` optionally caps what one rank
     injects / ejects in total."""
+
     link_bw: float = 25e9
     latency: float = 10e-6
     port_bw: float = INF
@@ -238,6 +254,7 @@ class RingTopology(Topology):
     """Links only between neighbours (``r <-> r+1``), ``link_bw`` per direction, ``latency`` per hop. A flow
     takes the shorter way round (clockwise on a tie) and loads every link it crosses (cut-through: the hops
     pipeline, so a flow's time is its most loaded link, not the sum)."""
+
     link_bw: float = 25e9
     latency: float = 10e-6
     backplane_bw: float = INF
@@ -286,7 +303,7 @@ class RingTopology(Topology):
             diff = np.zeros(2 * P + 1)
             np.add.at(diff, a, b)
             np.add.at(diff, a + h, -b)
-            load2 = np.cumsum(diff)[:2 * P]
+            load2 = np.cumsum(diff)[: 2 * P]
             load = load2[:P] + load2[P:]  # unwrap intervals that pass P - 1 -> 0
             worst[ids] = _range_max(np.concatenate([load, load]), a, a + h) / self.link_bw
         if self.backplane_bw < INF:
@@ -318,6 +335,7 @@ class ClusterTopology(Topology):
     """``P / node.P`` nodes of ``node`` joined by a non-blocking fabric: traffic between nodes leaves through
     the sender's NIC and enters through the receiver's (``nic_bw`` per direction; ``nics_per_node`` NICs
     per node, rank ``r`` uses NIC ``(r % node.P) % nics_per_node``)."""
+
     node: Topology = None
     nic_bw: float = 50e9
     nic_latency: float = 15e-6
@@ -357,7 +375,9 @@ class ClusterTopology(Topology):
             k = self._nics()
             fis += [ids, ids]
             ris += [base + 2 * (ns[ids] * k + (src[ids] % m) % k), base + 2 * (nd[ids] * k + (dst[ids] % m) % k) + 1]
-        return (np.concatenate(fis) if fis else np.zeros(0, np.int64)), (np.concatenate(ris) if ris else np.zeros(0, np.int64))
+        return (np.concatenate(fis) if fis else np.zeros(0, np.int64)), (
+            np.concatenate(ris) if ris else np.zeros(0, np.int64)
+        )
 
     def _latency(self, src, dst):
         m = self.node.P
@@ -383,6 +403,7 @@ class GraphTopology(Topology):
     """User-defined: ``links`` = list of ``(u, v, bw, latency)`` directed edges between nodes (ranks are nodes
     ``0..P-1``; switches, bridges and so on are any other names). Routes are fewest-hop paths (ties broken by
     node order), computed once. A shared path is simply an edge that several routes cross."""
+
     links: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -428,50 +449,81 @@ class GraphTopology(Topology):
         return np.array(fis, dtype=np.int64), np.array(ris, dtype=np.int64)
 
     def _latency(self, src, dst):
-        return np.array([sum(self.links[e][3] for e in self._route[(s, d)]) for s, d in zip(src.tolist(), dst.tolist())])
+        return np.array(
+            [sum(self.links[e][3] for e in self._route[(s, d)]) for s, d in zip(src.tolist(), dst.tolist())]
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Presets. Effective rates = nominal x achievable fraction (stated per preset).
 
 TESTBED_EFFICIENCY = 1.0  # 64 KB frames: 8.4 MB at 100 Mbit/s took 660 ms (12.7 MB/s, the nominal rate + burst)
-TESTBED_LATENCY = 150e-6   # gloo over TCP on veth, per message (order of magnitude; small next to the payloads)
-LOOPBACK_BW = 1.4e9        # docs/DESIGN.md: loopback moves ~1.4 GB/s on 2 cores in total, both directions together
+TESTBED_LATENCY = 150e-6  # gloo over TCP on veth, per message (order of magnitude; small next to the payloads)
+LOOPBACK_BW = 1.4e9  # docs/DESIGN.md: loopback moves ~1.4 GB/s on 2 cores in total, both directions together
 
 # Inter-node fabrics for presets grown beyond one node.
-_IB_NDR = dict(nic_bw=0.9 * 400e9 / 8, nic_latency=15e-6)   # ConnectX-7 NDR 400 Gb/s per GPU (DGX H100)
+_IB_NDR = dict(nic_bw=0.9 * 400e9 / 8, nic_latency=15e-6)  # ConnectX-7 NDR 400 Gb/s per GPU (DGX H100)
 _ROCE_200 = dict(nic_bw=0.9 * 200e9 / 8, nic_latency=20e-6)  # 200GE RoCE per NPU (Atlas 800T A2: 8 x 200GE)
 _ROCE_400 = dict(nic_bw=0.85 * 400e9 / 8, nic_latency=20e-6)  # 400GbE RoCE per GPU (MI300X platforms: 8 x 400G)
 
 
 def _a10(P=4):
     node = SwitchTopology(
-        "a10-pcie-4", 4, flow_bw=13e9, device="a10", port_bw=25e9, latency=15e-6, group=2, uplink_bw=25e9,
+        "a10-pcie-4",
+        4,
+        flow_bw=13e9,
+        device="a10",
+        port_bw=25e9,
+        latency=15e-6,
+        group=2,
+        uplink_bw=25e9,
         source="TokenRing paper (arXiv 2412.20501) testbed: 4x A10 on PCIe 4.0 x16, two GPUs per PCIe switch "
-               "(PIX) and the switches joined through the host bridge (PXB). 31.5 GB/s nominal per direction; "
-               "25 GB/s effective per port and uplink; one P2P copy stream ~13 GB/s, which is what the paper's "
-               "ring step implies (2*6000*32*128*2 B = 98 MB of K/V in 7.6 ms = 12.9 GB/s).")
-    return node if P <= 4 else ClusterTopology("a10-pcie-4", P, device="a10", node=node, nic_bw=0.9 * 100e9 / 8,
-                                               nic_latency=20e-6, nics_per_node=1, source=node.source +
-                                               " Beyond 4 ranks: nodes joined by one 100 Gb/s NIC each (assumed).")
+        "(PIX) and the switches joined through the host bridge (PXB). 31.5 GB/s nominal per direction; "
+        "25 GB/s effective per port and uplink; one P2P copy stream ~13 GB/s, which is what the paper's "
+        "ring step implies (2*6000*32*128*2 B = 98 MB of K/V in 7.6 ms = 12.9 GB/s).",
+    )
+    return (
+        node
+        if P <= 4
+        else ClusterTopology(
+            "a10-pcie-4",
+            P,
+            device="a10",
+            node=node,
+            nic_bw=0.9 * 100e9 / 8,
+            nic_latency=20e-6,
+            nics_per_node=1,
+            source=node.source + " Beyond 4 ranks: nodes joined by one 100 Gb/s NIC each (assumed).",
+        )
+    )
 
 
 def _grown(node: Topology, P: int, fabric: dict, between: str) -> Topology:
     """``node`` itself up to its size, else a cluster of such nodes joined by ``fabric`` (NIC rate, latency)."""
     if P <= node.P:
         return node
-    return ClusterTopology(node.name, P, device=node.device, node=node, **fabric,
-                           source=f"{node.source} Between nodes: {between}")
+    return ClusterTopology(
+        node.name, P, device=node.device, node=node, **fabric, source=f"{node.source} Between nodes: {between}"
+    )
 
 
 def _hgx(P: int, name: str, device: str, gpu: str) -> Topology:
     """8 H100 / H200 SXM GPUs on NVSwitch; beyond 8, nodes joined by one 400 Gb/s InfiniBand NIC per GPU."""
     node = SwitchTopology(
-        name, 8, device=device, port_bw=0.8 * 450e9, latency=10e-6,
+        name,
+        8,
+        device=device,
+        port_bw=0.8 * 450e9,
+        latency=10e-6,
         source=f"NVIDIA {gpu} SXM datasheet: NVLink 4, 900 GB/s bidirectional per GPU through NVSwitch = 450 GB/s "
-               f"per direction; 80% achievable (NCCL bus bandwidth ~360 GB/s).")
-    return _grown(node, P, _IB_NDR, "InfiniBand NDR 400 Gb/s per GPU (one ConnectX-7 per GPU, rail-optimised, "
-                                    "non-blocking), 90% achievable.")
+        f"per direction; 80% achievable (NCCL bus bandwidth ~360 GB/s).",
+    )
+    return _grown(
+        node,
+        P,
+        _IB_NDR,
+        "InfiniBand NDR 400 Gb/s per GPU (one ConnectX-7 per GPU, rail-optimised, non-blocking), 90% achievable.",
+    )
 
 
 def _h100(P=8, name="h100-nvswitch-8"):
@@ -488,18 +540,28 @@ def _ib(P=16):
 
 def _910b(P=8):
     node = MeshTopology(
-        "ascend910b-mesh-8", 8, device="ascend910b", link_bw=0.8 * 28e9, latency=15e-6,
+        "ascend910b-mesh-8",
+        8,
+        device="ascend910b",
+        link_bw=0.8 * 28e9,
+        latency=15e-6,
         source="Huawei Atlas 800T A2 (8x Ascend 910B): HCCS full mesh, 392 GB/s per NPU over 7 peers = 56 GB/s "
-               "per link bidirectional, 28 GB/s per direction; 80% achievable. Approximate public figures.")
+        "per link bidirectional, 28 GB/s per direction; 80% achievable. Approximate public figures.",
+    )
     return _grown(node, P, _ROCE_200, "200GE RoCE per NPU.")
 
 
 def _mi300x(P=8):
     node = MeshTopology(
-        "mi300x-mesh-8", 8, device="mi300x", link_bw=0.75 * 64e9, latency=10e-6,
+        "mi300x-mesh-8",
+        8,
+        device="mi300x",
+        link_bw=0.75 * 64e9,
+        latency=10e-6,
         source="AMD Instinct MI300X platform: 8 GPUs fully connected by 7 Infinity Fabric (xGMI) links each, "
-               "128 GB/s bidirectional per link (896 GB/s aggregate) = 64 GB/s per direction; ~75% achievable "
-               "(measured P2P ~48 GB/s).")
+        "128 GB/s bidirectional per link (896 GB/s aggregate) = 64 GB/s per direction; ~75% achievable "
+        "(measured P2P ~48 GB/s).",
+    )
     return _grown(node, P, _ROCE_400, "400GbE RoCE, one NIC per GPU, 85% achievable.")
 
 
@@ -514,12 +576,21 @@ def host_cpu_per_byte(P: int, threads: int = 1, cores: int | None = None) -> flo
 
 def _testbed(kind: str, rate=200e6 / 8, P=4, efficiency=TESTBED_EFFICIENCY):
     bw = parse_rate(rate) * efficiency
-    src = (f"TokenRing CPU testbed (docs/DESIGN.md): one network namespace per rank, veth links shaped by tc tbf at "
-           f"{parse_rate(rate) * 8 / 1e6:g} Mbit/s per direction, x{efficiency} achieved; all traffic also "
-           f"shares the host's loopback capacity ({LOOPBACK_BW / 1e9} GB/s) and costs the ranks' cores CPU time "
-           f"per byte moved.")
-    common = dict(device="cpu", latency=TESTBED_LATENCY, backplane_bw=LOOPBACK_BW, source=src,
-                  cpu_per_byte=host_cpu_per_byte(P), ready_notice=True, fair_share=True)
+    src = (
+        f"TokenRing CPU testbed (docs/DESIGN.md): one network namespace per rank, veth links shaped by tc tbf at "
+        f"{parse_rate(rate) * 8 / 1e6:g} Mbit/s per direction, x{efficiency} achieved; all traffic also "
+        f"shares the host's loopback capacity ({LOOPBACK_BW / 1e9} GB/s) and costs the ranks' cores CPU time "
+        f"per byte moved."
+    )
+    common = dict(
+        device="cpu",
+        latency=TESTBED_LATENCY,
+        backplane_bw=LOOPBACK_BW,
+        source=src,
+        cpu_per_byte=host_cpu_per_byte(P),
+        ready_notice=True,
+        fair_share=True,
+    )
     if kind == "switch":  # every byte crosses two veth pairs and the bridge: twice the host's work per byte
         return SwitchTopology(f"switch:{rate}", P, port_bw=bw, **dict(common, cpu_per_byte=2 * host_cpu_per_byte(P)))
     if kind == "mesh":
@@ -533,32 +604,58 @@ def _testbed_cluster(P=4, node=2, intra="400mbit", inter="100mbit", efficiency=T
     """The two-level testbed (``tokenring testbed --topology cluster``): nodes of ``node`` ranks joined inside by
     a mesh at ``intra``, each node's inter-node traffic through one NIC link at ``inter`` per direction."""
     n = int(node)
-    mesh = MeshTopology(f"mesh:{intra}", n, link_bw=parse_rate(intra) * efficiency, latency=TESTBED_LATENCY,
-                        device="cpu")  # (the cluster's cpu_per_byte is the one the simulator charges)
+    mesh = MeshTopology(
+        f"mesh:{intra}", n, link_bw=parse_rate(intra) * efficiency, latency=TESTBED_LATENCY, device="cpu"
+    )  # (the cluster's cpu_per_byte is the one the simulator charges)
     return ClusterTopology(
-        f"cluster:{n}:{intra}:{inter}", P, device="cpu", node=mesh, nic_bw=parse_rate(inter) * efficiency,
-        nic_latency=TESTBED_LATENCY, nics_per_node=1, cpu_per_byte=host_cpu_per_byte(P), ready_notice=True,
+        f"cluster:{n}:{intra}:{inter}",
+        P,
+        device="cpu",
+        node=mesh,
+        nic_bw=parse_rate(inter) * efficiency,
+        nic_latency=TESTBED_LATENCY,
+        nics_per_node=1,
+        cpu_per_byte=host_cpu_per_byte(P),
+        ready_notice=True,
         fair_share=True,
         source=f"TokenRing two-level CPU testbed: nodes of {n} ranks (one namespace each) joined by a mesh of veth "
-               f"links shaped at {intra} per direction; each node's inter-node traffic leaves through one NIC "
-               f"(a router namespace) whose link to a switch is shaped at {inter} per direction. Ranks' cores "
-               f"pay CPU time per byte moved, as on the flat testbed.")
+        f"links shaped at {intra} per direction; each node's inter-node traffic leaves through one NIC "
+        f"(a router namespace) whose link to a switch is shaped at {inter} per direction. Ranks' cores "
+        f"pay CPU time per byte moved, as on the flat testbed.",
+    )
 
 
 def _loopback(P=4):
-    return SwitchTopology("loopback", P, device="cpu", port_bw=LOOPBACK_BW, latency=100e-6,
-                          backplane_bw=LOOPBACK_BW, cpu_per_byte=host_cpu_per_byte(P), ready_notice=True,
-                          fair_share=True,
-                          source="Local gloo ranks on one CPU host (docs/DESIGN.md: ~1.4 GB/s through loopback in "
-                                 "total, sending both ways at once gives no more).")
+    return SwitchTopology(
+        "loopback",
+        P,
+        device="cpu",
+        port_bw=LOOPBACK_BW,
+        latency=100e-6,
+        backplane_bw=LOOPBACK_BW,
+        cpu_per_byte=host_cpu_per_byte(P),
+        ready_notice=True,
+        fair_share=True,
+        source="Local gloo ranks on one CPU host (docs/DESIGN.md: ~1.4 GB/s through loopback in "
+        "total, sending both ways at once gives no more).",
+    )
 
 
 # GPU models by name, for a topology built from the machine (tokenring.sim.auto, when none is set): the kernel
 # model's device name and the NVLink bandwidth per direction per GPU (datasheets; 80% of it achievable).
 _GPU_MODELS = (  # (name contains, kernel model, NVLink B/s per direction)
-    ("H200", "h200", 450e9), ("H100", "h100", 450e9), ("H800", "h100", 200e9), ("GH200", "h200", 450e9),
-    ("B200", "b200", 900e9), ("B100", "b200", 900e9), ("A100", "a100", 300e9), ("A800", "a100", 200e9),
-    ("L40", "l40s", 0.0), ("A10", "a10", 0.0), ("MI300", "mi300x", 0.0))
+    ("H200", "h200", 450e9),
+    ("H100", "h100", 450e9),
+    ("H800", "h100", 200e9),
+    ("GH200", "h200", 450e9),
+    ("B200", "b200", 900e9),
+    ("B100", "b200", 900e9),
+    ("A100", "a100", 300e9),
+    ("A800", "a100", 200e9),
+    ("L40", "l40s", 0.0),
+    ("A10", "a10", 0.0),
+    ("MI300", "mi300x", 0.0),
+)
 _PCIE_GEN = {"h100": 64e9, "h200": 64e9, "b200": 64e9}  # x16 per direction: Gen5 on these, Gen4 elsewhere
 
 
@@ -582,13 +679,26 @@ def detected_topology(gpu, P: int) -> Topology:
         node = _mi300x(n)
         node = MeshTopology(name, n, device="mi300x", link_bw=node.link_bw, latency=node.latency, source=node.source)
     elif gpu.link == "nvlink":
-        node = SwitchTopology(name, n, device=device, port_bw=0.8 * nvlink, latency=10e-6,
-                              source=f"{note}; NVLink/NVSwitch {nvlink / 1e9:.0f} GB/s per direction, 80% achievable")
+        node = SwitchTopology(
+            name,
+            n,
+            device=device,
+            port_bw=0.8 * nvlink,
+            latency=10e-6,
+            source=f"{note}; NVLink/NVSwitch {nvlink / 1e9:.0f} GB/s per direction, 80% achievable",
+        )
     else:
         pcie = _PCIE_GEN.get(device, 32e9)
-        node = SwitchTopology(name, n, device=device, port_bw=0.8 * pcie, latency=15e-6, group=2 if n > 2 else 0,
-                              uplink_bw=0.8 * pcie, source=f"{note}; PCIe x16 {pcie / 1e9:.0f} GB/s per direction, "
-                                                           f"80% achievable, two GPUs per PCIe switch")
+        node = SwitchTopology(
+            name,
+            n,
+            device=device,
+            port_bw=0.8 * pcie,
+            latency=15e-6,
+            group=2 if n > 2 else 0,
+            uplink_bw=0.8 * pcie,
+            source=f"{note}; PCIe x16 {pcie / 1e9:.0f} GB/s per direction, 80% achievable, two GPUs per PCIe switch",
+        )
     return _grown(node, P, _IB_NDR, "InfiniBand NDR 400 Gb/s per GPU, 90% achievable (assumed, not detected).")
 
 
@@ -605,8 +715,14 @@ PRESETS = {
     "cluster": _testbed_cluster,
     "loopback": _loopback,
 }
-_DEFAULT_P = {"a10-pcie-4": 4, "h100-nvswitch-8": 8, "h200-nvswitch-8": 8, "ascend910b-mesh-8": 8, "mi300x-mesh-8": 8,
-              "ib-2x8": 16}
+_DEFAULT_P = {
+    "a10-pcie-4": 4,
+    "h100-nvswitch-8": 8,
+    "h200-nvswitch-8": 8,
+    "ascend910b-mesh-8": 8,
+    "mi300x-mesh-8": 8,
+    "ib-2x8": 16,
+}
 
 
 def preset_names() -> list[str]:
@@ -636,10 +752,17 @@ def topology_from_dict(d: dict, P: int | None = None) -> Topology:
     name = d.pop("name", kind or "custom")
     n = int(P or d.pop("P", 0) or 0)
     d.pop("P", None)
-    common = dict(name=name, P=n, flow_bw=parse_rate(d.pop("flow_bw", INF)), device=d.pop("device", "cpu"),
-                  source=d.pop("source", "user-defined"), cpu_per_byte=float(d.pop("cpu_per_byte", 0.0)),
-                  queued=bool(d.pop("queued", True)), fair_share=bool(d.pop("fair_share", False)),
-                  ready_notice=bool(d.pop("ready_notice", False)))
+    common = dict(
+        name=name,
+        P=n,
+        flow_bw=parse_rate(d.pop("flow_bw", INF)),
+        device=d.pop("device", "cpu"),
+        source=d.pop("source", "user-defined"),
+        cpu_per_byte=float(d.pop("cpu_per_byte", 0.0)),
+        queued=bool(d.pop("queued", True)),
+        fair_share=bool(d.pop("fair_share", False)),
+        ready_notice=bool(d.pop("ready_notice", False)),
+    )
     rates = {k: parse_rate(d.pop(k)) for k in list(d) if k.endswith("_bw")}
     times = {k: parse_time(d.pop(k)) for k in list(d) if k.endswith("latency")}
     if kind == "switch":
@@ -665,14 +788,17 @@ def topology_from_dict(d: dict, P: int | None = None) -> Topology:
             if duplex:
                 links.append((v, u, parse_rate(bw), parse_time(lat)))
         return GraphTopology(**common, links=links)
-    raise ValueError(f"topology kind {kind!r} unknown; use switch, mesh, ring, cluster, graph or a preset "
-                     f"({', '.join(PRESETS)})")
+    raise ValueError(
+        f"topology kind {kind!r} unknown; use switch, mesh, ring, cluster, graph or a preset ({', '.join(PRESETS)})"
+    )
 
 
 def _preset(name: str, P: int | None = None, **kw) -> Topology:
     if name not in PRESETS:
-        raise ValueError(f"unknown topology preset {name!r}; choose one of {', '.join(PRESETS)}, a JSON/YAML file, "
-                         f"or 'switch:RATE' / 'ring:RATE' / 'mesh:RATE'")
+        raise ValueError(
+            f"unknown topology preset {name!r}; choose one of {', '.join(PRESETS)}, a JSON/YAML file, "
+            f"or 'switch:RATE' / 'ring:RATE' / 'mesh:RATE'"
+        )
     P = int(P) if P else _DEFAULT_P.get(name, 4)
     topo = PRESETS[name](P=P, **kw)
     topo.preset, topo.preset_kw = name, dict(kw)
@@ -694,14 +820,17 @@ def get_topology(spec, P: int | None = None) -> Topology:
             data = json.loads(text)
         else:
             import yaml  # optional dependency, only for YAML files
+
             data = yaml.safe_load(text)
         return topology_from_dict(data, P)
     name, _, rate = spec.partition(":")
     if name == "cluster" and rate:  # the two-level testbed: cluster:NODE:INTRA:INTER
         parts = rate.split(":")
         if len(parts) != 3 or not parts[0].isdigit():
-            raise ValueError(f"a two-level testbed is 'cluster:NODE:INTRA:INTER' (ranks per node, intra- and "
-                             f"inter-node rates), e.g. 'cluster:2:400mbit:100mbit'; got {spec!r}")
+            raise ValueError(
+                f"a two-level testbed is 'cluster:NODE:INTRA:INTER' (ranks per node, intra- and "
+                f"inter-node rates), e.g. 'cluster:2:400mbit:100mbit'; got {spec!r}"
+            )
         return _preset(name, P, node=int(parts[0]), intra=parts[1], inter=parts[2])
     if rate:
         if name not in ("switch", "ring", "mesh"):

@@ -13,19 +13,32 @@ runs as 2 sub-rounds over the K/V block's row halves, so compute starts on the f
 strategy is one new module with a ``STRATEGY`` object, listed in ``_MODULES``; everything else (the public
 API, ``auto``, the simulator, the benchmark, the demo, the tests) reads this registry.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
 
 from .. import settings
-
 from . import double_ring, ring, ring_bidir, token_ring, token_ring_2d, ulysses, usp
 from .base import Strategy
 from .spec import CODE_LEN, Spec
 
-__all__ = ["STRATEGIES", "FAMILIES", "HIERARCHICAL", "NAMES", "Strategy", "Spec", "get", "why_not", "runnable",
-           "code", "from_code",
-           "CODE_LEN", "node_size", "with_node_size"]
+__all__ = [
+    "STRATEGIES",
+    "FAMILIES",
+    "HIERARCHICAL",
+    "NAMES",
+    "Strategy",
+    "Spec",
+    "get",
+    "why_not",
+    "runnable",
+    "code",
+    "from_code",
+    "CODE_LEN",
+    "node_size",
+    "with_node_size",
+]
 
 _MODULES = (token_ring, ring, ulysses, ring_bidir, double_ring, token_ring_2d, usp)
 STRATEGIES: dict[str, Strategy] = {m.STRATEGY.family or m.STRATEGY.name: m.STRATEGY for m in _MODULES}
@@ -42,8 +55,10 @@ def get(text: str) -> Strategy:
     text = ALIASES.get(text, text)
     family = str(text).partition(":")[0]
     if family not in STRATEGIES:
-        raise ValueError(f"strategy={text!r} is unknown; choose one of {NAMES} (variants: 'token_ring:relay', "
-                         f"'token_ring:direct,c=2,k=1', 'ring:direct,c=1,k=3', 'double_ring:n=8')")
+        raise ValueError(
+            f"strategy={text!r} is unknown; choose one of {NAMES} (variants: 'token_ring:relay', "
+            f"'token_ring:direct,c=2,k=1', 'ring:direct,c=1,k=3', 'double_ring:n=8')"
+        )
     spec = Spec.parse(text)
     if not spec.given():
         return STRATEGIES[family]

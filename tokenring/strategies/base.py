@@ -7,6 +7,7 @@ locally, a visitor's dQ becomes a ``dq`` partial going home; dK/dV for my own K/
 for another rank's K/V accumulate in a ``dkv`` buffer that travels (ring) until it reaches its owner.
 Pass-KV (``ring``) and pass-Q (``token_ring``) differ only in their schedules.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -17,23 +18,49 @@ import torch
 
 from ..comm import Comm, buffers
 from ..executor import execute
-from ..instrument import NONE as NO_HOOKS, Instruments
-from .spec import Spec
+from ..instrument import NONE as NO_HOOKS
+from ..instrument import Instruments
 from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
 from ..masks import block_tiles
 from ..merge import acc_dtype, merge_, merge_sink_, new_accumulator, sink_grad
-from ..messages import Receive, kind as message_kind
-from ..schedules import (Compute, Message, Schedule, Shapes, chunk, covers, head_slice, overlaps,
-                         all_own_pieces, part_rows, part_slice, part_union, payload)
+from ..messages import Receive
+from ..messages import kind as message_kind
+from ..schedules import (
+    Compute,
+    Message,
+    Schedule,
+    Shapes,
+    all_own_pieces,
+    chunk,
+    covers,
+    head_slice,
+    overlaps,
+    part_rows,
+    part_slice,
+    part_union,
+    payload,
+)
+from .spec import Spec
 
-__all__ = ["Strategy", "BlockDims", "Config", "Store", "ForwardOps", "BackwardOps", "ScheduledStrategy",
-           "RelayOrDirect", "shapes_of", "tile_dims"]
+__all__ = [
+    "Strategy",
+    "BlockDims",
+    "Config",
+    "Store",
+    "ForwardOps",
+    "BackwardOps",
+    "ScheduledStrategy",
+    "RelayOrDirect",
+    "shapes_of",
+    "tile_dims",
+]
 
 
 @dataclass(frozen=True)
 class BlockDims:
     """What one compute costs, for the simulator: ``B*nq`` query rows (batch folded in) against ``nk`` key rows
     over ``H`` query / ``Hkv`` K/V heads, plus ``copies``: sizes in bytes of data reshuffled around it."""
+
     rows_q: int
     rows_k: int
     H: int
@@ -60,36 +87,42 @@ class Strategy:
       keeps anyway (its inputs and output), and ``extra_like(q, k, v, cfg)``: empty tensors shaped like
       ``saved_extra`` (the op's fake); ``unprepare(dk, dv, Hkv)`` undoes ``prepare`` on the gradients.
     """
+
     name: str = ""
     family: str = ""
     mode: str = ""
     chunks: int = 1
     lookahead: int = 1
 
-    inner: int = 0            # ranks per node, for hierarchical strategies (0: flat, or not chosen yet)
+    inner: int = 0  # ranks per node, for hierarchical strategies (0: flat, or not chosen yet)
     hierarchical: bool = False
-    keep: bool = False        # keep the K/V that crossed nodes in forward for backward (two-level strategies)
-    outer: int = 1            # sub-rounds per visiting round, K/V rows cut that many ways (two-level strategies)
+    keep: bool = False  # keep the K/V that crossed nodes in forward for backward (two-level strategies)
+    outer: int = 1  # sub-rounds per visiting round, K/V rows cut that many ways (two-level strategies)
 
     default_mode: str = ""
     PARAMS: tuple[str, ...] = ()  # the Spec fields this family takes (its constructor's keyword arguments)
 
     @property
     def spec(self) -> Spec:
-        return Spec(self.family or self.name, self.mode, self.chunks, self.lookahead, self.inner, self.keep,
-                    self.outer)
+        return Spec(self.family or self.name, self.mode, self.chunks, self.lookahead, self.inner, self.keep, self.outer)
 
     def make(self, spec: Spec) -> "Strategy":
         """The member of this family that ``spec`` names (registry use: :func:`tokenring.strategies.get`)."""
         extra = [f for f in spec.given() if f not in self.PARAMS]
         if extra:
             from . import HIERARCHICAL
+
             shown = {"mode": "a mode", "chunks": "c=", "lookahead": "k=", "inner": "n=", "keep": "keep", "outer": "o="}
             takes = f"only {', '.join(shown[f] for f in self.PARAMS)}" if self.PARAMS else "no parameters"
-            hint = (f"; node sizes (n=), keep and o= are for the hierarchical strategies "
-                    f"({', '.join(HIERARCHICAL)})" if {"inner", "keep", "outer"} & set(extra) else "")
-            raise ValueError(f"strategy {spec.family!r} takes {takes}; {spec.text()!r} sets "
-                             f"{', '.join(shown[f] for f in extra)}{hint}")
+            hint = (
+                f"; node sizes (n=), keep and o= are for the hierarchical strategies ({', '.join(HIERARCHICAL)})"
+                if {"inner", "keep", "outer"} & set(extra)
+                else ""
+            )
+            raise ValueError(
+                f"strategy {spec.family!r} takes {takes}; {spec.text()!r} sets "
+                f"{', '.join(shown[f] for f in extra)}{hint}"
+            )
         return type(self)(**{f: getattr(spec, f) for f in self.PARAMS}) if self.PARAMS else self
 
     @property
@@ -146,8 +179,9 @@ class Strategy:
         dims = BlockDims(sh.B * part_rows(c.q_part, sh.s), part_rows(c.kv_part, sh.s), sh.H // h, sh.Hkv // h)
         if mask is None:
             return dims
-        ts, _ = block_tiles(mask, sh.P, layout, c.q_owner, part_slice(c.q_part, sh.s), c.kv_owner,
-                            part_slice(c.kv_part, sh.s))
+        ts, _ = block_tiles(
+            mask, sh.P, layout, c.q_owner, part_slice(c.q_part, sh.s), c.kv_owner, part_slice(c.kv_part, sh.s)
+        )
         return replace(dims, tiles=tile_dims(ts, sh.B))
 
     def forward(self, q, k, v, cfg: "Config"):
@@ -198,6 +232,7 @@ def tile_dims(tiles, B: int) -> tuple[tuple[int, int, str], ...]:
 @dataclass
 class Config:
     """Everything about one call except the tensors."""
+
     group: object
     rank: int
     P: int
@@ -205,7 +240,7 @@ class Config:
     layout: str
     scale: float
     hooks: Instruments = NO_HOOKS  # tests' and benchmarks' records and forced paths (tokenring.instrument)
-    mask: object = None            # tokenring.masks.Mask: packed documents / sliding window, or None
+    mask: object = None  # tokenring.masks.Mask: packed documents / sliding window, or None
     sinks: torch.Tensor | None = None  # (H,) attention-sink logits, or None
 
     @property
@@ -256,8 +291,10 @@ class Store:
             return self.take("kv", owner, part, heads)  # raises, saying what is held instead
         key = (id(piece[2]), part, heads)
         if key not in self.expanded:
-            self.expanded[key] = (piece[2], [t.repeat_interleave(g, dim=2)
-                                             for t in self.take("kv", owner, part, heads)])
+            self.expanded[key] = (
+                piece[2],
+                [t.repeat_interleave(g, dim=2) for t in self.take("kv", owner, part, heads)],
+            )
         return self.expanded[key][1]
 
     def _prune(self) -> None:
@@ -279,8 +316,10 @@ class Store:
         piece = self.find(kind, owner, part, heads)
         if piece is None:
             held = {k: [p[0] for p in v] for k, v in self.entries.items() if k[:2] == (kind, owner)}
-            raise ValueError(f"rank {self.me}: rows {part!r} of {kind} of rank {owner} (heads {heads}) are not "
-                             f"held here (held: {held}); the schedule is inconsistent")
+            raise ValueError(
+                f"rank {self.me}: rows {part!r} of {kind} of rank {owner} (heads {heads}) are not "
+                f"held here (held: {held}); the schedule is inconsistent"
+            )
         held_part, held_heads, tensors = piece
         want, held = part_slice(part, self.sh.s), part_slice(held_part, self.sh.s)
         out = []
@@ -328,8 +367,13 @@ class _OpsBase:
     def held_bytes(self) -> int:
         """Bytes held here beyond this rank's own tensors: other ranks' data (visiting blocks, partials waiting to
         go home) and K/V copies with repeated heads."""
-        held = sum(t.numel() * t.element_size() for key, pieces in self.store.entries.items() if key[1] != self.me
-                   for _, _, ts in pieces for t in ts)
+        held = sum(
+            t.numel() * t.element_size()
+            for key, pieces in self.store.entries.items()
+            if key[1] != self.me
+            for _, _, ts in pieces
+            for t in ts
+        )
         return held + sum(t.numel() * t.element_size() for _, ts in self.store.expanded.values() for t in ts)
 
     def kv_repeat(self, q: torch.Tensor, backend: str = "auto") -> int:
@@ -350,8 +394,9 @@ class _OpsBase:
     def tiles(self, c: Compute):
         """A masked compute's tiles and the function that builds a tile's mask (:mod:`tokenring.masks`)."""
         cfg = self.cfg
-        return block_tiles(cfg.mask, cfg.P, cfg.layout, c.q_owner, self.rows(c.q_part), c.kv_owner,
-                           self.rows(c.kv_part), self.device)
+        return block_tiles(
+            cfg.mask, cfg.P, cfg.layout, c.q_owner, self.rows(c.q_part), c.kv_owner, self.rows(c.kv_part), self.device
+        )
 
     def attend(self, c: Compute, q, k, v):
         """Forward of compute ``c``: the whole block, or its tiles under a mask."""
@@ -364,8 +409,9 @@ class _OpsBase:
         take it instead of forming an equivalent from ``delta``)."""
         if self.cfg.mask is None:
             return self.block_backward(dout, q, k, v, lse, delta, c.diag, out)
-        return tiled_backward(dout, q, k, v, lse, delta, *self.tiles(c), self.cfg.scale, self.cfg.hooks.backward_kernel,
-                              out=out)
+        return tiled_backward(
+            dout, q, k, v, lse, delta, *self.tiles(c), self.cfg.scale, self.cfg.hooks.backward_kernel, out=out
+        )
 
 
 class ForwardOps(_OpsBase):
@@ -411,8 +457,9 @@ class ForwardOps(_OpsBase):
 
     def held_bytes(self) -> int:
         stored = {id(t) for pieces in self.store.entries.values() for _, _, ts in pieces for t in ts}
-        return super().held_bytes() + sum(t.numel() * t.element_size() for ts in self.kept.values() for t in ts
-                                          if id(t) not in stored)
+        return super().held_bytes() + sum(
+            t.numel() * t.element_size() for ts in self.kept.values() for t in ts if id(t) not in stored
+        )
 
 
 class BackwardOps(_OpsBase):
@@ -444,8 +491,10 @@ class BackwardOps(_OpsBase):
             whole = part
             for p in old:
                 whole = part_union(whole, p[0])
-            acc = [torch.zeros(shape, dtype=dt, device=self.device)
-                   for shape, dt, _ in payload("dkv", whole, self.sh, heads)]
+            acc = [
+                torch.zeros(shape, dtype=dt, device=self.device)
+                for shape, dt, _ in payload("dkv", whole, self.sh, heads)
+            ]
             self.store.put("dkv", owner, whole, acc, heads)
             for p_part, _, tensors in old:
                 for a, t in zip(self.store.take("dkv", owner, p_part, heads), tensors):
@@ -504,8 +553,12 @@ class ScheduledStrategy(Strategy):
         """Returns ``out`` (B, s, H, d) and the tensors backward needs (with the kept K/V pieces, if any)."""
         pieces = self.kept_pieces(cfg)
         ops = ForwardOps(q, k, v, shapes_of(q, k, cfg.P), cfg, frozenset(o for o, _ in pieces))
-        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask), cfg.comm(f"{self.name} forward"), ops,
-                cfg.held("forward"))
+        execute(
+            self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask),
+            cfg.comm(f"{self.name} forward"),
+            ops,
+            cfg.held("forward"),
+        )
         ops.finish()
         out = ops.o.to(q.dtype)
         return out, (q, k, v, out, ops.lse, *(t for key in pieces for t in ops.kept[key]))
@@ -515,9 +568,13 @@ class ScheduledStrategy(Strategy):
         delta = row_delta(dout, out)
         ops = BackwardOps(q, k, v, dout, lse, delta, shapes_of(q, k, cfg.P), cfg, out)
         for i, (owner, rows) in enumerate(self.kept_pieces(cfg)):
-            ops.store.put("kv", owner, rows, kept[2 * i:2 * i + 2])
-        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask), cfg.comm(f"{self.name} backward"), ops,
-                cfg.held("backward"))
+            ops.store.put("kv", owner, rows, kept[2 * i : 2 * i + 2])
+        execute(
+            self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask),
+            cfg.comm(f"{self.name} backward"),
+            ops,
+            cfg.held("backward"),
+        )
         dsinks = sink_grad(lse, delta, cfg.sinks) if cfg.sinks is not None else None
         return ops.dq.to(q.dtype), ops.dk.to(k.dtype), ops.dv.to(v.dtype), dsinks
 
@@ -534,6 +591,7 @@ class RelayOrDirect(ScheduledStrategy):
     ``"relay"``, ``"direct"`` (``chunks`` row chunks per visiting block, ``lookahead`` blocks sent ahead) or
     ``"auto"`` (the cost model picks among :meth:`variants`). Subclasses set ``family``, ``default_mode``,
     ``mover`` (``"q"`` or ``"kv"``) and ``relay_schedule``."""
+
     default_mode = "relay"
     mover = ""
     PARAMS = ("mode", "chunks", "lookahead")
@@ -543,11 +601,14 @@ class RelayOrDirect(ScheduledStrategy):
         if mode not in ("relay", "direct", "auto"):
             raise ValueError(f"{self.family} mode must be 'relay', 'direct' or 'auto', got {mode!r}")
         if mode != "direct" and (chunks, lookahead) != (1, 1):
-            raise ValueError(f"{self.family}:{mode} moves whole blocks; chunks (c=) and lookahead (k=) apply to "
-                             f"{self.family}:direct")
+            raise ValueError(
+                f"{self.family}:{mode} moves whole blocks; chunks (c=) and lookahead (k=) apply to {self.family}:direct"
+            )
         if int(chunks) < 1 or int(lookahead) < 1:
-            raise ValueError(f"{self.family}:direct needs at least one chunk (c=) and one block of lookahead (k=), "
-                             f"got c={chunks}, k={lookahead}")
+            raise ValueError(
+                f"{self.family}:direct needs at least one chunk (c=) and one block of lookahead (k=), "
+                f"got c={chunks}, k={lookahead}"
+            )
         self.mode, self.chunks, self.lookahead = mode, int(chunks), int(lookahead)
         self.name = self.spec.text(self.default_mode)
 
@@ -571,10 +632,12 @@ class RelayOrDirect(ScheduledStrategy):
             rows = s // 2 if zigzag else s  # zigzag causal blocks use half of a rank's rows
             own = all_own_pieces(self.chunks, P, self.mover)  # how direct_steps cuts the own block: none empty
             if rows < self.chunks or any(part_rows(chunk("all", a, n, b), s) == 0 for a, b, n in own):
-                return (f"{self.name}: {self.chunks} chunks need at least {self.chunks} rows per visiting block "
-                        f"and a row in each piece of the own block (the smallest: "
-                        f"{min(Fraction(b - a, n) for a, b, n in own)} of its rows on {P} ranks), but this rank "
-                        f"has {s}{' (halves of it)' if zigzag else ''}; use fewer chunks (c=) or a longer sequence")
+                return (
+                    f"{self.name}: {self.chunks} chunks need at least {self.chunks} rows per visiting block "
+                    f"and a row in each piece of the own block (the smallest: "
+                    f"{min(Fraction(b - a, n) for a, b, n in own)} of its rows on {P} ranks), but this rank "
+                    f"has {s}{' (halves of it)' if zigzag else ''}; use fewer chunks (c=) or a longer sequence"
+                )
         return None
 
     def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
@@ -582,10 +645,13 @@ class RelayOrDirect(ScheduledStrategy):
 
     def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
         if self.mode == "auto":
-            raise ValueError(f"{self.name!r} is a choice among variants and has no schedule of its own: resolve "
-                             f"it first (tokenring.api.resolve) or name a variant, e.g. "
-                             f"'{self.family}:direct,c=2,k=1'")
+            raise ValueError(
+                f"{self.name!r} is a choice among variants and has no schedule of its own: resolve "
+                f"it first (tokenring.api.resolve) or name a variant, e.g. "
+                f"'{self.family}:direct,c=2,k=1'"
+            )
         if self.mode == "relay":
             return self.relay_schedule(P, layout, causal, backward, mask)
         from .token_ring import direct  # TokenRing's direct builder; the pass-KV families run it with mover="kv"
+
         return direct(self.name, P, layout, causal, backward, self.mover, self.chunks, self.lookahead, mask)

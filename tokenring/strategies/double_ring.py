@@ -7,6 +7,7 @@ to every other (an all-gather overlapped with compute, :func:`tokenring.strategi
 inter-node link carries one K/V block per rank per round instead of one per step. See
 :func:`tokenring.strategies.two_level.two_level` for the schedule.
 """
+
 from __future__ import annotations
 
 from .two_level import TwoLevel

@@ -11,6 +11,7 @@ straight to every rank in ``c`` row chunks, up to ``k`` blocks ahead (``k = P-1`
 with compute); partials merge locally, and in backward each chunk's dK/dV goes straight home. ``ring`` alone
 is the classic ring above; ``ring:auto`` lets the cost model pick among the variants.
 """
+
 from __future__ import annotations
 
 from ..schedules import Compute, Message, Schedule, Step, drop_empty_tail, pairing, part_union, relay
@@ -21,8 +22,9 @@ __all__ = ["pass_kv", "pass_kv_steps", "Ring", "STRATEGY"]
 ONE_WAY = (("all", +1),)
 
 
-def pass_kv(P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, name: str = "ring",
-            mask=None) -> Schedule:
+def pass_kv(
+    P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, name: str = "ring", mask=None
+) -> Schedule:
     steps = pass_kv_steps(P, pairing(P, layout, causal, mask), backward, lanes)
     return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", drop_empty_tail(steps), mask)
 
@@ -62,6 +64,7 @@ def pass_kv_steps(P: int, pair, backward: bool, lanes=ONE_WAY) -> list[Step]:
 class Ring(RelayOrDirect):
     """``ring`` alone: the classic ring; ``ring:direct,c=C,k=K``: the direct one; ``ring:auto``: the cost
     model picks."""
+
     family, default_mode, mover = "ring", "relay", "kv"
 
     def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:

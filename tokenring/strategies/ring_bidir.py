@@ -4,6 +4,7 @@
 Every link direction then carries half of ring's bytes per step, without a full mesh and keeping GQA's small
 K/V messages. Needs an even ``Hkv``. The schedule is :func:`~tokenring.strategies.ring.pass_kv` with two lanes.
 """
+
 from __future__ import annotations
 
 from ..schedules import Schedule
@@ -20,8 +21,10 @@ class RingBidir(ScheduledStrategy):
 
     def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
         if Hkv % 2:
-            return (f"strategy='ring_bidir' sends half of the K/V heads each way and needs an even number of "
-                    f"key/value heads, got {Hkv}; use strategy='ring' (or 'token_ring')")
+            return (
+                f"strategy='ring_bidir' sends half of the K/V heads each way and needs an even number of "
+                f"key/value heads, got {Hkv}; use strategy='ring' (or 'token_ring')"
+            )
         return None
 
     def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:

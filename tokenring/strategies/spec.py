@@ -5,6 +5,7 @@ Grammar: ``family[:mode][,c=C][,k=K][,n=N][,keep][,o=O]`` (the mode first when g
 or ``auto``; ``c``/``k``: chunks and lookahead of a direct schedule; ``n``: ranks per node, ``keep`` and ``o``:
 the two-level strategies' options).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -18,10 +19,10 @@ _KEYS = {"c": "chunks", "k": "lookahead", "n": "inner", "o": "outer"}
 @dataclass(frozen=True)
 class Spec:
     family: str
-    mode: str = ""        # "" = the family's default mode
+    mode: str = ""  # "" = the family's default mode
     chunks: int = 1
     lookahead: int = 1
-    inner: int = 0        # ranks per node (0: flat, or not known yet)
+    inner: int = 0  # ranks per node (0: flat, or not known yet)
     keep: bool = False
     outer: int = 1
 
@@ -43,9 +44,11 @@ class Spec:
             elif key in _KEYS and value.isdigit():
                 args[_KEYS[key]] = int(value)
             else:
-                raise ValueError(f"strategy={text!r}: parameters are c=<chunks>, k=<lookahead blocks> and, for the "
-                                 f"hierarchical strategies, n=<ranks per node>, keep and o=<outer chunks>; e.g. "
-                                 f"'{family}:direct,c=2,k=1'")
+                raise ValueError(
+                    f"strategy={text!r}: parameters are c=<chunks>, k=<lookahead blocks> and, for the "
+                    f"hierarchical strategies, n=<ranks per node>, keep and o=<outer chunks>; e.g. "
+                    f"'{family}:direct,c=2,k=1'"
+                )
         return cls(family, mode, **args)
 
     def given(self) -> list[str]:
@@ -56,13 +59,22 @@ class Spec:
         """The canonical spec: no mode when it is ``default_mode``; ``c``/``k`` for a direct schedule only."""
         head = self.family if self.mode in ("", default_mode) else f"{self.family}:{self.mode}"
         params = [f"c={self.chunks}", f"k={self.lookahead}"] if self.mode == "direct" else []
-        params += [f"n={self.inner}"] * bool(self.inner) + ["keep"] * self.keep + [f"o={self.outer}"] * (self.outer != 1)
+        params += (
+            [f"n={self.inner}"] * bool(self.inner) + ["keep"] * self.keep + [f"o={self.outer}"] * (self.outer != 1)
+        )
         return head + (("," if ":" in head else ":") + ",".join(params) if params else "")
 
     def code(self, families: tuple[str, ...]) -> list[float]:
         """Seven numbers (family, mode, chunks, lookahead, ranks per node, keep, outer chunks)."""
-        return [float(families.index(self.family)), float(MODES.index(self.mode)), float(self.chunks),
-                float(self.lookahead), float(self.inner), float(self.keep), float(self.outer)]
+        return [
+            float(families.index(self.family)),
+            float(MODES.index(self.mode)),
+            float(self.chunks),
+            float(self.lookahead),
+            float(self.inner),
+            float(self.keep),
+            float(self.outer),
+        ]
 
     @classmethod
     def from_code(cls, values, families: tuple[str, ...]) -> "Spec":

@@ -41,12 +41,25 @@ after the wrap only half of ``Q_j`` travels and only half-size partials return.
 Backward: ``(Q, dO, lse, delta)`` take the same path; each visited rank accumulates dK/dV for its own K/V
 locally and returns the partial dQ straight to the owner.
 """
+
 from __future__ import annotations
 
 import itertools
 
-from ..schedules import (Compute, Message, Schedule, Step, chunk, drop_empty_tail, own_pieces, pairing, pairings,
-                         part_rows, relay, rows)
+from ..schedules import (
+    Compute,
+    Message,
+    Schedule,
+    Step,
+    chunk,
+    drop_empty_tail,
+    own_pieces,
+    pairing,
+    pairings,
+    part_rows,
+    relay,
+    rows,
+)
 from .base import RelayOrDirect
 
 __all__ = ["TokenRing", "pass_q_steps", "direct", "direct_steps", "STRATEGY"]
@@ -96,8 +109,9 @@ def _own_rows(r: int, a: int, b: int, n: int, own, causal: bool) -> list[Compute
     return ([Compute(r, r, part, r, rows(0, a, n))] if a else []) + [Compute(r, r, part, r, part, True)]
 
 
-def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: str, chunks: int,
-           lookahead: int, mask=None) -> Schedule:
+def direct(
+    name: str, P: int, layout: str, causal: bool, backward: bool, mover: str, chunks: int, lookahead: int, mask=None
+) -> Schedule:
     """Direct (mesh-native), fine-grained schedule: every block one rank lacks comes *straight from its owner*,
     cut into ``chunks`` row chunks that are computed one per step, and sent up to ``lookahead`` blocks ahead.
 
@@ -121,14 +135,23 @@ def direct(name: str, P: int, layout: str, causal: bool, backward: bool, mover: 
     chunk is freed once computed), and at most ``3k`` blocks of partials: ``k`` it made travelling home, and
     ``2k`` of receive buffers for its own rows' partials, each posted when its chunk leaves (``ready``).
     """
-    steps = direct_steps(P, pairing(P, layout, causal, mask), causal, backward, mover, chunks, lookahead,
-                         None if mask is None else mask.S // P)
+    steps = direct_steps(
+        P,
+        pairing(P, layout, causal, mask),
+        causal,
+        backward,
+        mover,
+        chunks,
+        lookahead,
+        None if mask is None else mask.S // P,
+    )
     q_kind = "qgrad" if backward else "q"
     return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps), mask)
 
 
-def direct_steps(P: int, pair, causal: bool, backward: bool, mover: str, chunks: int, lookahead: int,
-                 s: int | None = None) -> list[Step]:
+def direct_steps(
+    P: int, pair, causal: bool, backward: bool, mover: str, chunks: int, lookahead: int, s: int | None = None
+) -> list[Step]:
     """The steps of :func:`direct` for blocks that meet as ``pair(q_owner, kv_owner)`` says (``s``: the local
     length, when parts are exact row ranges that a chunk can leave empty)."""
     c, k = chunks, lookahead
@@ -148,11 +171,12 @@ def direct_steps(P: int, pair, causal: bool, backward: bool, mover: str, chunks:
     for r in range(P):
         got = pair(r, r)
         pieces = own_pieces(c, P, mover, backward, triangle=causal and got is not None and got[2])
-        computes = [[x for x in _own_rows(r, a, b, n, got, causal) if s is None or part_rows(x.q_part, s)]
-                    for a, b, n in pieces]
+        computes = [
+            [x for x in _own_rows(r, a, b, n, got, causal) if s is None or part_rows(x.q_part, s)] for a, b, n in pieces
+        ]
         steps[0].computes += computes[0]
-        byes[r] = computes[1:1 + n_byes]
-        for tail in computes[1 + n_byes:]:  # none when nothing goes home (forward pass-KV)
+        byes[r] = computes[1 : 1 + n_byes]
+        for tail in computes[1 + n_byes :]:  # none when nothing goes home (forward pass-KV)
             steps[last].computes += tail
     x = 1
     for i, partner in itertools.product(range(c), rounds):  # chunk-major
@@ -182,6 +206,7 @@ def direct_steps(P: int, pair, causal: bool, backward: bool, mover: str, chunks:
 class TokenRing(RelayOrDirect):
     """``token_ring`` alone: the variant the cost model picks; ``token_ring:relay``: the paper's schedule;
     ``token_ring:direct,c=C,k=K``: the direct one."""
+
     family, default_mode, mover = "token_ring", "auto", "q"
 
     def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:

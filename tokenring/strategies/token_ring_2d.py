@@ -7,6 +7,7 @@ work (:func:`tokenring.strategies.two_level.two_level`). ``token_ring_2d:n=8`` l
 inner variant, like ``token_ring``. Queries and partials never leave the node, so the inter-node link carries
 one K/V block per rank per round, as in the double ring.
 """
+
 from __future__ import annotations
 
 from .two_level import TwoLevel

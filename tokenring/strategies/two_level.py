@@ -23,6 +23,7 @@ sees travel. Memory per rank: the inner schedule's, plus the K/V held for the ro
 flight (two blocks), plus in backward one dK/dV block travelling home.
 The executor and the simulator run the result like any flat schedule (the ranks in it are global).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,8 +31,20 @@ from dataclasses import replace
 from fractions import Fraction
 from functools import lru_cache
 
-from ..schedules import (Compute, Message, Schedule, Step, block_pair, chunk, drop_empty_tail,
-                         all_own_pieces, part_intersection, part_rows, part_union, relay)
+from ..schedules import (
+    Compute,
+    Message,
+    Schedule,
+    Step,
+    all_own_pieces,
+    block_pair,
+    chunk,
+    drop_empty_tail,
+    part_intersection,
+    part_rows,
+    part_union,
+    relay,
+)
 from .base import RelayOrDirect, chunk_choices, lookaheads, outer_choices
 from .ring import pass_kv_steps
 from .token_ring import direct_steps, pass_q_steps
@@ -44,17 +57,31 @@ _KV_SIDE = ("kv", "dkv")  # message kinds about K/V (owner: the K/V's rank); the
 def inner_size_error(name: str, P: int, n: int) -> str | None:
     """Why ``n`` ranks per node cannot split ``P`` ranks for strategy ``name`` (``None``: it can)."""
     if n <= 0:
-        return (f"strategy {name!r} runs over nodes of inner_size ranks: pass tokenring.attention(..., "
-                f"inner_size=N) (ranks per node), set $LOCAL_WORLD_SIZE (torchrun does), or name it "
-                f"'{name.split(':')[0]}:n=N'")
+        return (
+            f"strategy {name!r} runs over nodes of inner_size ranks: pass tokenring.attention(..., "
+            f"inner_size=N) (ranks per node), set $LOCAL_WORLD_SIZE (torchrun does), or name it "
+            f"'{name.split(':')[0]}:n=N'"
+        )
     if P % n:
-        return (f"strategy {name!r}: {P} ranks do not split into nodes of {n} (inner_size must divide the group "
-                f"size); use a divisor of {P}")
+        return (
+            f"strategy {name!r}: {P} ranks do not split into nodes of {n} (inner_size must divide the group "
+            f"size); use a divisor of {P}"
+        )
     return None
 
 
-def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bool, mask, inner,
-              keep: bool = False, outer: int = 1) -> Schedule:
+def two_level(
+    name: str,
+    P: int,
+    n: int,
+    layout: str,
+    causal: bool,
+    backward: bool,
+    mask,
+    inner,
+    keep: bool = False,
+    outer: int = 1,
+) -> Schedule:
     """Compose ``inner(pair) -> list[Step]`` (a flat schedule over ``n`` local ranks) with a ring of K/V between
     the ``P / n`` nodes, as the module docstring draws it (``keep``: none in backward, forward's is reused;
     ``outer``: each visiting round cut into that many sub-rounds by K/V rows)."""
@@ -105,23 +132,32 @@ def two_level(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
     home: list[tuple[int, Message]] = []  # (step to post, message): dK/dV a node made for another node's K/V
     for (o, i, a), steps in rounds.items():
         b, base = a - o, slot[o, i] * stride
-        last_add: dict[int, int] = {}   # local K/V owner -> last step its dK/dV grows on its holder this round
+        last_add: dict[int, int] = {}  # local K/V owner -> last step its dK/dV grows on its holder this round
         part: dict[int, str | None] = {}  # local K/V owner -> rows this node computed against
         qa, kb = a % m * n, b % m * n  # node a's first rank (queries), node b's (K/V)
         for t, st in enumerate(steps):
             step = at(base + t)
             for c in st.computes:
-                step.computes.append(Compute(qa + c.rank, qa + c.q_owner, c.q_part, kb + c.kv_owner, c.kv_part,
-                                             c.diag, c.heads))
+                step.computes.append(
+                    Compute(qa + c.rank, qa + c.q_owner, c.q_part, kb + c.kv_owner, c.kv_part, c.diag, c.heads)
+                )
                 if backward:
                     part[c.kv_owner] = part_union(part.get(c.kv_owner), c.kv_part)
                     if c.rank == c.kv_owner:
                         last_add[c.kv_owner] = max(last_add.get(c.kv_owner, 0), t)
             for x in st.messages:
-                step.messages.append(Message(qa + x.src, qa + x.dst, x.kind,
-                                             (kb if x.kind in _KV_SIDE else qa) + x.owner, x.part, x.heads,
-                                             x.due + base if x.due >= 0 else -1,
-                                             x.ready + base if x.ready >= 0 else -1))
+                step.messages.append(
+                    Message(
+                        qa + x.src,
+                        qa + x.dst,
+                        x.kind,
+                        (kb if x.kind in _KV_SIDE else qa) + x.owner,
+                        x.part,
+                        x.heads,
+                        x.due + base if x.due >= 0 else -1,
+                        x.ready + base if x.ready >= 0 else -1,
+                    )
+                )
                 if x.kind == "dkv" and x.dst == x.owner:
                     last_add[x.owner] = max(last_add.get(x.owner, 0), max(t, x.due))
         if backward and o:
@@ -148,8 +184,12 @@ def _kept(st: "TwoLevel", P: int, layout: str, causal: bool, mask, me: int) -> l
     """Once per call shape and rank (a schedule has ~P^2 messages): the forward's outer-ring K/V for ``me``."""
     n = st.inner
     sched = st.schedule(P, layout, causal, False, mask)
-    return [(x.owner, x.part) for step in sched.steps for x in step.messages
-            if x.dst == me and x.kind == "kv" and x.owner % n == me % n and x.owner // n != me // n]
+    return [
+        (x.owner, x.part)
+        for step in sched.steps
+        for x in step.messages
+        if x.dst == me and x.kind == "kv" and x.owner % n == me % n and x.owner // n != me // n
+    ]
 
 
 def _held_rows(steps: list[Step], n: int) -> list[str | None]:
@@ -171,11 +211,19 @@ class TwoLevel(RelayOrDirect):
     (:func:`two_level`). ``mode`` / ``chunks`` / ``lookahead`` choose the inner schedule as for the flat
     family (relay, or direct with ``lookahead`` up to ``inner - 1``); ``inner=0``: the node size is not known
     yet (``tokenring.attention`` takes it from ``inner_size=`` or ``$LOCAL_WORLD_SIZE``)."""
+
     hierarchical = True
     PARAMS = ("mode", "chunks", "lookahead", "inner", "keep", "outer")
 
-    def __init__(self, mode: str | None = None, chunks: int = 1, lookahead: int = 1, inner: int = 0,
-                 keep: bool = False, outer: int = 1):
+    def __init__(
+        self,
+        mode: str | None = None,
+        chunks: int = 1,
+        lookahead: int = 1,
+        inner: int = 0,
+        keep: bool = False,
+        outer: int = 1,
+    ):
         super().__init__(mode, chunks, lookahead)
         self.inner, self.keep, self.outer = int(inner), bool(keep), int(outer)
         if self.inner < 0:
@@ -186,6 +234,7 @@ class TwoLevel(RelayOrDirect):
 
     def with_inner(self, n: int) -> "TwoLevel":
         from . import get
+
         return get(replace(self.spec, inner=n).text(self.default_mode))
 
     def variants(self, P: int) -> list["TwoLevel"]:
@@ -195,8 +244,9 @@ class TwoLevel(RelayOrDirect):
         # as for flat families, fewer candidates on large groups (each is a simulation of ~P^2 blocks)
         ks = lookaheads(n) if P <= 64 else sorted({1, max(1, n - 1)})
         os_ = sorted({1, self.outer} | set(outer_choices(P // n if n else 1)))
-        return [cls("relay", inner=n, keep=keep, outer=o) for o in os_] + \
-            [cls("direct", c, k, n, keep, o) for c in chunk_choices(P) for k in ks for o in os_]
+        return [cls("relay", inner=n, keep=keep, outer=o) for o in os_] + [
+            cls("direct", c, k, n, keep, o) for c in chunk_choices(P) for k in ks for o in os_
+        ]
 
     def kept_pieces(self, cfg) -> list[tuple[int, str]]:
         """With ``keep``: the K/V pieces the outer ring brings this rank in forward (owners in other nodes, at
@@ -211,9 +261,11 @@ class TwoLevel(RelayOrDirect):
         # outer chunks of a visiting K/V block (half of one, zigzag), each cut again into c by a direct pass-KV
         pieces = self.outer * (self.chunks if self.mover == "kv" and self.mode == "direct" else 1)
         if any(part_rows(chunk(h, i, pieces), s) == 0 for h in halves for i in range(pieces)):
-            return (f"{self.name}: a visiting K/V block is cut into {pieces} row pieces but this rank has {s} rows"
-                    f"{' (halves of it)' if zigzag else ''}; use fewer outer chunks (o=), chunks (c=) or a longer "
-                    f"sequence")
+            return (
+                f"{self.name}: a visiting K/V block is cut into {pieces} row pieces but this rank has {s} rows"
+                f"{' (halves of it)' if zigzag else ''}; use fewer outer chunks (o=), chunks (c=) or a longer "
+                f"sequence"
+            )
         if self.mode != "direct":
             return None
         # A visiting K/V block at a rank's own place (rounds after the first) may meet half of its queries,
@@ -221,9 +273,11 @@ class TwoLevel(RelayOrDirect):
         own = all_own_pieces(self.chunks, self.inner, self.mover)
         if any(part_rows(chunk(h, a, n, b), s) == 0 for h in halves for a, b, n in own):
             smallest = min(Fraction(b - a, n) for a, b, n in own)
-            return (f"{self.name}: the inner schedule cuts a rank's {'half ' if zigzag else ''}block into "
-                    f"pieces (the smallest: {smallest} of its rows) but this rank has {s} rows; use fewer chunks "
-                    f"(c=) or a longer sequence")
+            return (
+                f"{self.name}: the inner schedule cuts a rank's {'half ' if zigzag else ''}block into "
+                f"pieces (the smallest: {smallest} of its rows) but this rank has {s} rows; use fewer chunks "
+                f"(c=) or a longer sequence"
+            )
         return None
 
     def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:

@@ -8,6 +8,7 @@ accounting, timeouts and traces, and the simulator sees them too.
 
 It is USP (:mod:`.usp`) with a single node of all ``P`` ranks: the ring over nodes shrinks to one compute.
 """
+
 from __future__ import annotations
 
 from .usp import Usp
@@ -28,8 +29,10 @@ class Ulysses(Usp):
 
     def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
         if H % P:
-            return (f"strategy='ulysses' needs the {H} query heads to divide over {P} ranks (H % P == 0); "
-                    f"use strategy='token_ring' or 'ring', or a group size that divides {H}")
+            return (
+                f"strategy='ulysses' needs the {H} query heads to divide over {P} ranks (H % P == 0); "
+                f"use strategy='token_ring' or 'ring', or a group size that divides {H}"
+            )
         return None
 
 

@@ -16,6 +16,7 @@ Needs ``H % n == 0``; K/V heads are repeated (differentiably) to ``Hkv'``, the f
 ``$LOCAL_WORLD_SIZE`` give it otherwise. Ulysses (:mod:`.ulysses`) is the case of one node of all ``P`` ranks:
 the ring phase is then a single compute over the whole sequence.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -27,9 +28,20 @@ from ..comm import buffers
 from ..executor import execute
 from ..layouts import local_positions
 from ..masks import block_tiles
-from ..schedules import Compute, Message, Schedule, Shapes, Step, block_pair, drop_empty_tail, part_rows, part_slice
-from ..schedules import payload as flat_payload, ulysses_kv_heads
 from ..merge import acc_dtype, sink_grad
+from ..schedules import (
+    Compute,
+    Message,
+    Schedule,
+    Shapes,
+    Step,
+    block_pair,
+    drop_empty_tail,
+    part_rows,
+    part_slice,
+    ulysses_kv_heads,
+)
+from ..schedules import payload as flat_payload
 from .base import BackwardOps, BlockDims, Config, ForwardOps, Strategy, row_delta, tile_dims
 from .ring import pass_kv_steps
 from .two_level import inner_size_error
@@ -50,29 +62,46 @@ def _schedule(name: str, P: int, n: int, layout: str, causal: bool, backward: bo
     first, last = ("u_dout", "u_grad") if backward else ("u_qkv", "u_out")
 
     def a2a(kind: str) -> list[Message]:
-        return [Message(a * n + i, a * n + j, kind, a * n + (j if kind in ("u_out", "u_grad") else i))
-                for a in range(m) for i in range(n) for j in range(n) if i != j]
+        return [
+            Message(a * n + i, a * n + j, kind, a * n + (j if kind in ("u_out", "u_grad") else i))
+            for a in range(m)
+            for i in range(n)
+            for j in range(n)
+            if i != j
+        ]
 
     ring = pass_kv_steps(m, lambda q, kv: block_pair(q, kv, m, layout, causal, mask), backward)
     ring = drop_empty_tail(ring)
     steps = [Step(messages=a2a(first))] + [Step() for _ in ring] + [Step(messages=a2a(last))]
     for t, st in enumerate(ring, start=1):
         for l in range(n):  # one ring per head group, over the nodes
-            steps[t].computes += [replace(c, rank=c.rank * n + l, q_owner=c.q_owner * n + l,
-                                          kv_owner=c.kv_owner * n + l) for c in st.computes]
-            steps[t].messages += [replace(x, src=x.src * n + l, dst=x.dst * n + l, owner=x.owner * n + l)
-                                  for x in st.messages]
+            steps[t].computes += [
+                replace(c, rank=c.rank * n + l, q_owner=c.q_owner * n + l, kv_owner=c.kv_owner * n + l)
+                for c in st.computes
+            ]
+            steps[t].messages += [
+                replace(x, src=x.src * n + l, dst=x.dst * n + l, owner=x.owner * n + l) for x in st.messages
+            ]
     return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", steps, mask)
 
 
 class _NodeTiles:
     """Masked blocks of the ring phase: owners are global ranks, rows are their node's (``cfg.P`` = nodes)."""
+
     n: int
 
     def tiles(self, c: Compute):
         cfg = self.cfg
-        return block_tiles(cfg.mask, cfg.P, cfg.layout, c.q_owner // self.n, self.rows(c.q_part),
-                           c.kv_owner // self.n, self.rows(c.kv_part), self.device)
+        return block_tiles(
+            cfg.mask,
+            cfg.P,
+            cfg.layout,
+            c.q_owner // self.n,
+            self.rows(c.q_part),
+            c.kv_owner // self.n,
+            self.rows(c.kv_part),
+            self.device,
+        )
 
 
 class _NodeForward(_NodeTiles, ForwardOps):
@@ -122,20 +151,21 @@ class _UspOps:
         self.got: dict[int, list[torch.Tensor]] = {}
         self.make_ring, self.ring = make_ring, None
         docs = cfg.documents
-        self.order, self.inverse = _node_rows(sh.s * sh.P, sh.P, self.node, n, cfg.layout,
-                                              tuple(docs) if docs is not None else None, device)
+        self.order, self.inverse = _node_rows(
+            sh.s * sh.P, sh.P, self.node, n, cfg.layout, tuple(docs) if docs is not None else None, device
+        )
         self.result: list[torch.Tensor] | None = None
 
     def _group(self, t: torch.Tensor, j: int) -> torch.Tensor:
         h = t.shape[2] // self.n
-        return t[:, :, j * h:(j + 1) * h].contiguous()
+        return t[:, :, j * h : (j + 1) * h].contiguous()
 
     def payload(self, m: Message) -> list[torch.Tensor]:
         if m.kind in ("u_qkv", "u_dout"):
             return [self._group(t, m.dst % self.n) for t in self.local[m.kind]]
         if m.kind in ("u_out", "u_grad"):
             s, j = self.sh.s, m.dst % self.n
-            return [t[:, j * s:(j + 1) * s].contiguous() for t in self._result()]
+            return [t[:, j * s : (j + 1) * s].contiguous() for t in self._result()]
         return self._ring().payload(m)
 
     def empty(self, m: Message) -> list[torch.Tensor]:
@@ -178,13 +208,14 @@ class _UspOps:
     def heads_back(self, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         """My rows over all heads, from every rank's head group."""
         s = self.sh.s
-        self.got[self.l] = [t[:, self.l * s:(self.l + 1) * s] for t in self._result()]
+        self.got[self.l] = [t[:, self.l * s : (self.l + 1) * s] for t in self._result()]
         parts = zip(*(self.got[j] for j in range(self.n)))
         return [torch.cat(ts, dim=2).to(dt) for ts, dt in zip(parts, dtypes)]
 
 
 class Usp(Strategy):
     """Ulysses over the ``node_size(P)`` ranks of each node, a ring over the nodes."""
+
     name = family = "usp"
     hierarchical = True
     PARAMS = ("inner",)
@@ -201,6 +232,7 @@ class Usp(Strategy):
 
     def with_inner(self, n: int) -> "Usp":
         from . import get
+
         return get(Usp(n).name)
 
     def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
@@ -208,8 +240,10 @@ class Usp(Strategy):
         if why:
             return why
         if H % self.inner:
-            return (f"strategy {self.name!r} splits the {H} query heads over the {self.inner} ranks of a node "
-                    f"(H % n == 0); use double_ring or token_ring_2d, or a node size that divides {H}")
+            return (
+                f"strategy {self.name!r} splits the {H} query heads over the {self.inner} ranks of a node "
+                f"(H % n == 0); use double_ring or token_ring_2d, or a node size that divides {H}"
+            )
         return None
 
     def prepare(self, q, k, v, P: int):
@@ -243,8 +277,9 @@ class Usp(Strategy):
         dims = BlockDims(sh.B * part_rows(c.q_part, ns.s), part_rows(c.kv_part, ns.s), ns.H, ns.Hkv, copies)
         if mask is None:
             return dims
-        ts, _ = block_tiles(mask, ns.P, layout, c.q_owner // n, part_slice(c.q_part, ns.s), c.kv_owner // n,
-                            part_slice(c.kv_part, ns.s))
+        ts, _ = block_tiles(
+            mask, ns.P, layout, c.q_owner // n, part_slice(c.q_part, ns.s), c.kv_owner // n, part_slice(c.kv_part, ns.s)
+        )
         return replace(dims, tiles=tile_dims(ts, sh.B))
 
     def _node_cfg(self, cfg: Config) -> Config:
@@ -253,7 +288,7 @@ class Usp(Strategy):
         sinks = cfg.sinks
         if sinks is not None:
             h, l = sinks.shape[0] // n, cfg.rank % n
-            sinks = sinks[l * h:(l + 1) * h]
+            sinks = sinks[l * h : (l + 1) * h]
         return replace(cfg, P=cfg.P // n, sinks=sinks)
 
     def unprepare(self, dk: torch.Tensor, dv: torch.Tensor, Hkv: int):
@@ -274,8 +309,13 @@ class Usp(Strategy):
         B, s, H, d = q.shape
         qn = (B, n * s, H // n, d)
         kn = (B, n * s, k.shape[2] // n, d)
-        return [q.new_empty(qn), k.new_empty(kn), v.new_empty(kn), q.new_empty(qn),
-                q.new_empty((B, H // n, n * s), dtype=acc_dtype(q.dtype))]
+        return [
+            q.new_empty(qn),
+            k.new_empty(kn),
+            v.new_empty(kn),
+            q.new_empty(qn),
+            q.new_empty((B, H // n, n * s), dtype=acc_dtype(q.dtype)),
+        ]
 
     def forward(self, q, k, v, cfg: Config):
         n = self.node_size(cfg.P)
@@ -285,8 +325,12 @@ class Usp(Strategy):
             return _NodeForward(n, *ops.gathered("u_qkv"), node_shapes(sh, n), self._node_cfg(cfg))
 
         ops = _UspOps(sh, cfg, n, q.device, {"u_qkv": [q, k, v]}, ring)
-        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask), cfg.comm(f"{self.name} forward"),
-                ops, cfg.held("forward"))
+        execute(
+            self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask),
+            cfg.comm(f"{self.name} forward"),
+            ops,
+            cfg.held("forward"),
+        )
         (out,) = ops.heads_back([q.dtype])
         qn, kn, vn = ops.ring.inputs
         return out, (qn, kn, vn, ops.ring.o.to(q.dtype), ops.ring.lse)
@@ -305,12 +349,16 @@ class Usp(Strategy):
             delta = row_delta(doutn, on)
             if dsinks is not None:  # this head group's rows are all here: its sinks' whole gradient
                 h = lsen.shape[1]
-                dsinks[ops.l * h:(ops.l + 1) * h] = sink_grad(lsen, delta, node_cfg.sinks)
+                dsinks[ops.l * h : (ops.l + 1) * h] = sink_grad(lsen, delta, node_cfg.sinks)
             return _NodeBackward(n, qn, kn, vn, doutn, lsen, delta, node_shapes(sh, n), node_cfg, on)
 
         ops = _UspOps(sh, cfg, n, dout.device, {"u_dout": [dout]}, ring)
-        execute(self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask), cfg.comm(f"{self.name} backward"),
-                ops, cfg.held("backward"))
+        execute(
+            self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask),
+            cfg.comm(f"{self.name} backward"),
+            ops,
+            cfg.held("backward"),
+        )
         return (*ops.heads_back([qn.dtype, kn.dtype, vn.dtype]), dsinks)
 
 

@@ -2,6 +2,7 @@
 benchmark (:mod:`.bench`), the emulated-interconnect testbed (:mod:`.testbed`), the demo (:mod:`.demo`),
 timelines (:mod:`.trace`), the cost-model front end (:mod:`.simulate`) and local rank launching
 (:mod:`.launch`)."""
+
 import torch
 
 # dtype names accepted on the command lines and in benchmark specs

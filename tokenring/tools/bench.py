@@ -25,6 +25,7 @@ PyTorch's own implementations run as the outside peer:
   with the CPU flash op and the all-to-all rotater (a real K/V ring; round-robin load balance for causal,
   which is our zigzag). Private API: may change with any PyTorch release.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,8 @@ from statistics import median
 import torch
 
 from ..layouts import default_layout
-from ..strategies import STRATEGIES, get as get_strategy, why_not
+from ..strategies import STRATEGIES, why_not
+from ..strategies import get as get_strategy
 from ..strategies.base import ScheduledStrategy
 from . import DTYPES
 from .launch import init_rank
@@ -69,6 +71,7 @@ def _sync(device) -> None:
 def _slowest(values: list[float], device) -> list[float]:
     """Element-wise max over ranks."""
     import torch.distributed as dist
+
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -95,6 +98,7 @@ def _comm_only_ops():
 def _link_bytes(logs_by_rank: list[list]) -> dict:
     """Bytes sent per rank per direction and per directed link, from the comm logs of one call."""
     from .trace import direction
+
     per_rank, links = [], {}
     for r, logs in enumerate(logs_by_rank):
         sent = {"data": 0, "results": 0}
@@ -126,7 +130,9 @@ def _model_bytes(spec: dict, name: str) -> dict:
 class _Runner:
     def __init__(self, spec: dict, rank: int, device):
         import torch.distributed as dist
+
         import tokenring
+
         self.spec, self.rank, self.device, self.dist, self.tr = spec, rank, device, dist, tokenring
         self.P = spec["P"]
         self.layout = spec["layout"]
@@ -139,10 +145,15 @@ class _Runner:
     def _ours(self, name: str, traced: bool):
         from ..comm import Trace
         from ..instrument import instrument
+
         trace = Trace(self.rank) if traced else None
         log: list = []
-        with instrument(trace=trace, comm_log=log, timeout=self.spec["timeout"],
-                        backward_kernel=self.spec.get("backward_kernel", "auto")):
+        with instrument(
+            trace=trace,
+            comm_log=log,
+            timeout=self.spec["timeout"],
+            backward_kernel=self.spec.get("backward_kernel", "auto"),
+        ):
             return self._ours_instrumented(name, trace, log)
 
     def _ours_instrumented(self, name: str, trace, log: list):
@@ -193,13 +204,22 @@ class _Runner:
         is resolved by the cost model): decided on rank 0, like inside ``attention``, and sent to every rank."""
         from ..api import resolve
         from ..strategies import get
+
         if name not in self._variants:
             q, k = self.local[:2]
             spec = [None]
             if self.rank == 0:
-                spec[0] = resolve(name, q.shape, k.shape, self.P, dtype=q.dtype, causal=self.spec["causal"],
-                                  layout=self.layout, backward=self.spec["pass"] != "fwd",
-                                  device_type=self.device.type).name
+                spec[0] = resolve(
+                    name,
+                    q.shape,
+                    k.shape,
+                    self.P,
+                    dtype=q.dtype,
+                    causal=self.spec["causal"],
+                    layout=self.layout,
+                    backward=self.spec["pass"] != "fwd",
+                    device_type=self.device.type,
+                ).name
             self.dist.broadcast_object_list(spec, src=0)
             self._variants[name] = get(spec[0])
         return self._variants[name]
@@ -208,17 +228,25 @@ class _Runner:
         """Same schedule, same messages, no compute: the communication time alone."""
         from ..comm import Trace
         from ..executor import execute
-        from ..schedules import Shapes
         from ..instrument import Instruments
+        from ..schedules import Shapes
         from ..strategies.base import Config
+
         strat = self._concrete(name)
         Fwd, Bwd = _comm_only_ops()
         q, k, v, do = self.local
         B, s, H, d = q.shape
         sh = Shapes(B, s, H, k.shape[2], d, q.dtype, self.P)
         trace = Trace(self.rank)
-        cfg = Config(group=None, rank=self.rank, P=self.P, causal=self.spec["causal"], layout=self.layout,
-                     scale=self.scale, hooks=Instruments(timeout=self.spec["timeout"], trace=trace))
+        cfg = Config(
+            group=None,
+            rank=self.rank,
+            P=self.P,
+            causal=self.spec["causal"],
+            layout=self.layout,
+            scale=self.scale,
+            hooks=Instruments(timeout=self.spec["timeout"], trace=trace),
+        )
         mode = self.spec["pass"]
         _sync(self.device)
         self.dist.barrier()
@@ -229,8 +257,11 @@ class _Runner:
             split = time.perf_counter()
         if mode in ("bwd", "both"):
             stat = torch.zeros(B, H, s, dtype=torch.float32, device=self.device)
-            execute(strat.backward_schedule(self.P, self.layout, cfg.causal), cfg.comm("bwd"),
-                    Bwd(q, k, v, do, stat, stat, sh, cfg))
+            execute(
+                strat.backward_schedule(self.P, self.layout, cfg.causal),
+                cfg.comm("bwd"),
+                Bwd(q, k, v, do, stat, stat, sh, cfg),
+            )
         _sync(self.device)
         t1 = time.perf_counter()
         for e in trace.events:
@@ -239,9 +270,14 @@ class _Runner:
 
     def _pytorch_ring(self, traced: bool):
         from torch.distributed.tensor.experimental._attention import (
-            _cp_options, _RotateMethod, _templated_ring_attention)
+            _cp_options,
+            _RotateMethod,
+            _templated_ring_attention,
+        )
         from torch.distributed.tensor.experimental._context_parallel._attention import (
-            _templated_ring_attention_backward)
+            _templated_ring_attention_backward,
+        )
+
         causal, mode, dist = self.spec["causal"], self.spec["pass"], self.dist
         old = (_cp_options.rotate_method, _cp_options.enable_load_balance)
         _cp_options.rotate_method = _RotateMethod.ALL_TO_ALL  # a real ring: K/V to r+1 each step
@@ -258,8 +294,20 @@ class _Runner:
 
             def bwd(out, lse):
                 return _templated_ring_attention_backward(
-                    group, 2, bop, grad_out=do, grad_out_name="grad_out", query=q, key=k, value=v, out=out,
-                    logsumexp=lse, is_causal=causal, dropout_p=0.0, scale=self.scale)[:3]
+                    group,
+                    2,
+                    bop,
+                    grad_out=do,
+                    grad_out_name="grad_out",
+                    query=q,
+                    key=k,
+                    value=v,
+                    out=out,
+                    logsumexp=lse,
+                    is_causal=causal,
+                    dropout_p=0.0,
+                    scale=self.scale,
+                )[:3]
 
             grads = None
             if mode == "bwd":
@@ -278,8 +326,10 @@ class _Runner:
 
     def pytorch_cp_reason(self) -> str | None:
         if self.device.type == "cpu" and (self.spec["causal"] or self.spec["pass"] != "fwd"):
-            return ("PyTorch's public context_parallel has no CPU sharding rule for causal attention or the "
-                    "backward (NotImplementedError); only the non-causal forward runs on CPU")
+            return (
+                "PyTorch's public context_parallel has no CPU sharding rule for causal attention or the "
+                "backward (NotImplementedError); only the non-causal forward runs on CPU"
+            )
         return None
 
     def _pytorch_cp(self, repeats: int, warmup: int):
@@ -287,6 +337,7 @@ class _Runner:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
         from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
+
         mesh = init_device_mesh(self.device.type, (self.P,))
         q, k, v = (t.transpose(1, 2).contiguous() for t in self.full[:3])
         gqa = q.shape[1] != k.shape[1]
@@ -310,6 +361,7 @@ class _Runner:
                 if _cp_options.enable_load_balance and S % (2 * self.P) == 0:
                     # rows are in the head-tail load balancer's order (rank r: chunks r and 2P-1-r) = zigzag
                     from ..layouts import global_order
+
                     out_full = out_full.index_select(2, torch.argsort(global_order(S, self.P, "zigzag")))
             else:
                 how = "output sequence-sharded (K/V all-gathered)"
@@ -332,13 +384,21 @@ class _Runner:
                 res["skipped"] = reason
                 return st
             times, outs, how = self._pytorch_cp(spec["repeats"], spec["warmup"])
-            res.update(api="public torch.distributed.tensor.experimental.context_parallel", how=how,
-                       bytes=_model_bytes(spec, name) if "all-gathered" in how else {})
+            res.update(
+                api="public torch.distributed.tensor.experimental.context_parallel",
+                how=how,
+                bytes=_model_bytes(spec, name) if "all-gathered" in how else {},
+            )
             res["times"] = _slowest(times, self.device)
             res["full_outputs"] = outs
             return st
-        reason = None if name in PEERS or name == "auto" else why_not(
-            name, spec["H"], spec["Hkv"], self.P, spec["S"] // self.P, spec["causal"] and self.layout == "zigzag")
+        reason = (
+            None
+            if name in PEERS or name == "auto"
+            else why_not(
+                name, spec["H"], spec["Hkv"], self.P, spec["S"] // self.P, spec["causal"] and self.layout == "zigzag"
+            )
+        )
         if reason:
             res["skipped"] = reason
             return st
@@ -347,8 +407,11 @@ class _Runner:
         if name == "pytorch_ring" and self.device.type != "cpu":
             res["skipped"] = "pytorch_ring is wired to the CPU flash op only"
             return st
-        st["call"] = (lambda traced: self._pytorch_ring(traced)) if name == "pytorch_ring" else \
-            (lambda traced: self._ours(name, traced))
+        st["call"] = (
+            (lambda traced: self._pytorch_ring(traced))
+            if name == "pytorch_ring"
+            else (lambda traced: self._ours(name, traced))
+        )
         for _ in range(spec["warmup"]):
             st["call"](False)
         return st
@@ -370,8 +433,11 @@ class _Runner:
         res["times"] = _slowest(st["times"], self.device)
         log, outs = st["last"]
         if name == "pytorch_ring":
-            res.update(api="private torch.distributed.tensor.experimental._attention._templated_ring_attention"
-                           " (+ _backward), CPU flash op, all-to-all rotater", bytes=_model_bytes(spec, name))
+            res.update(
+                api="private torch.distributed.tensor.experimental._attention._templated_ring_attention"
+                " (+ _backward), CPU flash op, all-to-all rotater",
+                bytes=_model_bytes(spec, name),
+            )
         else:
             logs = [None] * self.P
             dist.all_gather_object(logs, log)
@@ -400,8 +466,7 @@ class _Runner:
         timed call each, the order rotated every round, so that a slow drift of the machine (other tenants,
         clock changes) reaches every strategy alike and round ``i`` of two strategies can be compared as a
         pair; ``spec["interleave"] = False``: one strategy's calls after another's."""
-        say = (lambda n: print(f"[bench] {n} ...", file=sys.stderr, flush=True)) if self.rank == 0 else \
-            (lambda n: None)
+        say = (lambda n: print(f"[bench] {n} ...", file=sys.stderr, flush=True)) if self.rank == 0 else (lambda n: None)
         if not self.spec.get("interleave", True):
             out = []
             for name in names:
@@ -424,6 +489,7 @@ class _Runner:
 def _reference(spec: dict, full: list[torch.Tensor]) -> list[torch.Tensor]:
     """Single-process attention on the whole sequence (float32 or wider), with gradients when needed."""
     import torch.nn.functional as F
+
     q, k, v, do = (t.detach().to(torch.promote_types(t.dtype, torch.float32)) for t in full)
     need = spec["pass"] != "fwd"
     q, k, v = (t.transpose(1, 2).requires_grad_(need) for t in (q, k, v))
@@ -451,6 +517,7 @@ def _check(spec: dict, ref: list[torch.Tensor], outs: list[torch.Tensor]) -> dic
 def _summarise(spec: dict, res: dict) -> dict:
     """Reduce raw per-repeat results to medians; keeps the traces of the median call."""
     from .trace import step_metrics
+
     P = spec["P"]
     times = res.get("times")
     if not times:
@@ -473,21 +540,33 @@ def _summarise(spec: dict, res: dict) -> dict:
             steps = []
             for t in range(n):
                 row = [x[t] for x in ms if t < len(x)]
-                steps.append(dict(step=t, time=max(m["time"] for m in row),
-                                  compute=max(m["compute"] for m in row),
-                                  exposed=max(m["exposed"] for m in row),
-                                  comm=max(m["comm"] for m in row)))
+                steps.append(
+                    dict(
+                        step=t,
+                        time=max(m["time"] for m in row),
+                        compute=max(m["compute"] for m in row),
+                        exposed=max(m["exposed"] for m in row),
+                        comm=max(m["comm"] for m in row),
+                    )
+                )
             compute = median(sum(m["compute"] for m in x) for x in ms)
             exposed = median(sum(m["exposed"] for m in x) for x in ms)
             n_compute = sum(1 for s in steps if s["compute"] > 0)
-            agg[phase] = dict(steps=steps, compute_total=compute, exposed_total=exposed, compute_steps=n_compute,
-                              compute_per_step=compute / max(1, n_compute),
-                              exposed_per_step=exposed / max(1, n_compute))
+            agg[phase] = dict(
+                steps=steps,
+                compute_total=compute,
+                exposed_total=exposed,
+                compute_steps=n_compute,
+                compute_per_step=compute / max(1, n_compute),
+                exposed_per_step=exposed / max(1, n_compute),
+            )
         res["phases"] = agg
         res["compute_per_step"] = sum(a["compute_total"] for a in agg.values()) / max(
-            1, sum(a["compute_steps"] for a in agg.values()))
+            1, sum(a["compute_steps"] for a in agg.values())
+        )
         res["exposed_per_step"] = sum(a["exposed_total"] for a in agg.values()) / max(
-            1, sum(a["compute_steps"] for a in agg.values()))
+            1, sum(a["compute_steps"] for a in agg.values())
+        )
     cev = res.pop("comm_only_events", None)
     ct = res.get("comm_only_times")
     if ct:
@@ -496,8 +575,7 @@ def _summarise(spec: dict, res: dict) -> dict:
         per_rank = [cev[r][i] for r in range(P)]
         msg_steps = []
         for phase in ("fwd", "bwd"):
-            ms = [[m for m in step_metrics(per_rank[r]) if m["phase"] == phase and m["comm"] > 0]
-                  for r in range(P)]
+            ms = [[m for m in step_metrics(per_rank[r]) if m["phase"] == phase and m["comm"] > 0] for r in range(P)]
             n = max((len(x) for x in ms), default=0)
             msg_steps += [max(x[t]["time"] for x in ms if t < len(x)) for t in range(n)]
         res["comm_steps"] = msg_steps
@@ -507,18 +585,19 @@ def _summarise(spec: dict, res: dict) -> dict:
 
 def _worker(spec_path: str, rank: int) -> int:
     import torch.distributed as dist
+
     with open(spec_path) as f:
         spec = json.load(f)
     backend = spec["backend"]
     device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_rank(rank, spec["P"], spec["store_dir"], backend=backend, threads=spec["threads"],
-              timeout_s=spec["timeout"])
+    init_rank(rank, spec["P"], spec["store_dir"], backend=backend, threads=spec["threads"], timeout_s=spec["timeout"])
     try:
         if spec.get("fail_rank") == rank:
             raise RuntimeError(f"rank {rank}: failure injected by --fail-rank (testing teardown)")
         import tokenring
+
         tokenring.set_timeout(spec["timeout"])
         runner = _Runner(spec, rank, device)
         results = runner.run_all(spec["strategies"])
@@ -561,15 +640,21 @@ def launch(spec: dict, *, prefix=None, env=None, workdir: str | None = None, tim
     limit = timeout or (spec["timeout"] + 120 + 5 * calls)
     try:
         for r in range(P):
-            cmd = list(prefix(r) if prefix else []) + [sys.executable, "-m", "tokenring.tools.bench", "--_worker",
-                                                        spec_path, "--_rank", str(r)]
+            cmd = list(prefix(r) if prefix else []) + [
+                sys.executable,
+                "-m",
+                "tokenring.tools.bench",
+                "--_worker",
+                spec_path,
+                "--_rank",
+                str(r),
+            ]
             e = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), **(env(r) if env else {}))
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # uninstalled, any cwd
             e["PYTHONPATH"] = os.pathsep.join(x for x in (root, e.get("PYTHONPATH")) if x)
             err = open(os.path.join(workdir, f"rank{r}.err"), "w+")
             errs.append(err)
-            procs.append(subprocess.Popen(cmd, env=e, stdout=err, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(subprocess.Popen(cmd, env=e, stdout=err, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + limit
         failed = None
         while time.monotonic() < deadline:
@@ -605,8 +690,10 @@ def launch(spec: dict, *, prefix=None, env=None, workdir: str | None = None, tim
             secondary = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
             primary = [r for r in bad if not any(m in logs[r] for m in secondary)]
             failed = (primary or bad or [failed])[0]
-            raise RuntimeError(f"benchmark rank {failed} exited with code {procs[failed].returncode} (failed ranks: "
-                               f"{bad}); its log ends:\n{logs[failed][-3000:]}")
+            raise RuntimeError(
+                f"benchmark rank {failed} exited with code {procs[failed].returncode} (failed ranks: "
+                f"{bad}); its log ends:\n{logs[failed][-3000:]}"
+            )
         with open(spec["result_path"]) as f:
             return json.load(f)
     finally:
@@ -620,6 +707,7 @@ def launch(spec: dict, *, prefix=None, env=None, workdir: str | None = None, tim
         for e in errs:
             e.close()
         import shutil
+
         shutil.rmtree(workdir if own_dir else store_dir, ignore_errors=True)
 
 
@@ -632,16 +720,57 @@ def _strategy_arg(name: str) -> str:
     return name
 
 
-def make_spec(P=4, S=4096, B=1, H=8, Hkv=None, d=64, dtype="float32", causal=False, layout=None, mode="fwd",
-              strategies=OURS + PEERS, warmup=1, repeats=5, seed=0, trace=True, comm_only=True, threads=1,
-              backend=None, timeout=120.0, fail_rank=None, backward_kernel="auto", interleave=True) -> dict:
+def make_spec(
+    P=4,
+    S=4096,
+    B=1,
+    H=8,
+    Hkv=None,
+    d=64,
+    dtype="float32",
+    causal=False,
+    layout=None,
+    mode="fwd",
+    strategies=OURS + PEERS,
+    warmup=1,
+    repeats=5,
+    seed=0,
+    trace=True,
+    comm_only=True,
+    threads=1,
+    backend=None,
+    timeout=120.0,
+    fail_rank=None,
+    backward_kernel="auto",
+    interleave=True,
+) -> dict:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "gloo"
     layout = layout or default_layout(causal)
-    return dict(P=P, S=S, B=B, H=H, Hkv=Hkv or H, d=d, dtype=dtype, causal=causal, layout=layout, **{"pass": mode},
-                strategies=list(strategies), warmup=warmup, repeats=repeats, seed=seed, trace=trace,
-                comm_only=comm_only, threads=threads, backend=backend, timeout=timeout, fail_rank=fail_rank,
-                backward_kernel=backward_kernel, interleave=interleave)
+    return dict(
+        P=P,
+        S=S,
+        B=B,
+        H=H,
+        Hkv=Hkv or H,
+        d=d,
+        dtype=dtype,
+        causal=causal,
+        layout=layout,
+        **{"pass": mode},
+        strategies=list(strategies),
+        warmup=warmup,
+        repeats=repeats,
+        seed=seed,
+        trace=trace,
+        comm_only=comm_only,
+        threads=threads,
+        backend=backend,
+        timeout=timeout,
+        fail_rank=fail_rank,
+        backward_kernel=backward_kernel,
+        interleave=interleave,
+    )
 
 
 def run(spec: dict, **launch_kw) -> dict:
@@ -656,8 +785,14 @@ def run(spec: dict, **launch_kw) -> dict:
 
 
 def machine() -> dict:
-    return dict(host=platform.node(), cpu=_cpu_name(), cores=os.cpu_count(), python=platform.python_version(),
-                torch=torch.__version__, cuda=torch.cuda.is_available())
+    return dict(
+        host=platform.node(),
+        cpu=_cpu_name(),
+        cores=os.cpu_count(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.cuda.is_available(),
+    )
 
 
 def _cpu_name() -> str:
@@ -690,26 +825,48 @@ def table_rows(result: dict) -> list[list[str]]:
         data = max((x.get("data", 0) for x in pr), default=None) if b else None
         resl = max((x.get("results", 0) for x in pr), default=None) if b else None
         chk = r.get("check", {})
-        rows.append([r["strategy"] + (" (private API)" if r["strategy"] == "pytorch_ring" else ""),
-                     f"{_ms(r['time'])} [{_ms(r['time_min'])}-{_ms(r['time_max'])}]", _ms(r.get("per_step")),
-                     _ms(r.get("compute_per_step")), _ms(r.get("comm_only_time")), _ms(r.get("exposed_per_step")),
-                     _mb(data) + ("*" if b.get("model") else ""), _mb(resl) + ("*" if b.get("model") else ""),
-                     _mb(b.get("busiest_link")) + ("*" if b.get("model") else ""),
-                     f"{r.get('vs_best', 1):.2f}x", ("ok " if chk.get("ok") else "FAIL ") +
-                     f"{chk.get('max_err', float('nan')):.1e}"])
+        rows.append(
+            [
+                r["strategy"] + (" (private API)" if r["strategy"] == "pytorch_ring" else ""),
+                f"{_ms(r['time'])} [{_ms(r['time_min'])}-{_ms(r['time_max'])}]",
+                _ms(r.get("per_step")),
+                _ms(r.get("compute_per_step")),
+                _ms(r.get("comm_only_time")),
+                _ms(r.get("exposed_per_step")),
+                _mb(data) + ("*" if b.get("model") else ""),
+                _mb(resl) + ("*" if b.get("model") else ""),
+                _mb(b.get("busiest_link")) + ("*" if b.get("model") else ""),
+                f"{r.get('vs_best', 1):.2f}x",
+                ("ok " if chk.get("ok") else "FAIL ") + f"{chk.get('max_err', float('nan')):.1e}",
+            ]
+        )
     return rows
 
 
-HEADER = ["strategy", "ms/call median [min-max]", "ms/step", "compute ms/step", "comm ms/call (alone)",
-          "exposed ms/step", "MB sent data", "MB sent results", "busiest link MB", "vs best", "check (max err)"]
+HEADER = [
+    "strategy",
+    "ms/call median [min-max]",
+    "ms/step",
+    "compute ms/step",
+    "comm ms/call (alone)",
+    "exposed ms/step",
+    "MB sent data",
+    "MB sent results",
+    "busiest link MB",
+    "vs best",
+    "check (max err)",
+]
 
 
 def describe(spec: dict) -> str:
     gqa = "MHA" if spec["H"] == spec["Hkv"] else ("MQA" if spec["Hkv"] == 1 else "GQA")
-    return (f"P={spec['P']} B={spec['B']} S={spec['S']} (s={spec['S'] // spec['P']}/rank) H={spec['H']} "
-            f"Hkv={spec['Hkv']} ({gqa}) d={spec['d']} {spec['dtype']} {'causal ' + spec['layout'] if spec['causal'] else 'non-causal'} "
-            f"pass={spec['pass']} backend={spec['backend']} repeats={spec['repeats']} (+{spec['warmup']} warm-up"
-            f"{', interleaved' if spec.get('interleave', True) else ', sequential'})")
+    return (
+        f"P={spec['P']} B={spec['B']} S={spec['S']} (s={spec['S'] // spec['P']}/rank) H={spec['H']} "
+        f"Hkv={spec['Hkv']} ({gqa}) d={spec['d']} {spec['dtype']} "
+        f"{'causal ' + spec['layout'] if spec['causal'] else 'non-causal'} "
+        f"pass={spec['pass']} backend={spec['backend']} repeats={spec['repeats']} (+{spec['warmup']} warm-up"
+        f"{', interleaved' if spec.get('interleave', True) else ', sequential'})"
+    )
 
 
 def print_table(result: dict, title: str = "") -> None:
@@ -717,6 +874,7 @@ def print_table(result: dict, title: str = "") -> None:
     try:
         from rich.console import Console
         from rich.table import Table
+
         t = Table(title=title or describe(result["spec"]), title_justify="left")
         for h in HEADER:
             t.add_column(h, justify="left" if h == "strategy" else "right")
@@ -728,13 +886,16 @@ def print_table(result: dict, title: str = "") -> None:
         print(" | ".join(HEADER))
         for row in rows:
             print(" | ".join(row))
-    print("* model: bytes from the algorithm (not traced). Times: slowest rank per call; per step = call / P; "
-          "comm alone = same schedule with the computes skipped.")
+    print(
+        "* model: bytes from the algorithm (not traced). Times: slowest rank per call; per step = call / P; "
+        "comm alone = same schedule with the computes skipped."
+    )
 
 
 def write_traces(result: dict, trace_dir: str, tag: str = "") -> list[str]:
     """Chrome trace per strategy and one PNG with every traced strategy's median call."""
     from .trace import plot_timeline, write_chrome_trace
+
     os.makedirs(trace_dir, exist_ok=True)
     files, panels = [], {}
     for r in result["results"]:
@@ -780,17 +941,29 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--layout", choices=["contiguous", "zigzag"], default=None)
     ap.add_argument("--pass", dest="mode", choices=["fwd", "bwd", "both"], default="fwd")
-    ap.add_argument("--strategies", nargs="+", default=list(OURS + PEERS), type=_strategy_arg,
-                    help=f"any of {', '.join(OURS + PEERS)} or a variant spec such as token_ring:direct,c=2,k=3")
+    ap.add_argument(
+        "--strategies",
+        nargs="+",
+        default=list(OURS + PEERS),
+        type=_strategy_arg,
+        help=f"any of {', '.join(OURS + PEERS)} or a variant spec such as token_ring:direct,c=2,k=3",
+    )
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     ap.add_argument("--timeout", type=float, default=120.0)
-    ap.add_argument("--backward-kernel", default="auto", choices=["auto", "math", "cpu_flash", "cuda"],
-                    help="local backward kernel of this library's strategies (auto: fused where faster)")
-    ap.add_argument("--sequential", action="store_true",
-                    help="time one strategy's calls after another's (default: interleaved rounds)")
+    ap.add_argument(
+        "--backward-kernel",
+        default="auto",
+        choices=["auto", "math", "cpu_flash", "cuda"],
+        help="local backward kernel of this library's strategies (auto: fused where faster)",
+    )
+    ap.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time one strategy's calls after another's (default: interleaved rounds)",
+    )
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--no-comm-only", action="store_true", help="skip measuring communication alone")
     ap.add_argument("--json", default=None, help="write the full results here")
@@ -799,11 +972,32 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def specs_from_args(a) -> list[dict]:
-    return [make_spec(P=a.ranks, S=S, B=a.batch, H=a.heads, Hkv=a.kv_heads, d=a.head_dim, dtype=a.dtype,
-                      causal=a.causal, layout=a.layout, mode=a.mode, strategies=a.strategies, warmup=a.warmup,
-                      repeats=a.repeats, trace=not a.no_trace, comm_only=not a.no_comm_only, threads=a.threads,
-                      backend=a.backend, timeout=a.timeout, fail_rank=a.fail_rank,
-                      backward_kernel=a.backward_kernel, interleave=not a.sequential) for S in a.seq]
+    return [
+        make_spec(
+            P=a.ranks,
+            S=S,
+            B=a.batch,
+            H=a.heads,
+            Hkv=a.kv_heads,
+            d=a.head_dim,
+            dtype=a.dtype,
+            causal=a.causal,
+            layout=a.layout,
+            mode=a.mode,
+            strategies=a.strategies,
+            warmup=a.warmup,
+            repeats=a.repeats,
+            trace=not a.no_trace,
+            comm_only=not a.no_comm_only,
+            threads=a.threads,
+            backend=a.backend,
+            timeout=a.timeout,
+            fail_rank=a.fail_rank,
+            backward_kernel=a.backward_kernel,
+            interleave=not a.sequential,
+        )
+        for S in a.seq
+    ]
 
 
 def run_cases(specs: list[dict], label=lambda s: describe(s), **launch_kw) -> list[dict]:

@@ -1,4 +1,5 @@
 """``tokenring`` command line: ``tokenring <command> [options]``; each command lives in its own module."""
+
 from __future__ import annotations
 
 import importlib
@@ -6,7 +7,10 @@ import sys
 
 # command -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS = {
-    "demo": ("tokenring.tools.demo", "4 local ranks prefill a long prompt through a Llama-style model with every strategy, checked"),
+    "demo": (
+        "tokenring.tools.demo",
+        "4 local ranks prefill a long prompt through a Llama-style model with every strategy, checked",
+    ),
     "bench": ("tokenring.tools.bench", "side-by-side benchmark of strategies (and PyTorch's own) on local ranks"),
     "testbed": ("tokenring.tools.testbed", "run the benchmark over emulated, bandwidth-shaped links (root)"),
     "simulate": ("tokenring.tools.simulate", "predict each strategy's time on a modelled interconnect"),

@@ -11,6 +11,7 @@ the same weights from the same seed. Peak memory is measured per process from ``
 reset before each run via ``/proc/self/clear_refs``): the growth of the resident set during the prefill, so
 the model weights and the Python runtime, present in every process anyway, are not counted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ STRATEGIES = tuple(_REGISTRY)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Memory: per-process peak resident set
+
 
 def _status_kb(field: str) -> int | None:
     try:
@@ -66,6 +68,7 @@ def _peak_bytes() -> int:
     hwm = _status_kb("VmHWM")
     if hwm is None:
         import resource
+
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return hwm * 1024
 
@@ -73,15 +76,22 @@ def _peak_bytes() -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # Progress: rich when installed, plain lines otherwise
 
+
 class _Progress:
     def __init__(self, enabled: bool):
         self.enabled, self.bar, self.task, self.t0 = enabled, None, None, 0.0
         if enabled:
             try:
-                from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                           TimeElapsedColumn)
-                self.bar = Progress(TextColumn("  {task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("layers + lm_head"), TimeElapsedColumn(), transient=False)
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+                self.bar = Progress(
+                    TextColumn("  {task.description:<28}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TextColumn("layers + lm_head"),
+                    TimeElapsedColumn(),
+                    transient=False,
+                )
                 self.bar.start()
             except ImportError:
                 self.bar = None
@@ -102,8 +112,10 @@ class _Progress:
         if self.bar is not None:
             self.bar.advance(self.task)
         elif self.done == self.total or self.done % max(1, self.total // 4) == 0:
-            print(f"  {self.name}: {self.done}/{self.total} layers + lm_head, {time.perf_counter() - self.t0:.1f} s",
-                  flush=True)
+            print(
+                f"  {self.name}: {self.done}/{self.total} layers + lm_head, {time.perf_counter() - self.t0:.1f} s",
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -113,23 +125,34 @@ class _Progress:
 # ----------------------------------------------------------------------------------------------------------------
 # The model demo
 
+
 def _spec(a) -> dict:
-    return dict(model=a.model, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
-                vocab=a.vocab, seq=a.seq)
+    return dict(
+        model=a.model, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab, seq=a.seq
+    )
 
 
 def _build(spec: dict, attn: str):
     import transformers
+
     torch.manual_seed(0)
     if spec["model"]:
         return transformers.AutoModelForCausalLM.from_pretrained(
-            spec["model"], attn_implementation=attn, dtype=torch.float32, local_files_only=True).eval()
+            spec["model"], attn_implementation=attn, dtype=torch.float32, local_files_only=True
+        ).eval()
     h = spec["hidden"]
-    cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=(8 * h // 3 + 63) // 64 * 64,
-                                   num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-                                   num_key_value_heads=spec["kv_heads"], vocab_size=spec["vocab"],
-                                   max_position_embeddings=max(spec["seq"] + 4096, 2048), rope_theta=500000.0,
-                                   attention_dropout=0.0, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        hidden_size=h,
+        intermediate_size=(8 * h // 3 + 63) // 64 * 64,
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        vocab_size=spec["vocab"],
+        max_position_embeddings=max(spec["seq"] + 4096, 2048),
+        rope_theta=500000.0,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
 
 
@@ -171,15 +194,17 @@ def _rank(rank: int, P: int, spec: dict, strategies: list, ref_path: str, show: 
     import tokenring.hf as thf
     from tokenring.comm import Trace
     from tokenring.layouts import local_positions
+
     model = _build(spec, "tokenring")
     S = spec["seq"]
     ids = _prompt(S, model.config.vocab_size)
     batch = thf.shard_batch(ids)
-    warm = thf.shard_batch(ids[:, :16 * P])
+    warm = thf.shard_batch(ids[:, : 16 * P])
     traced_layer = model.config.num_hidden_layers // 2
     trace = {}
-    thf._settings.config_fn = (lambda m: dict(trace=trace["t"])
-                               if "t" in trace and getattr(m, "layer_idx", None) == traced_layer else None)
+    thf._settings.config_fn = lambda m: (
+        dict(trace=trace["t"]) if "t" in trace and getattr(m, "layer_idx", None) == traced_layer else None
+    )
     with torch.no_grad():
         for name in strategies:  # warm-up: first calls, signature checks
             with thf.settings(strategy=name):
@@ -212,8 +237,10 @@ def _model_main(a) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("tokenring demo needs transformers for the model demo: pip install -e '.[demo]' "
-              "(or run `tokenring demo --layer`, which needs only torch)")
+        print(
+            "tokenring demo needs transformers for the model demo: pip install -e '.[demo]' "
+            "(or run `tokenring demo --layer`, which needs only torch)"
+        )
         return 2
     P, S = a.ranks, a.seq
     if S % (2 * P):
@@ -223,12 +250,13 @@ def _model_main(a) -> int:
     strategies = [s for s in (a.strategies.split(",") if a.strategies else STRATEGIES)]
     if a.model:
         from transformers import AutoConfig
+
         c = AutoConfig.from_pretrained(a.model, local_files_only=True)
         heads, kvh = c.num_attention_heads, getattr(c, "num_key_value_heads", c.num_attention_heads)
         what = f"{a.model}: {c.model_type}, hidden {c.hidden_size}, {c.num_hidden_layers} layers"
     else:
         heads, kvh = a.heads, a.kv_heads
-        what = (f"Llama-architecture model, random weights: hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}")
+        what = f"Llama-architecture model, random weights: hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}"
     try:
         reasons = {name: why_not(name, heads, kvh, P) for name in strategies}
     except ValueError as e:  # an unknown name in --strategies
@@ -240,9 +268,11 @@ def _model_main(a) -> int:
             print(f"({name} skipped: {reason})")
     cores = os.cpu_count() or 1
     print(f"{what}, {heads} heads / {kvh} KV heads, float32")
-    print(f"prefill of a {S}-token prompt: {P} local gloo ranks (zigzag, attn_implementation='tokenring', "
-          f"{max(1, cores // P)} thread each) vs one process ({cores} threads, transformers' sdpa); "
-          f"{cores} CPU cores")
+    print(
+        f"prefill of a {S}-token prompt: {P} local gloo ranks (zigzag, attn_implementation='tokenring', "
+        f"{max(1, cores // P)} thread each) vs one process ({cores} threads, transformers' sdpa); "
+        f"{cores} CPU cores"
+    )
     # Large blocks straight from/to the OS, so the peak-RSS deltas measure live memory, not allocator caches.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     show = not a.quiet
@@ -256,11 +286,15 @@ def _model_main(a) -> int:
         if os.path.exists(ref_path):
             os.remove(ref_path)
         os.rmdir(tmpdir)
-    mb = 1 / 2 ** 20
-    print(f"\n{'':<16}{'prefill':>10}{'tokens/s':>10}{'peak mem/rank':>15}{'vs single':>11}"
-          f"{'w/o logits':>12}{'vs single':>11}{'max |dlogit|':>14}")
-    print(f"{'single-process':<16}{single['time']:>9.1f}s{S / single['time']:>10.0f}{single['peak'] * mb:>12.0f} MB"
-          f"{1:>10.2f}x{single['body'] * mb:>9.0f} MB{1:>10.2f}x{0:>14.1e}")
+    mb = 1 / 2**20
+    print(
+        f"\n{'':<16}{'prefill':>10}{'tokens/s':>10}{'peak mem/rank':>15}{'vs single':>11}"
+        f"{'w/o logits':>12}{'vs single':>11}{'max |dlogit|':>14}"
+    )
+    print(
+        f"{'single-process':<16}{single['time']:>9.1f}s{S / single['time']:>10.0f}{single['peak'] * mb:>12.0f} MB"
+        f"{1:>10.2f}x{single['body'] * mb:>9.0f} MB{1:>10.2f}x{0:>14.1e}"
+    )
     worst_err, ratios, bratios = 0.0, [], []
     for name in strategies:
         rs = [r[name] for r in per_rank]
@@ -271,23 +305,33 @@ def _model_main(a) -> int:
         worst_err = max(worst_err, err)
         ratios.append(single["peak"] / max(peak, 1))
         bratios.append(single["body"] / max(bpeak, 1))
-        print(f"{name:<16}{t:>9.1f}s{S / t:>10.0f}{peak * mb:>12.0f} MB{peak / single['peak']:>10.2f}x"
-              f"{bpeak * mb:>9.0f} MB{bpeak / max(single['body'], 1):>10.2f}x{err:>14.1e}")
-    print(f"peak memory per rank (growth of the process's resident set during the prefill, weights excluded) is "
-          f"1/{min(ratios):.1f}-1/{max(ratios):.1f} of the single process's; before the logits (all layers, "
-          f"attention included) 1/{min(bratios):.1f}-1/{max(bratios):.1f}")
+        print(
+            f"{name:<16}{t:>9.1f}s{S / t:>10.0f}{peak * mb:>12.0f} MB{peak / single['peak']:>10.2f}x"
+            f"{bpeak * mb:>9.0f} MB{bpeak / max(single['body'], 1):>10.2f}x{err:>14.1e}"
+        )
+    print(
+        f"peak memory per rank (growth of the process's resident set during the prefill, weights excluded) is "
+        f"1/{min(ratios):.1f}-1/{max(ratios):.1f} of the single process's; before the logits (all layers, "
+        f"attention included) 1/{min(bratios):.1f}-1/{max(bratios):.1f}"
+    )
     if P > cores:
-        print(f"note: {P} ranks share {cores} cores here, so rank times measure correctness and overhead, "
-              f"not a speed-up")
+        print(
+            f"note: {P} ranks share {cores} cores here, so rank times measure correctness and overhead, not a speed-up"
+        )
     ok = worst_err < a.tol
-    print(f"logits match the single-process model: {'yes' if ok else 'NO'} (max |dlogit| {worst_err:.2e}, "
-          f"tolerance {a.tol:g})")
+    print(
+        f"logits match the single-process model: {'yes' if ok else 'NO'} (max |dlogit| {worst_err:.2e}, "
+        f"tolerance {a.tol:g})"
+    )
     if a.png:
         try:
             from tokenring.tools.trace import plot_timeline
-            plot_timeline(a.png, {n: [r[n]["events"] for r in per_rank] for n in strategies},
-                          title=f"attention of one layer (the middle one) during the {S}-token prefill, "
-                                f"{P} ranks")
+
+            plot_timeline(
+                a.png,
+                {n: [r[n]["events"] for r in per_rank] for n in strategies},
+                title=f"attention of one layer (the middle one) during the {S}-token prefill, {P} ranks",
+            )
             print(f"timeline of one attention layer per strategy: {a.png}")
         except ImportError as e:
             print(f"(no timeline PNG: {e}; pip install matplotlib)")
@@ -297,6 +341,7 @@ def _model_main(a) -> int:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Generation (--generate N): sharded prefill, then model.generate over the sharded KV cache
+
 
 def _gen_kw(n: int) -> dict:
     return dict(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -314,12 +359,18 @@ def _gen_single(rank: int, P: int, spec: dict, n: int) -> dict:
         out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **_gen_kw(n))
         t2 = time.perf_counter()
     cache = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in out.past_key_values.layers)
-    return dict(prefill=t1 - t0, per_token=((t2 - t1) - (t1 - t0)) / max(1, n - 1), cache=cache,
-                peak=_peak_bytes() - base, ids=out.sequences[0, spec["seq"]:].tolist())
+    return dict(
+        prefill=t1 - t0,
+        per_token=((t2 - t1) - (t1 - t0)) / max(1, n - 1),
+        cache=cache,
+        peak=_peak_bytes() - base,
+        ids=out.sequences[0, spec["seq"] :].tolist(),
+    )
 
 
 def _gen_rank(rank: int, P: int, spec: dict, n: int, strategy: str) -> dict:
     import tokenring.hf as thf
+
     model = _build(spec, "tokenring")
     ids = _prompt(spec["seq"], model.config.vocab_size)
     base = _reset_peak()
@@ -328,11 +379,17 @@ def _gen_rank(rank: int, P: int, spec: dict, n: int, strategy: str) -> dict:
         cache = thf.prefill(model, ids)
         t1 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
-                                 return_dict_in_generate=True, **_gen_kw(n))
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), cache=cache, return_dict_in_generate=True, **_gen_kw(n)
+            )
         t2 = time.perf_counter()
-    return dict(prefill=t1 - t0, per_token=(t2 - t1) / n, cache=cache.nbytes(), peak=_peak_bytes() - base,
-                ids=out.sequences[0, spec["seq"]:].tolist())
+    return dict(
+        prefill=t1 - t0,
+        per_token=(t2 - t1) / n,
+        cache=cache.nbytes(),
+        peak=_peak_bytes() - base,
+        ids=out.sequences[0, spec["seq"] :].tolist(),
+    )
 
 
 def _generate_main(a) -> int:
@@ -345,20 +402,27 @@ def _generate_main(a) -> int:
     spec = _spec(a)
     strategy = a.strategies.split(",")[0] if a.strategies else "auto"
     cores = os.cpu_count() or 1
-    print(f"generation: prefill a {S}-token prompt sharded over {P} local ranks (strategy {strategy!r}), then "
-          f"{n} greedy tokens with model.generate over the sharded KV cache; vs one process ({cores} threads, "
-          f"transformers' sdpa and cache). Model: {a.model or f'Llama, random weights, hidden {a.hidden}, {a.layers} layers, {a.heads}/{a.kv_heads} heads'}, float32")
+    model = a.model or f"Llama, random weights, hidden {a.hidden}, {a.layers} layers, {a.heads}/{a.kv_heads} heads"
+    print(
+        f"generation: prefill a {S}-token prompt sharded over {P} local ranks (strategy {strategy!r}), then "
+        f"{n} greedy tokens with model.generate over the sharded KV cache; vs one process ({cores} threads, "
+        f"transformers' sdpa and cache). Model: {model}, float32"
+    )
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     t_start = time.perf_counter()
     one = spawn(_gen_single, 1, spec, n, threads=cores)[0]
     ranks = spawn(_gen_rank, P, spec, n, strategy)
-    mb = 1 / 2 ** 20
+    mb = 1 / 2**20
     print(f"\n{'':<16}{'prefill':>9}{'ms/token':>10}{'KV cache/rank':>15}{'vs single':>11}{'peak mem/rank':>15}")
-    print(f"{'single-process':<16}{one['prefill']:>8.1f}s{one['per_token'] * 1e3:>10.1f}{one['cache'] * mb:>12.1f} MB"
-          f"{1:>10.2f}x{one['peak'] * mb:>12.0f} MB")
+    print(
+        f"{'single-process':<16}{one['prefill']:>8.1f}s{one['per_token'] * 1e3:>10.1f}{one['cache'] * mb:>12.1f} MB"
+        f"{1:>10.2f}x{one['peak'] * mb:>12.0f} MB"
+    )
     cache = max(r["cache"] for r in ranks)
-    print(f"{f'{P} ranks':<16}{max(r['prefill'] for r in ranks):>8.1f}s{max(r['per_token'] for r in ranks) * 1e3:>10.1f}"
-          f"{cache * mb:>12.1f} MB{cache / one['cache']:>10.2f}x{max(r['peak'] for r in ranks) * mb:>12.0f} MB")
+    print(
+        f"{f'{P} ranks':<16}{max(r['prefill'] for r in ranks):>8.1f}s{max(r['per_token'] for r in ranks) * 1e3:>10.1f}"
+        f"{cache * mb:>12.1f} MB{cache / one['cache']:>10.2f}x{max(r['peak'] for r in ranks) * mb:>12.0f} MB"
+    )
     same = all(r["ids"] == one["ids"] for r in ranks)
     print(f"generated ids equal the single process's on every rank: {'yes' if same else 'NO'}")
     if P > cores:
@@ -369,6 +433,7 @@ def _generate_main(a) -> int:
 
 # ----------------------------------------------------------------------------------------------------------------
 # The single attention layer demo (--layer): needs only torch
+
 
 def _inputs(S: int, H: int, Hkv: int, d: int):
     gen = torch.Generator().manual_seed(0)
@@ -402,8 +467,10 @@ def _layer_rank(rank: int, P: int, S: int, H: int, Hkv: int, d: int, repeats: in
 
 def _layer_main(a) -> int:
     head_dim = a.head_dim
-    print(f"causal attention layer: S={a.seq} tokens, H={a.heads}, Hkv={a.kv_heads}, d={head_dim}, float32, "
-          f"{a.ranks} local gloo ranks (zigzag layout), CPU")
+    print(
+        f"causal attention layer: S={a.seq} tokens, H={a.heads}, Hkv={a.kv_heads}, d={head_dim}, float32, "
+        f"{a.ranks} local gloo ranks (zigzag layout), CPU"
+    )
     res = spawn(_layer_rank, a.ranks, a.seq, a.heads, a.kv_heads, head_dim, a.repeats)[0]
     best = min(r["time"] for k, r in res.items() if k != "single-process")
     print(f"{'strategy':<16}{'time/call':>12}{'vs best':>10}{'max |err|':>12}")
@@ -411,8 +478,10 @@ def _layer_main(a) -> int:
         print(f"{name:<16}{r['time'] * 1e3:>10.1f}ms{r['time'] / best:>9.2f}x{r['max_err']:>12.2e}")
     worst = max(r["max_err"] for r in res.values())
     ok = worst < 1e-4
-    print(f"all strategies match single-process attention: {'yes' if ok else 'NO'} (max |err| {worst:.2e}, "
-          f"float32 tolerance 1e-4)")
+    print(
+        f"all strategies match single-process attention: {'yes' if ok else 'NO'} (max |err| {worst:.2e}, "
+        f"float32 tolerance 1e-4)"
+    )
     return 0 if ok else 1
 
 
@@ -433,8 +502,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--head-dim", type=int, default=64, help="(--layer) head dim")
     ap.add_argument("--repeats", type=int, default=3, help="(--layer) timed calls per strategy")
-    ap.add_argument("--generate", type=int, default=0, metavar="N",
-                    help="prefill, then generate N greedy tokens over the sharded KV cache")
+    ap.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prefill, then generate N greedy tokens over the sharded KV cache",
+    )
     a = ap.parse_args(argv)
     if a.generate:
         return _generate_main(a)

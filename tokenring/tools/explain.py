@@ -4,6 +4,7 @@ at every step of a strategy's schedule.
     tokenring explain --ranks 4 --seq 16384 --heads 8 --kv-heads 2 --causal --topology mesh:100mbit
     tokenring explain --plan --strategy token_ring --ranks 4 --seq 4096 --causal --pass fwd [--rank 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ from . import DTYPES
 def main(argv: list[str] | None = None) -> int:
     from ..layouts import default_layout
     from ..schedules import Shapes
-    from ..strategies import STRATEGIES, get
+    from ..strategies import get
 
     ap = argparse.ArgumentParser(prog="tokenring explain", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", "-P", type=int, default=4)
@@ -26,18 +27,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--layout", choices=["contiguous", "zigzag"], default=None)
-    ap.add_argument("--pass", dest="mode", choices=["fwd", "bwd", "both"], default="both",
-                    help="forward only, backward only (--plan) or forward+backward")
+    ap.add_argument(
+        "--pass",
+        dest="mode",
+        choices=["fwd", "bwd", "both"],
+        default="both",
+        help="forward only, backward only (--plan) or forward+backward",
+    )
     ap.add_argument("--topology", default=None, help="interconnect for auto (preset, mesh:RATE, JSON/YAML file)")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                    help="whose default topology and kernel (default: cuda where a GPU is visible; on CUDA the "
-                         "machine's GPUs, links and node size are detected)")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="whose default topology and kernel (default: cuda where a GPU is visible; on CUDA the "
+        "machine's GPUs, links and node size are detected)",
+    )
     ap.add_argument("--plan", action="store_true", help="print the per-rank, per-step schedule")
-    ap.add_argument("--strategy", default="auto", help="auto, a family (token_ring, ring, ring:auto, ulysses, "
-                    "ring_bidir) or a variant such as token_ring:direct,c=2,k=3")
+    ap.add_argument(
+        "--strategy",
+        default="auto",
+        help="auto, a family (token_ring, ring, ring:auto, ulysses, "
+        "ring_bidir) or a variant such as token_ring:direct,c=2,k=3",
+    )
     ap.add_argument("--rank", type=int, action="append", help="only these ranks in --plan (repeatable)")
     a = ap.parse_args(argv)
     import torch
+
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     P, Hkv = a.ranks, a.kv_heads or a.heads
     layout = a.layout or default_layout(a.causal)
@@ -53,8 +68,20 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e))
     if name == "auto" or get(name).mode == "auto" or not a.plan:
         from ..sim.auto import choose, explain
-        text = explain(q, k, causal=a.causal, layout=layout, P=P, topology=a.topology,
-                       backward=a.mode != "fwd", dtype=sh.dtype, strategy=name, file=None, device_type=device)
+
+        text = explain(
+            q,
+            k,
+            causal=a.causal,
+            layout=layout,
+            P=P,
+            topology=a.topology,
+            backward=a.mode != "fwd",
+            dtype=sh.dtype,
+            strategy=name,
+            file=None,
+            device_type=device,
+        )
         if not a.plan:
             print(text, end="")
             return 0

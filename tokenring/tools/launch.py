@@ -14,6 +14,7 @@ sockets are bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``) unless t
 
     init_rank(rank, P, store_dir)            # inside a process you started yourself (see tools/bench.py)
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,8 +35,9 @@ import torch.multiprocessing as mp
 __all__ = ["init_rank", "RankPool", "RankError", "spawn", "exit_at_step"]
 
 
-def init_rank(rank: int, P: int, store_dir: str, *, backend: str = "gloo", threads: int | None = None,
-              timeout_s: float = 600.0) -> None:
+def init_rank(
+    rank: int, P: int, store_dir: str, *, backend: str = "gloo", threads: int | None = None, timeout_s: float = 600.0
+) -> None:
     """Join this process to a ``P``-rank process group as ``rank``, rendezvousing through the file
     ``<store_dir>/store`` (every rank must see the same ``store_dir``, which must start without a ``store``
     file in it). Sets ``threads`` torch threads when given. Gloo (and NCCL's bootstrap) bind to ``lo`` unless
@@ -46,8 +48,9 @@ def init_rank(rank: int, P: int, store_dir: str, *, backend: str = "gloo", threa
     if backend == "nccl":
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     store = dist.FileStore(os.path.join(store_dir, "store"), P)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=P,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=P, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 class RankError(RuntimeError):
@@ -102,7 +105,7 @@ class RankPool:
         self._ctx = mp.get_context("spawn")
         self._procs: list = []
         self._finalizer = None
-        self._broken = False   # a rank died or hung: start fresh ranks before the next call
+        self._broken = False  # a rank died or hung: start fresh ranks before the next call
         self._start()
 
     def _start(self) -> None:
@@ -110,17 +113,22 @@ class RankPool:
         self._inboxes = [self._ctx.Queue() for _ in range(self.P)]
         self._outbox = self._ctx.Queue()
         pg_timeout = self.timeout if self.timeout else 600.0
-        self._procs = [self._ctx.Process(target=_worker, name=f"tokenring-rank-{r}",
-                                         args=(r, self.P, self.store_dir, self.threads, pg_timeout,
-                                               self._inboxes[r], self._outbox))
-                       for r in range(self.P)]
+        self._procs = [
+            self._ctx.Process(
+                target=_worker,
+                name=f"tokenring-rank-{r}",
+                args=(r, self.P, self.store_dir, self.threads, pg_timeout, self._inboxes[r], self._outbox),
+            )
+            for r in range(self.P)
+        ]
         for p in self._procs:
             p.start()
         self._broken = False
         # run before multiprocessing joins its children at interpreter exit (they are not daemons, so that a
         # rank may start processes of its own)
-        self._finalizer = Finalize(self, _stop, args=(self._procs, self._inboxes, self.store_dir, 10.0),
-                                   exitpriority=10)
+        self._finalizer = Finalize(
+            self, _stop, args=(self._procs, self._inboxes, self.store_dir, 10.0), exitpriority=10
+        )
 
     def _restart(self) -> None:
         """Stop the old ranks (killing those still stuck after 2 s) and their store; start fresh ones."""
@@ -139,7 +147,7 @@ class RankPool:
             box.put((fn, args))
         results, errors, exited = [None] * self.P, [], {}
         pending = set(range(self.P))
-        gone: dict[int, float] = {}   # rank -> when it was first seen dead without having answered
+        gone: dict[int, float] = {}  # rank -> when it was first seen dead without having answered
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while pending:
             try:
@@ -156,9 +164,11 @@ class RankPool:
                     break
                 if deadline is not None and now > deadline:
                     self._broken = True
-                    raise RankError(f"rank pool (P={self.P}): ranks {sorted(pending)} gave no answer within "
-                                    f"{self.timeout} s; exited ranks: {sorted(exited) or 'none'}" +
-                                    ("\n" + "\n".join(errors) if errors else ""))
+                    raise RankError(
+                        f"rank pool (P={self.P}): ranks {sorted(pending)} gave no answer within "
+                        f"{self.timeout} s; exited ranks: {sorted(exited) or 'none'}"
+                        + ("\n" + "\n".join(errors) if errors else "")
+                    )
                 continue
             pending.discard(rank)
             if ok:
@@ -200,10 +210,12 @@ def exit_at_step(phase: str, step: int, code: int = 1) -> None:
     """Fault injection (tests, ``bench/fault_soak.py``): this process exits at once, like a crash (no cleanup),
     at the start of step ``step`` of its ``phase`` pass (``"forward"`` or ``"backward"``) of any later call."""
     from .. import comm
+
     real = comm.Comm.start
 
     def start(self, t, sends, recvs):
         if self.what.endswith(phase) and t == step:
             os._exit(code)
         return real(self, t, sends, recvs)
+
     comm.Comm.start = start

@@ -9,27 +9,27 @@
 ``loopback``; presets beyond one node become clusters of nodes joined by their stated NICs) or JSON/YAML files (see
 :func:`tokenring.sim.topology.topology_from_dict`); default ``$TOKENRING_TOPOLOGY`` or every hardware preset.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
 
+from .. import settings
 from ..sim.auto import fmt_time
 from ..sim.kernel_model import kernel_model
 from ..sim.simulator import candidates, shapes_for, simulate
 from ..sim.topology import get_topology
 from ..strategies import STRATEGIES, runnable, why_not
-from .. import settings
 from . import DTYPES
 
 __all__ = ["main", "sweep", "plot_curves", "save_figure", "HARDWARE_PRESETS"]
 
-HARDWARE_PRESETS = ["a10-pcie-4", "h100-nvswitch-8", "h200-nvswitch-8", "ascend910b-mesh-8", "mi300x-mesh-8",
-                    "ib-2x8"]
+HARDWARE_PRESETS = ["a10-pcie-4", "h100-nvswitch-8", "h200-nvswitch-8", "ascend910b-mesh-8", "mi300x-mesh-8", "ib-2x8"]
 TESTBED_PRESETS = ["switch:200mbit", "ring:200mbit", "mesh:200mbit"]
-SWEEP_P = [2 ** i for i in range(1, 11)]
-SWEEP_S = [2 ** i for i in range(13, 21)]  # 8K .. 1M
+SWEEP_P = [2**i for i in range(1, 11)]
+SWEEP_S = [2**i for i in range(13, 21)]  # 8K .. 1M
 
 
 def _round_S(S: int, P: int, causal: bool) -> int:
@@ -49,8 +49,9 @@ def predict(topo_spec, S, P, H, Hkv, d, B, dtype, causal, backward, strategies=N
     return [simulate(n, sh, topo, km, causal=causal, backward=backward) for n in _strategies(strategies, H, Hkv, P)]
 
 
-def sweep(topologies, S, P, H, Hkv, d, B, dtype, causal, backward, strategies=None, Ps=SWEEP_P, Ss=SWEEP_S,
-          log=print) -> dict:
+def sweep(
+    topologies, S, P, H, Hkv, d, B, dtype, causal, backward, strategies=None, Ps=SWEEP_P, Ss=SWEEP_S, log=print
+) -> dict:
     """For each topology: every strategy's predicted time vs P (S fixed) and vs S (P fixed)."""
     out = {}
     for spec in topologies:
@@ -59,12 +60,28 @@ def sweep(topologies, S, P, H, Hkv, d, B, dtype, causal, backward, strategies=No
         rec = dict(topology=spec, source=base.source, vs_P=dict(S=S, points=[]), vs_S=dict(P=Pfix, points=[]))
         for p in Ps:
             for r in predict(spec, S, p, H, Hkv, d, B, dtype, causal, backward, strategies):
-                rec["vs_P"]["points"].append(dict(P=p, S=r.shapes.s * p, strategy=r.strategy, time_s=r.time,
-                                                  regime=r.regime, exposed_comm_s=r.exposed_comm))
+                rec["vs_P"]["points"].append(
+                    dict(
+                        P=p,
+                        S=r.shapes.s * p,
+                        strategy=r.strategy,
+                        time_s=r.time,
+                        regime=r.regime,
+                        exposed_comm_s=r.exposed_comm,
+                    )
+                )
         for s in Ss:
             for r in predict(spec, s, Pfix, H, Hkv, d, B, dtype, causal, backward, strategies):
-                rec["vs_S"]["points"].append(dict(P=Pfix, S=r.shapes.s * Pfix, strategy=r.strategy, time_s=r.time,
-                                                  regime=r.regime, exposed_comm_s=r.exposed_comm))
+                rec["vs_S"]["points"].append(
+                    dict(
+                        P=Pfix,
+                        S=r.shapes.s * Pfix,
+                        strategy=r.strategy,
+                        time_s=r.time,
+                        regime=r.regime,
+                        exposed_comm_s=r.exposed_comm,
+                    )
+                )
         log(f"  {spec}: done")
         out[spec] = rec
     return out
@@ -82,8 +99,9 @@ def plot_curves(ax, points: list[dict], x: str, ms_key: str = "time_s") -> None:
             continue
         ax.plot([p[x] for p in ps], [p[ms_key] * 1e3 for p in ps], "-", color=color, label=st)
         for p in ps:
-            ax.plot(p[x], p[ms_key] * 1e3, "o", color=color, ms=4,
-                    mfc=color if p["regime"] == "compute-bound" else "white")
+            ax.plot(
+                p[x], p[ms_key] * 1e3, "o", color=color, ms=4, mfc=color if p["regime"] == "compute-bound" else "white"
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
@@ -91,8 +109,10 @@ def plot_curves(ax, points: list[dict], x: str, ms_key: str = "time_s") -> None:
 
 def plot_sweep(data: dict, path: str, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     n = len(data)
     fig, axes = plt.subplots(n, 2, figsize=(11, 3.1 * n), squeeze=False)
     for i, (spec, rec) in enumerate(data.items()):
@@ -111,6 +131,7 @@ def plot_sweep(data: dict, path: str, title: str) -> None:
 def save_figure(fig, path: str, title: str, dpi: int) -> None:
     """Title (with the marker legend of :func:`plot_curves`), lay out, write and close ``fig``."""
     import matplotlib.pyplot as plt
+
     fig.suptitle(title + "  (filled marker: compute-bound, hollow: comm-bound)", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.985))
     fig.savefig(path, dpi=dpi)
@@ -149,16 +170,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.sweep:
         os.makedirs(a.out, exist_ok=True)
-        print(f"sweeping {len(topologies)} topologies (S={a.seq} for the P sweep; P sweep up to 1024 builds "
-              f"large schedules once, ~1 min)")
-        data = sweep(topologies, a.seq, a.ranks, a.heads, Hkv, a.head_dim, a.batch, dtype, a.causal, backward,
-                     a.strategies)
+        print(
+            f"sweeping {len(topologies)} topologies (S={a.seq} for the P sweep; P sweep up to 1024 builds "
+            f"large schedules once, ~1 min)"
+        )
+        data = sweep(
+            topologies, a.seq, a.ranks, a.heads, Hkv, a.head_dim, a.batch, dtype, a.causal, backward, a.strategies
+        )
         stem = os.path.join(a.out, a.stem)
         meta = dict(H=a.heads, Hkv=Hkv, d=a.head_dim, B=a.batch, dtype=a.dtype, causal=a.causal, pass_=a.mode)
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta=meta, topologies=data), f, indent=1)
-        plot_sweep(data, stem + ".png", f"predicted attention time, H={a.heads} Hkv={Hkv} d={a.head_dim} "
-                                        f"{a.dtype} causal={a.causal} pass={a.mode}")
+        plot_sweep(
+            data,
+            stem + ".png",
+            f"predicted attention time, H={a.heads} Hkv={Hkv} d={a.head_dim} {a.dtype} causal={a.causal} pass={a.mode}",
+        )
         print(f"wrote {stem}.json and {stem}.png")
         return 0
     allres = []
@@ -173,13 +200,17 @@ def main(argv: list[str] | None = None) -> int:
             continue
         best = min(r.time for r in res)
         sh = res[0].shapes
-        print(f"\n{topo.describe()}  kernels: {km.name}  S={sh.s * P} B={sh.B} H={sh.H} Hkv={sh.Hkv} d={sh.d} "
-              f"{a.dtype} causal={a.causal} pass={a.mode}")
+        print(
+            f"\n{topo.describe()}  kernels: {km.name}  S={sh.s * P} B={sh.B} H={sh.H} Hkv={sh.Hkv} d={sh.d} "
+            f"{a.dtype} causal={a.causal} pass={a.mode}"
+        )
         w = max(11, *(len(r.strategy) + 2 for r in res))
         print(f"  {'strategy':<{w}}{'time':>12}{'vs best':>9}{'compute':>12}{'exposed':>12}  regime")
         for r in sorted(res, key=lambda r: r.time):
-            print(f"  {r.strategy:<{w}}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
-                  f"{fmt_time(r.exposed_comm):>12}  {r.regime}")
+            print(
+                f"  {r.strategy:<{w}}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
+                f"{fmt_time(r.exposed_comm):>12}  {r.regime}"
+            )
             if a.steps:
                 for p in r.passes:
                     cells = " ".join(f"{s.time * 1e3:.3g}({s.compute * 1e3:.3g}|{s.comm * 1e3:.3g})" for s in p.steps)

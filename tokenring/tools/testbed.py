@@ -26,6 +26,7 @@ process's unique prefix ``trtb-<pid>-<n>``. No traffic leaves the namespaces.
 Per-direction latency needs the ``netem`` qdisc; where the kernel lacks it (as on the machine this was
 written on) ``--delay-ms`` is refused with that reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,18 +70,28 @@ def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 class Testbed:
     """P namespaces joined by shaped veth links. Use as a context manager::
 
-        with Testbed(4, "mesh", rate_mbit=200) as tb:
-            bench.run(spec, **tb.launch_kwargs())
+    with Testbed(4, "mesh", rate_mbit=200) as tb:
+        bench.run(spec, **tb.launch_kwargs())
     """
 
-    def __init__(self, P: int, topology: str, rate_mbit: float, delay_ms: float = 0.0,
-                 queue_ms: float | None = None, prefix: str | None = None, node: int = 0,
-                 intra_mbit: float | None = None):
+    def __init__(
+        self,
+        P: int,
+        topology: str,
+        rate_mbit: float,
+        delay_ms: float = 0.0,
+        queue_ms: float | None = None,
+        prefix: str | None = None,
+        node: int = 0,
+        intra_mbit: float | None = None,
+    ):
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology {topology!r} is unknown; choose one of {TOPOLOGIES}")
         if topology == "cluster" and (node < 1 or P % node or node == P):
-            raise ValueError(f"the cluster testbed needs nodes of `node` ranks dividing P={P} into at least two "
-                             f"nodes, got node={node}")
+            raise ValueError(
+                f"the cluster testbed needs nodes of `node` ranks dividing P={P} into at least two "
+                f"nodes, got node={node}"
+            )
         self.node = node if topology == "cluster" else 0
         self.intra = (intra_mbit or 4 * rate_mbit) if topology == "cluster" else None
         if P < 2 or P > 200:
@@ -119,8 +130,12 @@ class Testbed:
         self._in(name, "ip", "link", "set", "dev", "lo", "up")
         # No TCP slow start after an idle gap: an interconnect link does not ramp up again between messages, and
         # schedules that pause a link between messages would otherwise pay a fresh ramp each time.
-        for key in ("net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0", "net.ipv4.ip_forward=1",
-                    "net.ipv4.tcp_slow_start_after_idle=0"):
+        for key in (
+            "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.default.rp_filter=0",
+            "net.ipv4.ip_forward=1",
+            "net.ipv4.tcp_slow_start_after_idle=0",
+        ):
             self._in(name, "sysctl", "-q", "-w", key, check=False)
 
     def _in(self, ns: str, *cmd: str, check: bool = True):
@@ -147,8 +162,9 @@ class Testbed:
         queue = ["latency", f"{self.queue_ms}ms"] if self.queue_ms else ["limit", str(QUEUE_BYTES)]
         tbf = ["tbf", "rate", f"{rate}mbit", "burst", str(burst), *queue]
         if self.delay_ms > 0:
-            self._in(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
-                     f"{self.delay_ms}ms")
+            self._in(
+                ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms"
+            )
             self._in(ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf)
         else:
             self._in(ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf)
@@ -171,8 +187,10 @@ class Testbed:
         if why:
             raise RuntimeError(f"testbed: {why}")
         if self.delay_ms > 0 and not self._has_netem():
-            raise RuntimeError("testbed: --delay-ms needs the netem qdisc, which this kernel does not provide "
-                               "(tc says 'Specified qdisc kind is unknown'); run without a delay")
+            raise RuntimeError(
+                "testbed: --delay-ms needs the netem qdisc, which this kernel does not provide "
+                "(tc says 'Specified qdisc kind is unknown'); run without a delay"
+            )
         _live.append(self)
         try:
             for r in range(self.P):
@@ -193,8 +211,12 @@ class Testbed:
         try:
             self._ns_add(probe)
             _sh("ip", "-n", probe, "link", "add", "name", "a", "type", "veth", "peer", "name", "b")
-            return self._in(probe, "tc", "qdisc", "add", "dev", "a", "root", "netem", "delay", "1ms",
-                            check=False).returncode == 0
+            return (
+                self._in(
+                    probe, "tc", "qdisc", "add", "dev", "a", "root", "netem", "delay", "1ms", check=False
+                ).returncode
+                == 0
+            )
         finally:
             _sh("ip", "netns", "del", probe, check=False)
             if probe in self.namespaces:
@@ -210,8 +232,8 @@ class Testbed:
             _sh("ip", "-n", self.hub, "link", "set", "dev", port, "master", "br0")
             _sh("ip", "-n", self.ns(r), "addr", "add", f"{self.addr(r)}/16", "dev", "eth0")
             self.iface[r] = "eth0"
-            self._shape(self.ns(r), "eth0")   # rank -> switch
-            self._shape(self.hub, port)       # switch -> rank
+            self._shape(self.ns(r), "eth0")  # rank -> switch
+            self._shape(self.hub, port)  # switch -> rank
 
     def _setup_links(self) -> None:
         for i, j in self._pairs():
@@ -245,8 +267,8 @@ class Testbed:
             self._veth(nic, "sw", self.hub, f"n{a}")
             _sh("ip", "-n", self.hub, "link", "set", "dev", f"n{a}", "master", "br0")
             _sh("ip", "-n", nic, "addr", "add", f"{self.router_addr(a)}/32", "dev", "sw")
-            self._shape(nic, "sw")           # node -> switch
-            self._shape(self.hub, f"n{a}")   # switch -> node
+            self._shape(nic, "sw")  # node -> switch
+            self._shape(self.hub, f"n{a}")  # switch -> node
         for r in range(self.P):  # each rank: an unshaped link to its node's NIC, its identity address on it
             a = r // n
             self._veth(self.ns(r), "up", self.router(a), f"r{r}")
@@ -270,8 +292,19 @@ class Testbed:
         for a in range(m):  # a router sends another node's ranks to that node's router
             for j in range(self.P):
                 if j // n != a:
-                    _sh("ip", "-n", self.router(a), "route", "add", f"{self.addr(j)}/32", "via",
-                        self.router_addr(j // n), "dev", "sw", "onlink")
+                    _sh(
+                        "ip",
+                        "-n",
+                        self.router(a),
+                        "route",
+                        "add",
+                        f"{self.addr(j)}/32",
+                        "via",
+                        self.router_addr(j // n),
+                        "dev",
+                        "sw",
+                        "onlink",
+                    )
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
@@ -310,9 +343,15 @@ class Testbed:
         # The ranks' cost model (strategy "auto", "token_ring") sees this testbed unless the caller chose one.
         topo = os.environ.get("TOKENRING_TOPOLOGY") or self.spec()
         extra = {"LOCAL_WORLD_SIZE": str(self.node)} if self.node else {}  # as torchrun would set it
-        return dict(prefix=lambda r: ["ip", "netns", "exec", self.ns(r)],
-                    env=lambda r: {"GLOO_SOCKET_IFNAME": self.iface[r], "TP_SOCKET_IFNAME": self.iface[r],
-                                   "TOKENRING_TOPOLOGY": topo, **extra})
+        return dict(
+            prefix=lambda r: ["ip", "netns", "exec", self.ns(r)],
+            env=lambda r: {
+                "GLOO_SOCKET_IFNAME": self.iface[r],
+                "TP_SOCKET_IFNAME": self.iface[r],
+                "TOKENRING_TOPOLOGY": topo,
+                **extra,
+            },
+        )
 
     def spec(self) -> str:
         """This testbed as a ``tokenring.sim`` topology spec (``"mesh:200mbit"``,
@@ -330,10 +369,17 @@ class Testbed:
         return total
 
     def describe(self) -> dict:
-        out = dict(topology=self.topology, P=self.P, rate_mbit=self.rate, rate_MBps=self.rate / 8,
-                   delay_ms=self.delay_ms, shaping="tc tbf per direction (full duplex), veth, " +
-                   (f"{self.queue_ms:g} ms queue" if self.queue_ms else "lossless queue"),
-                   links=len(self.links), spec=self.spec())
+        out = dict(
+            topology=self.topology,
+            P=self.P,
+            rate_mbit=self.rate,
+            rate_MBps=self.rate / 8,
+            delay_ms=self.delay_ms,
+            shaping="tc tbf per direction (full duplex), veth, "
+            + (f"{self.queue_ms:g} ms queue" if self.queue_ms else "lossless queue"),
+            links=len(self.links),
+            spec=self.spec(),
+        )
         if self.node:
             out.update(node=self.node, intra_mbit=self.intra)
         return out
@@ -345,6 +391,7 @@ def _raise_exit(signum, frame):
 
 def _is_main_thread() -> bool:
     import threading
+
     return threading.current_thread() is threading.main_thread()
 
 
@@ -379,20 +426,26 @@ def _cleanup_all() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from . import bench
+
     ap = argparse.ArgumentParser(prog="tokenring testbed", description=__doc__.splitlines()[0])
     ap.add_argument("--topology", nargs="+", default=["mesh", "switch"], choices=TOPOLOGIES)
     ap.add_argument("--rate", type=float, nargs="+", default=[200.0], help="link rate(s), Mbit/s per direction")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency per direction (needs netem)")
     ap.add_argument("--node", type=int, default=2, help="cluster: ranks per node")
     ap.add_argument("--intra", type=float, default=None, help="cluster: intra-node link rate, Mbit/s (default 4x)")
-    ap.add_argument("--cleanup", action="store_true",
-                    help="only delete namespaces left behind by a testbed process that was killed, then exit")
+    ap.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="only delete namespaces left behind by a testbed process that was killed, then exit",
+    )
     bench.add_args(ap)
     a = ap.parse_args(argv)
     why = available()
     if why:
-        print(f"tokenring testbed: {why}. Run it as root (sudo), or use `tokenring bench` for unshaped "
-              f"local ranks.", file=sys.stderr)
+        print(
+            f"tokenring testbed: {why}. Run it as root (sudo), or use `tokenring bench` for unshaped local ranks.",
+            file=sys.stderr,
+        )
         return 2
     if a.cleanup:
         removed = cleanup_stale()
@@ -402,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         from rich.progress import Progress
+
         prog = Progress(transient=True) if len(cases) > 1 else None
     except ImportError:
         prog = None
@@ -424,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if prog:
             prog.stop()
+
     def title(res):
         t = res["testbed"]
         return f"{t['topology']} @ {t['rate_mbit']:g} Mbit/s per direction: {bench.describe(res['spec'])}"
@@ -431,7 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     def tag(res):
         t = res["testbed"]
         return f"{t['topology']}_{t['rate_mbit']:g}mbit_S{res['spec']['S']}_"
+
     return bench.report(results, a, title, tag)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

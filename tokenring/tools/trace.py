@@ -19,12 +19,14 @@ for ring both go to ``r + 1``. A message's bar runs from when it was posted to w
 that step returned (gloo reports completion only there), so a bar that outlasts the step's compute is
 *exposed* communication; the PNG marks it in red on the compute lane.
 """
+
 from __future__ import annotations
 
 import json
 from collections import defaultdict
 
-from ..messages import FLOWS, kind as _kind
+from ..messages import FLOWS
+from ..messages import kind as _kind
 
 __all__ = ["direction", "step_metrics", "chrome_trace", "write_chrome_trace", "plot_timeline"]
 
@@ -52,7 +54,7 @@ def step_metrics(events: list[dict]) -> list[dict]:
         by[(_phase(e), e["step"] if e["lane"] == "compute" else e.get("due", e["step"]))].append(e)
     out, prev_end = [], {}
     order = {"fwd": 0, "bwd": 1}
-    for (phase, step) in sorted(by, key=lambda k: (order.get(k[0], 2), k[1])):
+    for phase, step in sorted(by, key=lambda k: (order.get(k[0], 2), k[1])):
         evs = by[(phase, step)]
         start = min(e["start"] for e in evs)
         end = max(e["end"] for e in evs)
@@ -62,13 +64,22 @@ def step_metrics(events: list[dict]) -> list[dict]:
         comp_end = max((e["end"] for e in comp), default=start)
         msg_end = max((e["end"] for e in msgs), default=comp_end)
         begin = prev_end.get(phase, start)
-        out.append(dict(phase=phase, step=step, start=start, end=end, time=end - begin, compute=compute,
-                        comm=max((e["end"] - e["start"] for e in msgs), default=0.0),
-                        exposed=max(0.0, msg_end - comp_end),
-                        bytes_data=sum(e["bytes"] for e in msgs if e["lane"] == "send"
-                                       and direction(e["kind"]) == "data"),
-                        bytes_results=sum(e["bytes"] for e in msgs if e["lane"] == "send"
-                                          and direction(e["kind"]) == "results")))
+        out.append(
+            dict(
+                phase=phase,
+                step=step,
+                start=start,
+                end=end,
+                time=end - begin,
+                compute=compute,
+                comm=max((e["end"] - e["start"] for e in msgs), default=0.0),
+                exposed=max(0.0, msg_end - comp_end),
+                bytes_data=sum(e["bytes"] for e in msgs if e["lane"] == "send" and direction(e["kind"]) == "data"),
+                bytes_results=sum(
+                    e["bytes"] for e in msgs if e["lane"] == "send" and direction(e["kind"]) == "results"
+                ),
+            )
+        )
         prev_end[phase] = end
     return out
 
@@ -92,16 +103,37 @@ def chrome_trace(events_by_rank: list[list[dict]], title: str = "") -> dict:
             out.append(dict(ph="M", name="thread_name", pid=r, tid=tid, args=dict(name=lane)))
         for e in evs:
             args = {k: v for k, v in e.items() if k not in ("start", "end", "lane", "name", "rank")}
-            name = e["name"] if e["lane"] == "compute" else \
-                f"{e['kind']} {'->' if e['lane'] == 'send' else '<-'} r{e['peer']} ({e['bytes'] / 1e6:.2f} MB)"
-            out.append(dict(ph="X", name=f"{_phase(e)} s{e['step']}: {name}", cat=_lane(e), pid=r,
-                            tid=_TIDS[_lane(e)], ts=(e["start"] - t0) * 1e6,
-                            dur=max(0.0, e["end"] - e["start"]) * 1e6, args=args))
+            name = (
+                e["name"]
+                if e["lane"] == "compute"
+                else f"{e['kind']} {'->' if e['lane'] == 'send' else '<-'} r{e['peer']} ({e['bytes'] / 1e6:.2f} MB)"
+            )
+            out.append(
+                dict(
+                    ph="X",
+                    name=f"{_phase(e)} s{e['step']}: {name}",
+                    cat=_lane(e),
+                    pid=r,
+                    tid=_TIDS[_lane(e)],
+                    ts=(e["start"] - t0) * 1e6,
+                    dur=max(0.0, e["end"] - e["start"]) * 1e6,
+                    args=args,
+                )
+            )
         for m in step_metrics(evs):
             if m["exposed"] > 0:
-                out.append(dict(ph="X", name=f"{m['phase']} s{m['step']}: exposed wait", cat="exposed wait",
-                                pid=r, tid=_TIDS["exposed wait"], ts=(m["end"] - m["exposed"] - t0) * 1e6,
-                                dur=m["exposed"] * 1e6, args=dict(step=m["step"], phase=m["phase"])))
+                out.append(
+                    dict(
+                        ph="X",
+                        name=f"{m['phase']} s{m['step']}: exposed wait",
+                        cat="exposed wait",
+                        pid=r,
+                        tid=_TIDS["exposed wait"],
+                        ts=(m["end"] - m["exposed"] - t0) * 1e6,
+                        dur=m["exposed"] * 1e6,
+                        args=dict(step=m["step"], phase=m["phase"]),
+                    )
+                )
     return dict(traceEvents=out, displayTimeUnit="ms", otherData=dict(title=title))
 
 
@@ -115,6 +147,7 @@ def plot_timeline(path: str, traces: dict[str, list[list[dict]]], title: str = "
     sharing the time axis; per rank three lanes: compute (grey, exposed waits red), data sent (blue: Q / K/V)
     and results sent (orange: partials, dQ, dK/dV)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -127,8 +160,7 @@ def plot_timeline(path: str, traces: dict[str, list[list[dict]]], title: str = "
         t0 = min(e["start"] for e in all_ev)
         starts[lab] = t0
         span = max(span, max(e["end"] for e in all_ev) - t0)
-    fig, axes = plt.subplots(len(labels), 1, figsize=(12, 0.9 + 1.05 * P * len(labels)), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(len(labels), 1, figsize=(12, 0.9 + 1.05 * P * len(labels)), sharex=True, squeeze=False)
     for ax, lab in zip(axes[:, 0], labels):
         t0 = starts[lab]
         yt, yl = [], []
@@ -138,18 +170,36 @@ def plot_timeline(path: str, traces: dict[str, list[list[dict]]], title: str = "
             for e in evs:
                 x, w = (e["start"] - t0) * 1e3, max(e["end"] - e["start"], 0) * 1e3
                 if e["lane"] == "compute":
-                    ax.broken_barh([(x, w)], (rows["compute"], 1.0), facecolors="#7f7f7f", edgecolor="white",
-                                   linewidth=0.5)
+                    ax.broken_barh(
+                        [(x, w)], (rows["compute"], 1.0), facecolors="#7f7f7f", edgecolor="white", linewidth=0.5
+                    )
                 elif e["lane"] == "send":
-                    ax.broken_barh([(x, w)], (rows[direction(e["kind"])], 1.0), facecolors=_kind(e["kind"]).colour,
-                                   edgecolor="white", linewidth=0.5, alpha=0.85)
+                    ax.broken_barh(
+                        [(x, w)],
+                        (rows[direction(e["kind"])], 1.0),
+                        facecolors=_kind(e["kind"]).colour,
+                        edgecolor="white",
+                        linewidth=0.5,
+                        alpha=0.85,
+                    )
                     if w > span * 1e3 * 0.04:
-                        ax.text(x + w / 2, rows[direction(e["kind"])] + 0.5, f"{e['kind']}->{e['peer']}",
-                                ha="center", va="center", fontsize=6, color="white")
+                        ax.text(
+                            x + w / 2,
+                            rows[direction(e["kind"])] + 0.5,
+                            f"{e['kind']}->{e['peer']}",
+                            ha="center",
+                            va="center",
+                            fontsize=6,
+                            color="white",
+                        )
             for m in step_metrics(evs):
                 if m["exposed"] > 0:
-                    ax.broken_barh([((m["end"] - m["exposed"] - t0) * 1e3, m["exposed"] * 1e3)],
-                                   (rows["compute"], 1.0), facecolors="#d62728", alpha=0.8)
+                    ax.broken_barh(
+                        [((m["end"] - m["exposed"] - t0) * 1e3, m["exposed"] * 1e3)],
+                        (rows["compute"], 1.0),
+                        facecolors="#d62728",
+                        alpha=0.8,
+                    )
             for name, y in rows.items():
                 yt.append(y + 0.5)
                 yl.append(f"r{r} {name}")
@@ -159,10 +209,18 @@ def plot_timeline(path: str, traces: dict[str, list[list[dict]]], title: str = "
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time (ms)")
     from matplotlib.patches import Patch
-    fig.legend(handles=[Patch(color="#7f7f7f", label="compute"), Patch(color="#d62728", label="exposed wait"),
-                        Patch(color=FLOWS["data"], label="data sent (Q, K/V)"),
-                        Patch(color=FLOWS["results"], label="results sent (partials, dQ, dK/dV)")],
-               loc="lower center", fontsize=7, ncol=4)
+
+    fig.legend(
+        handles=[
+            Patch(color="#7f7f7f", label="compute"),
+            Patch(color="#d62728", label="exposed wait"),
+            Patch(color=FLOWS["data"], label="data sent (Q, K/V)"),
+            Patch(color=FLOWS["results"], label="results sent (partials, dQ, dK/dV)"),
+        ],
+        loc="lower center",
+        fontsize=7,
+        ncol=4,
+    )
     if title:
         fig.suptitle(title, fontsize=9, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0.03, 1, 0.97))
