@@ -10,9 +10,11 @@ pytest.importorskip("transformers")
 import compile_cases  # noqa: E402
 
 
-@pytest.mark.parametrize("strategy", ["token_ring", "ulysses", "auto", "usp:n=2"])
+@pytest.mark.parametrize(
+    "strategy", ["token_ring", "ulysses", "auto", "ring_bidir", "usp:n=2", "double_ring:n=2", "token_ring_2d:n=2"]
+)
 def test_fullgraph_matches_eager(pools, strategy):
-    P = 4 if strategy == "usp:n=2" else 2
+    P = 4 if strategy.endswith(":n=2") else 2
     res = pools(P).run(compile_cases.compiled_matches_eager, 64, strategy)
     for r in res:
         assert r["frames"] == 1 and r["breaks"] == 0, r
