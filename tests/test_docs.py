@@ -1,4 +1,5 @@
 """The README's support matrix and module maps (README and docs/DESIGN.md) name every registered strategy."""
+
 import os
 
 from tokenring.strategies import _MODULES, FAMILIES

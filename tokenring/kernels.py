@@ -338,10 +338,9 @@ def _pick_backward(q: torch.Tensor, backend: str, mask: torch.Tensor | None = No
     return which
 
 
-# The fused CPU backward beats the math path by 1.5-2.5x in float32 and float64 on every x86 CPU measured. In
-# bf16 / fp16 it is fast only with the CPU's native instructions for that type (measured here, AVX512-BF16
-# without AVX512-FP16: bf16 2.3x faster fused, fp16 6.5x slower; on a CPU without AVX512-BF16 bf16 was 4.4x
-# slower fused), so the choice follows the CPU's flags; timing is the fallback where flags are unknown.
+# The fused CPU backward beats the math path in float32 and float64; in bf16 / fp16 only on CPUs with native
+# instructions for the type (bench/results/fused_backward.md), so the choice follows the CPU's flags, with a
+# timing as the fallback where flags are unknown.
 _CPU_FUSED_ALWAYS = (torch.float32, torch.float64)
 _FAST_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 _MATH_MARGIN = 1.5  # when timing: the math path only when the fused kernel is this much slower

@@ -19,8 +19,8 @@ from .device import is_cuda, pretended
 
 __all__ = ["acc_dtype", "new_accumulator", "merge_", "merge_eager_", "merge_sink_", "sink_grad"]
 
-# On CUDA the merge runs as one compiled kernel (torch.compile fuses its ~12 elementwise ops, which eagerly
-# read and write the accumulator many times: about a quarter of one 8K-token block's forward on an H200).
+# On CUDA the merge runs as one compiled kernel: torch.compile fuses its ~12 elementwise ops, which eagerly read
+# and write the accumulator many times (the eager cost on an H200: merge_ms in tokenring/data/h200_sdpa.json).
 # The compile_merge setting (tokenring.settings; $TOKENRING_COMPILE_MERGE=0) keeps the eager ops; so does any
 # failure to compile (with one warning).
 _compile_failed = False

@@ -221,12 +221,10 @@ class Compute:
 
 @dataclass(frozen=True)
 class Message:
-    """``due``: the step by whose end it must have arrived (``-1``: the step it is posted in); the receiver
-    handles it then, so steps in between run while it is in flight. ``ready``: the step at which the receiver
-    posts its receive (``-1``: the step it is posted in; never later): a partial coming home is expected from
-    the moment its queries leave, and a receiver that says so early lets the transfer start the moment the
-    sender posts it (gloo's TCP transport holds a send until the receiver's "ready" notice arrives, and that
-    notice queues behind whatever bulk data the receiver is itself sending the other way on the connection)."""
+    """A payload of ``kind`` about rank ``owner``'s rows ``part`` from ``src`` to ``dst``. ``due``: the step by
+    whose end it must have arrived (``-1``: the step it is posted in). ``ready``: the step at which the receiver
+    may post its receive (``-1``: when posted), so a partial coming home is expected from the moment its rows
+    left; gloo starts a send only once the receive is posted (docs/DESIGN.md, "Communication engine")."""
 
     src: int
     dst: int
