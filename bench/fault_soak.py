@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Fault soak: many calls, each with one rank killed at a random step of its forward or backward.
+"""Fault soak: many calls, each with one rank killed, stalled or refusing its input, in its forward or backward.
 
-    .venv/bin/python bench/fault_soak.py [--trials 200] [--timeout 2] [--seed 0]
+    .venv/bin/python bench/fault_soak.py [--trials 500] [--timeout 2] [--seed 0]
+    .venv/bin/python bench/fault_soak.py --memory 10000     # RSS over many calls with a new mask each
 
-Each trial: P in {2, 3, 4} fresh local gloo ranks (``RankPool``; after a death it starts fresh ones), a strategy
-(token_ring relay and direct, ring, ring direct, ring_bidir, ulysses), causal or not, a warm-up call, then a call
-in which the victim rank exits (``os._exit``) at the start of a random step of the forward or the backward.
-Every surviving rank reports how its call ended: a ``RuntimeError`` (with the seconds from the start of that
-pass, and whether the message names the victim), or completion (it needed nothing more from the victim).
+Each trial: P in {2, 3, 4} local gloo ranks (``RankPool``; after a death or a stall it starts fresh ones), a
+strategy (token_ring relay and direct, ring, ring direct, ring_bidir, ulysses), causal or not, a warm-up call,
+then a call with one fault on a random victim: it exits (``os._exit``) or stalls (sleeps past the timeout) at
+the start of a random step of the forward or the backward, or it passes K/V of another head dim (refused).
+Every surviving rank reports how its call ended: a ``RuntimeError`` or ``ValueError`` (with the seconds from the
+start of that pass, and whether the message names the victim), or completion (it needed nothing more from it).
 A surviving rank that neither raises nor completes within the pool's limit is a hang. At the end, no process
 started by the soak may be left. Writes every trial to ``bench/results/fault_soak.json`` and prints the counts.
 """
@@ -29,7 +31,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 SPECS = ["token_ring:relay", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c=2,k=1", "ring_bidir", "ulysses"]
 
 
-def trial(rank: int, P: int, spec: str, causal: bool, phase: str, victim: int, kill_step: int, timeout: float):
+def trial(rank: int, P: int, spec: str, causal: bool, phase: str, victim: int, step: int, timeout: float, fault: str):
+    """One call with a fault on rank ``victim``: ``kill`` (exits at ``step`` of ``phase``), ``stall`` (sleeps
+    there for the timeout + 8 s, alive) or ``refuse`` (passes K/V of another head dim: a ValueError)."""
     import torch
 
     import tokenring
@@ -40,22 +44,49 @@ def trial(rank: int, P: int, spec: str, causal: bool, phase: str, victim: int, k
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 24, h, 8, generator=g).requires_grad_() for h in (12, 2, 2))
     tokenring.attention(q, k, v, causal=causal, strategy=spec, layout=layout).sum().backward()  # warm-up
-    if rank == victim:
-        exit_at_step(phase, kill_step)
+    if rank == victim and fault == "refuse":
+        k, v = (torch.randn(1, 24, 2, 6, requires_grad=True) for _ in range(2))
+    elif rank == victim:
+        exit_at_step(phase, step, stall=timeout + 8 if fault == "stall" else 0.0)
     t0 = time.monotonic()
     try:
         out = tokenring.attention(q, k, v, causal=causal, strategy=spec, layout=layout)
         if phase == "backward":
             t0 = time.monotonic()
         out.sum().backward()
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
+        names = f"Rank {victim} is" in str(e) or f"rank {victim} (" in str(e) or f"rank(s) [{victim}]" in str(e)
         return dict(
-            outcome="raised",
+            outcome="refused" if isinstance(e, ValueError) else "raised",
             seconds=time.monotonic() - t0,
-            names_victim=f"Rank {victim} is" in str(e) or f"rank {victim} (" in str(e),
+            names_victim=names or (rank == victim),
             message=str(e)[:400],
         )
     return dict(outcome="completed", seconds=time.monotonic() - t0)
+
+
+def memory(rank: int, P: int, calls: int, every: int) -> list[tuple[int, float]]:
+    """``calls`` forward+backward calls, each with new random documents (a new mask and plan), cycling through
+    the strategies; this rank's RSS (MB, from /proc) every ``every`` calls."""
+    import random
+
+    import torch
+
+    import tokenring
+
+    rnd, out, s = random.Random(7), [], 32
+    S = s * P
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, s, h, 8, generator=g).requires_grad_() for h in (12, 2, 2))
+    for i in range(calls):
+        cu = [0] + sorted(rnd.sample(range(1, S), 7)) + [S]
+        spec = SPECS[i % len(SPECS)]
+        tokenring.attention(q, k, v, causal=True, strategy=spec, layout="contiguous", cu_seqlens=cu).sum().backward()
+        if i % every == 0 or i == calls - 1:
+            with open("/proc/self/status") as f:
+                rss = next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) / 1024
+            out.append((i, rss))
+    return out
 
 
 def leftover_children() -> list[int]:
@@ -81,10 +112,13 @@ def main(argv=None) -> int:
     from tokenring.tools.launch import RankError, RankPool
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=200)
+    ap.add_argument("--trials", type=int, default=500)
+    ap.add_argument("--memory", type=int, default=0, help="instead: this many calls with new masks, RSS kept")
     ap.add_argument("--timeout", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.memory:
+        return memory_run(a.memory)
     rnd = random.Random(a.seed)
     pools: dict[int, RankPool] = {}
     rows = []
@@ -94,22 +128,34 @@ def main(argv=None) -> int:
             P = rnd.choice([2, 3, 4])
             spec = rnd.choice([s for s in SPECS if why_not(s, 12, 2, P) is None])
             causal, phase = rnd.random() < 0.5, rnd.choice(["forward", "backward"])
+            fault = rnd.choice(["kill", "stall", "refuse"])
+            phase = "forward" if fault == "refuse" else phase
             steps = len(get(spec).schedule(P, "zigzag" if causal else "contiguous", causal, phase == "backward").steps)
             victim, kill_step = rnd.randrange(P), rnd.randrange(steps)
-            pool = pools.setdefault(P, RankPool(P, threads=1, timeout=a.timeout + 30))
+            pool = pools.setdefault(P, RankPool(P, threads=1, timeout=3 * a.timeout + 30))
             row = dict(
-                trial=i, P=P, strategy=spec, causal=causal, phase=phase, victim=victim, kill_step=kill_step, steps=steps
+                trial=i,
+                P=P,
+                strategy=spec,
+                causal=causal,
+                phase=phase,
+                fault=fault,
+                victim=victim,
+                kill_step=kill_step,
+                steps=steps,
             )
             try:
-                res = pool.run(trial, spec, causal, phase, victim, kill_step, a.timeout, allow_exit=True)
+                res = pool.run(trial, spec, causal, phase, victim, kill_step, a.timeout, fault, allow_exit=True)
                 row["ranks"] = [None if r == victim else res[r] for r in range(P)]
-                row["victim_answered"] = res[victim] is not None
+                row["victim_answered"] = res[victim] is not None and fault == "kill"
             except RankError as e:  # a survivor that gave no answer in time: a hang
                 row["hang"] = str(e)[:600]
+            if fault == "stall":  # the group timed out: the next trial needs fresh ranks
+                pools.pop(P).close()
             rows.append(row)
             surv = [r for r in row.get("ranks", []) if r]
             print(
-                f"{i:3d} P={P} {spec:26s} {'causal' if causal else 'full  '} {phase:8s} kill r{victim}@{kill_step}: "
+                f"{i:3d} P={P} {spec:26s} {'causal' if causal else 'full  '} {phase:8s} {fault} r{victim}@{kill_step}: "
                 + (
                     "HANG"
                     if "hang" in row
@@ -127,13 +173,15 @@ def main(argv=None) -> int:
     time.sleep(1.0)
     left = leftover_children() + [p.pid for p in multiprocessing.active_children()]
     surv = [r for row in rows for r in row.get("ranks", []) if r]
-    raised = [r for r in surv if r["outcome"] == "raised"]
+    raised = [r for r in surv if r["outcome"] in ("raised", "refused")]
     bound = a.timeout + 2.0
     summary = dict(
         trials=len(rows),
         surviving_rank_calls=len(surv),
         raised=len(raised),
+        refused=sum(r["outcome"] == "refused" for r in surv),
         completed=sum(r["outcome"] == "completed" for r in surv),
+        faults={f: sum(row["fault"] == f for row in rows) for f in ("kill", "stall", "refuse")},
         raised_within_bound=sum(r["seconds"] <= bound for r in raised),
         raised_naming_victim=sum(r["names_victim"] for r in raised),
         hangs=sum("hang" in row for row in rows),
@@ -157,8 +205,34 @@ def main(argv=None) -> int:
         and not left
         and summary["victim_answered"] == 0
         and summary["raised_within_bound"] == len(raised)
+        and summary["raised_naming_victim"] == len(raised)
     )
     return 0 if ok else 1
+
+
+def memory_run(calls: int) -> int:
+    """RSS of 4 ranks over ``calls`` calls with a new mask each: flat means no cache or plan grows with calls."""
+    from tokenring.tools.launch import spawn
+
+    t0 = time.monotonic()
+    every = max(1, calls // 20)
+    res = spawn(memory, 4, calls, every, timeout=calls * 2 + 600)
+    # growth after the first 10% of calls (the bounded caches fill up to their sizes there)
+    start = max(1, len(res[0]) // 10)
+    growth = [r[-1][1] - r[start][1] for r in res]
+    out = dict(
+        command=f"python bench/fault_soak.py --memory {calls}",
+        machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count()),
+        shape="P=4, s=32/rank, H=12, Hkv=2, d=8, fp32, causal, 8 random documents per call (a new mask each)",
+        strategies=SPECS,
+        rss_mb_per_rank=res,
+        growth_after_warmup_mb=growth,
+        wall_s=time.monotonic() - t0,
+    )
+    with open(os.path.join(HERE, "results", "fault_soak_memory.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps({k: v for k, v in out.items() if k != "rss_mb_per_rank"}, indent=1))
+    return 0 if max(growth) < 20 else 1
 
 
 if __name__ == "__main__":

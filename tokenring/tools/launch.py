@@ -206,16 +206,23 @@ def spawn(fn: Callable, P: int, *args, threads: int | None = None, timeout: floa
         pool.close()
 
 
-def exit_at_step(phase: str, step: int, code: int = 1) -> None:
+def exit_at_step(phase: str, step: int, code: int = 1, stall: float = 0.0) -> None:
     """Fault injection (tests, ``bench/fault_soak.py``): this process exits at once, like a crash (no cleanup),
-    at the start of step ``step`` of its ``phase`` pass (``"forward"`` or ``"backward"``) of any later call."""
+    at the start of step ``step`` of its ``phase`` pass (``"forward"`` or ``"backward"``) of any later call;
+    with ``stall`` seconds it sleeps there that long instead (alive, not progressing), once."""
+    import time
+
     from .. import comm
 
     real = comm.Comm.start
+    left = [1]
 
     def start(self, t, sends, recvs):
-        if self.what.endswith(phase) and t == step:
-            os._exit(code)
+        if self.what.endswith(phase) and t == step and left[0]:
+            if not stall:
+                os._exit(code)
+            left[0] = 0
+            time.sleep(stall)
         return real(self, t, sends, recvs)
 
     comm.Comm.start = start

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""A silent or dead peer is named by every other rank, every time: P=4 local gloo ranks, rank 2 stops (alive but
+never calling on the first call, the same on a later call, or dead before a later call), each scenario repeated.
+
+    .venv/bin/python bench/silent_peer.py [--reps 10] [--timeout 2]
+
+Writes every try to ``bench/results/silent_peer.json``: per surviving rank, the seconds from the start of the
+failed call to its RuntimeError and whether the message names rank 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+STRATEGIES = ["token_ring", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c=2,k=1", "ring_bidir", "ulysses"]
+
+
+def main(argv=None) -> int:
+    import cases
+
+    from tokenring.tools.launch import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--timeout", type=float, default=2.0)
+    a = ap.parse_args(argv)
+    tries, bad = [], 0
+    for rep in range(a.reps):
+        for strategy in STRATEGIES:
+            for when in ("first", "later", "dead"):
+                results = spawn(cases.silent_case, 4, strategy, 2, when, a.timeout, timeout=120)
+                ranks = []
+                for rank in (0, 1, 3):
+                    elapsed, msg = results[rank]
+                    named = "Rank 2 is the one that stopped" in msg or "Rank(s) [2] never reached" in msg
+                    ok = named and elapsed < a.timeout + 2
+                    bad += not ok
+                    ranks.append(dict(rank=rank, seconds=elapsed, names_rank_2=named, ok=ok, message=msg[:300]))
+                tries.append(dict(rep=rep, strategy=strategy, when=when, ranks=ranks))
+                print(
+                    f"{rep} {strategy:26s} {when:6s} "
+                    + " ".join(f"{r['seconds']:.1f}s{'' if r['ok'] else '!'}" for r in ranks),
+                    flush=True,
+                )
+    res = dict(
+        command="python bench/silent_peer.py",
+        machine=platform.processor() or platform.machine(),
+        cores=os.cpu_count(),
+        reps=a.reps,
+        timeout_s=a.timeout,
+        strategies=STRATEGIES,
+        surviving_rank_reports=3 * len(tries),
+        not_named_in_time=bad,
+        tries=tries,
+    )
+    with open(os.path.join(HERE, "results", "silent_peer.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"{3 * len(tries)} surviving-rank reports, {bad} not naming rank 2 within timeout + 2 s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
