@@ -7,7 +7,8 @@ run() { # file python-replace-old python-replace-new label
   cp "$1" /tmp/mut_backup
   python3 -c "
 import sys; p,o,n=sys.argv[1:4]; s=open(p).read(); assert o in s, 'pattern missing'; open(p,'w').write(s.replace(o,n,1))" "$1" "$2" "$3" || { echo "MUTATION $4: pattern missing"; return; }
-  res=$(timeout 600 .venv/bin/python -m pytest -q -x tests/test_fake_cuda.py -k "not choice_table" 2>&1 | tail -1)
+  res=$(timeout 600 .venv/bin/python -m pytest -q -x -p no:warnings tests/test_fake_cuda.py -k "not choice_table" 2>&1 \
+        | grep -m1 "^FAILED" || echo "NOT CAUGHT")
   cp /tmp/mut_backup "$1"
   echo "MUTATION $4 -> $res"
 }
@@ -23,3 +24,4 @@ run tokenring/comm.py '                    buf = pack(tensors)
 run tokenring/merge.py '    acc_lse.copy_(new_lse)' '    acc_lse.copy_(new_lse)
     if float(new_lse.max()) > 1e30:
         pass' "host sync per merge"
+run tokenring/kernels.py '    ot, dot = o.contiguous().transpose(1, 2), dout.contiguous().transpose(1, 2)' '    ot, dot = o.transpose(1, 2), dout.transpose(1, 2)' "dO in another layout than O"

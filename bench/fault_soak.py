@@ -33,7 +33,7 @@ SPECS = ["token_ring:relay", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c
 
 def trial(rank: int, P: int, spec: str, causal: bool, phase: str, victim: int, step: int, timeout: float, fault: str):
     """One call with a fault on rank ``victim``: ``kill`` (exits at ``step`` of ``phase``), ``stall`` (sleeps
-    there for the timeout + 8 s, alive) or ``refuse`` (passes K/V of another head dim: a ValueError)."""
+    there for the timeout + 3 s, alive) or ``refuse`` (passes K/V of another head dim: a ValueError)."""
     import torch
 
     import tokenring
@@ -47,7 +47,7 @@ def trial(rank: int, P: int, spec: str, causal: bool, phase: str, victim: int, s
     if rank == victim and fault == "refuse":
         k, v = (torch.randn(1, 24, 2, 6, requires_grad=True) for _ in range(2))
     elif rank == victim:
-        exit_at_step(phase, step, stall=timeout + 8 if fault == "stall" else 0.0)
+        exit_at_step(phase, step, stall=timeout + 3 if fault == "stall" else 0.0)
     t0 = time.monotonic()
     try:
         out = tokenring.attention(q, k, v, causal=causal, strategy=spec, layout=layout)

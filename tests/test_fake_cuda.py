@@ -150,9 +150,29 @@ def test_block_forward_backward_ops(gpu, dtype, d, causal, Hkv):
             want = {"cudnn": (B, H, n, 1), "flash": (B, H, n), "efficient": (B, H, -(-n // 32) * 32)}[expected]
             assert tuple(lse_in.shape) == want  # each op reads lse in its own layout
             assert a["is_causal"] is causal and a["dropout_p"] == 0.0
+            assert a["out"].stride() == a.get("grad_out", a.get("grad_out_")).stride()  # one layout for O and dO
             if expected != "efficient":
                 assert (a["max_q"], a["max_k"]) == (n, k.shape[1])
         assert ops.host_syncs() == []
+
+
+@pytest.mark.parametrize("gpu", [H100, A100], ids=["sm90", "sm80"])
+def test_backward_gets_dout_in_the_layout_of_out(gpu):
+    """A dO in another memory layout than O (or expanded, as ``.sum().backward()`` gives) reaches the op in
+    O's layout with a unit inner stride (cuDNN before 9.5.1 read dO with O's strides)."""
+    q, k, v = block(n=64, m=64)
+    B, n, H, d = q.shape
+    with pretend_cuda(*gpu):
+        out, lse = kernels.block_forward(q, k, v, True, 0.1)
+        delta = meta_like(B, H, n, dtype=torch.float32)
+        for dout in (meta_like(B, H, n, d).transpose(1, 2), meta_like(1, 1, 1, 1).expand(B, n, H, d)):
+            with Ops() as ops:
+                kernels.block_backward(
+                    dout, q, k, v, lse, delta, True, 0.1, out=out.transpose(1, 2).contiguous().transpose(1, 2)
+                )
+            name = f"_scaled_dot_product_{kernels.cuda_kernel(q.dtype, d, gpu[1])}_attention_backward"
+            (a,) = ops.named(name)
+            assert a["grad_out"].stride() == a["out"].stride() and a["grad_out"].stride()[-1] == 1
 
 
 def test_masked_tiles_take_the_math_path():

@@ -441,8 +441,9 @@ def _sum_heads(dk: torch.Tensor, Hkv: int) -> torch.Tensor:
 
 def _cuda_backward(dout, q, k, v, o, lse, causal, scale):
     n, m, H, Hkv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-    qt, ot, dot = q.transpose(1, 2), o.transpose(1, 2), dout.transpose(1, 2)
-    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    # dO and O in one layout: cuDNN before 9.5.1 read dO with O's strides, and no op takes a 0 inner stride
+    ot, dot = o.contiguous().transpose(1, 2), dout.contiguous().transpose(1, 2)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     op = _cuda_op(q)
     lse = _lse_for(op, lse)
     # Dropout is 0: the random-state arguments are never read.
