@@ -2,7 +2,7 @@
 """A silent or dead peer is named by every other rank, every time: P=4 local gloo ranks, rank 2 stops (alive but
 never calling on the first call, the same on a later call, or dead before a later call), each scenario repeated.
 
-    .venv/bin/python bench/silent_peer.py [--reps 10] [--timeout 2]
+    .venv/bin/python bench/silent_peer.py [--reps 10] [--timeout 2] [--strategies token_ring ring ulysses]
 
 Writes every try to ``bench/results/silent_peer.json``: per surviving rank, the seconds from the start of the
 failed call to its RuntimeError and whether the message names rank 2.
@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-STRATEGIES = ["token_ring", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c=2,k=1", "ring_bidir", "ulysses"]
+STRATEGIES = ["token_ring", "ring", "ulysses"]  # the ones whose first-call naming was flaky
 
 
 def main(argv=None) -> int:
@@ -31,10 +31,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=2.0)
+    ap.add_argument("--strategies", nargs="+", default=STRATEGIES)
     a = ap.parse_args(argv)
     tries, bad = [], 0
     for rep in range(a.reps):
-        for strategy in STRATEGIES:
+        for strategy in a.strategies:
             for when in ("first", "later", "dead"):
                 results = spawn(cases.silent_case, 4, strategy, 2, when, a.timeout, timeout=120)
                 ranks = []

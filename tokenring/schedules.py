@@ -82,6 +82,9 @@ class Rows:
         g = gcd(gcd(self.a, self.b), self.n)
         for name in ("a", "b", "n"):
             object.__setattr__(self, name, getattr(self, name) // g)
+        text = _NAMED.get((self.a, self.b, self.n), f"{self.a}:{self.b}/{self.n}")
+        object.__setattr__(self, "_text", text)  # written and hashed once: parts key the Store's dicts
+        object.__setattr__(self, "_hash", hash(text))
 
     @staticmethod
     def of(part: "Rows | str") -> "Rows":
@@ -89,11 +92,13 @@ class Rows:
         return part if isinstance(part, Rows) else _parse_rows(part)
 
     def __str__(self) -> str:
-        return _NAMED.get((self.a, self.b, self.n), f"{self.a}:{self.b}/{self.n}")
+        return self._text
 
     __repr__ = __str__
 
     def __eq__(self, other) -> bool:
+        if other is self:
+            return True
         if isinstance(other, str):
             try:
                 other = _parse_rows(other)
@@ -102,7 +107,7 @@ class Rows:
         return isinstance(other, Rows) and (self.a, self.b, self.n) == (other.a, other.b, other.n)
 
     def __hash__(self) -> int:
-        return hash(str(self))
+        return self._hash
 
     # Ordered as their text (a stable order for sorting logs and tests, mixed with text parts too).
     def __lt__(self, other) -> bool:
@@ -149,7 +154,7 @@ def _parse_rows(text: str) -> Rows:
 
 def _frac(part: "Rows | str") -> tuple[int, int, int]:
     """``part`` as ``(a, b, n)``: rows ``[a*s//n, b*s//n)``."""
-    r = Rows.of(part)
+    r = part if type(part) is Rows else _parse_rows(part)
     return r.a, r.b, r.n
 
 
