@@ -351,3 +351,16 @@ def test_unknown_gpu_falls_back_to_h100_figures():
 
     assert gpu_model("Some Future GPU")[0] == "h100" and "unknown GPU" in gpu_model("Some Future GPU")[2]
     assert gpu_model("NVIDIA B200")[0] == "b200" and gpu_model("AMD Instinct MI300X")[0] == "mi300x"
+
+
+def test_gpu_facts_by_name():
+    from tokenring.device import pcie_by_name
+
+    pcie = ["NVIDIA L40S", "NVIDIA L4", "NVIDIA A10G", "NVIDIA A10", "NVIDIA H100 PCIe", "NVIDIA RTX 6000 Ada", "A40"]
+    nvlink = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA H200", "NVIDIA B200", "NVIDIA A100 80GB"]
+    assert all(pcie_by_name(n) for n in pcie) and not any(pcie_by_name(n) for n in nvlink)
+    with pretend_cuda("AMD Instinct MI300X", (9, 4), 8, "nvlink"):  # ROCm: no cuDNN, flash instead
+        q, k, v = block()
+        with Ops() as ops:
+            kernels.block_forward(q, k, v, False, 0.1)
+        assert ops.attention_ops() == ["_scaled_dot_product_flash_attention"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -47,6 +48,13 @@ class GPU:
     def __post_init__(self):
         if self.link not in ("nvlink", "pcie"):
             raise ValueError(f"GPU link must be 'nvlink' or 'pcie', got {self.link!r}")
+
+    @property
+    def nvidia(self) -> bool:
+        """An NVIDIA GPU (cuDNN's ops exist); AMD GPUs run PyTorch's CUDA API through ROCm without them."""
+        return not any(x in self.name.upper() for x in ("AMD", "INSTINCT", "RADEON")) and (
+            _pretend is not None or torch.version.hip is None
+        )
 
 
 _pretend: GPU | None = None
@@ -96,6 +104,12 @@ def _nvlinked(index: int) -> bool | None:
         return None
 
 
+def pcie_by_name(name: str) -> bool:
+    """Whether a GPU of this name is a PCIe card without NVLink between cards: "PCIe" parts, A10 / A10G (not
+    A100), L4 / L40 / L40S, A40, RTX."""
+    return bool(re.search(r"pcie|\bL4\d*S?\b|\bA10G?\b|\bA40\b|RTX", name, re.IGNORECASE))
+
+
 def gpu(device=None) -> GPU:
     """This process's GPU. ``per_node``: ``$LOCAL_WORLD_SIZE`` (torchrun sets it), else the visible GPU count;
     ``link``: NVLink per NVML where available, else from the name (PCIe cards and names containing "PCIe" are
@@ -113,7 +127,7 @@ def _real_gpu(index: int) -> GPU:
     per_node = int(env) if env.isdigit() and int(env) > 0 else torch.cuda.device_count()
     linked = _nvlinked(index)
     if linked is None:
-        linked = "pcie" not in name.lower() and not any(c in name for c in ("L40", "L4", "A10", "A40", "RTX"))
+        linked = not pcie_by_name(name)
     return GPU(name, torch.cuda.get_device_capability(index), per_node, "nvlink" if linked else "pcie")
 
 

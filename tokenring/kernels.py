@@ -400,11 +400,11 @@ def _cpu_backward_measured(dtype: torch.dtype, d: int) -> str:
 CUDNN_MIN_CAPABILITY = (9, 0)
 
 
-def cuda_kernel(dtype: torch.dtype, d: int, capability: tuple[int, int]) -> str | None:
+def cuda_kernel(dtype: torch.dtype, d: int, capability: tuple[int, int], nvidia: bool = True) -> str | None:
     """``"cudnn"``, ``"flash"``, ``"efficient"`` or ``None`` (math path) for blocks of ``dtype`` and head dim
-    ``d`` on a GPU of compute ``capability`` (see the table above)."""
+    ``d`` on a GPU of compute ``capability`` (see the table above; no cuDNN unless ``nvidia``: ROCm has none)."""
     half = dtype in (torch.float16, torch.bfloat16)
-    if half and d % 8 == 0 and d <= 128 and tuple(capability) >= CUDNN_MIN_CAPABILITY:
+    if half and nvidia and d % 8 == 0 and d <= 128 and tuple(capability) >= CUDNN_MIN_CAPABILITY:
         return "cudnn"
     if half and d % 8 == 0 and d <= 256:
         return "flash"
@@ -418,7 +418,8 @@ cpu_backward_choice.cache_clear = _cpu_backward_measured.cache_clear
 
 def _cuda_op(q: torch.Tensor) -> str | None:
     """:func:`cuda_kernel` for ``q``'s blocks on its GPU."""
-    return cuda_kernel(q.dtype, q.shape[-1], gpu(q.device).capability)
+    g = gpu(q.device)
+    return cuda_kernel(q.dtype, q.shape[-1], g.capability, g.nvidia)
 
 
 def needs_equal_heads(q: torch.Tensor, backend: str = "auto") -> bool:

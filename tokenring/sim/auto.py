@@ -138,8 +138,9 @@ def _kernel_choice(dtype, d: int) -> str:
     """Which CUDA op runs this rank's blocks, and why (tokenring.kernels.cuda_kernel's table)."""
     from ..kernels import CUDNN_MIN_CAPABILITY, cuda_kernel
 
-    cap = gpu().capability
-    op = cuda_kernel(dtype, d, cap)
+    g = gpu()
+    cap = g.capability
+    op = cuda_kernel(dtype, d, cap, g.nvidia)
     why = {
         "cudnn": f"cuDNN on sm{CUDNN_MIN_CAPABILITY[0]}{CUDNN_MIN_CAPABILITY[1]}+ for fp16/bf16, head dim <= 128 "
         f"(1.7-1.9x the flash op on an H200)",
