@@ -408,7 +408,7 @@ def stop_case(rank: int, P: int, strategy: str, how: str, phase: str, timeout: f
     def stop():
         if how == "dead":
             os._exit(0)
-        time.sleep(timeout + 6)
+        time.sleep(timeout + 3)
 
     victim = rank == P - 1
     try:
@@ -561,7 +561,7 @@ def silent_case(rank: int, P: int, strategy: str, victim: int, when: str, timeou
     if rank == victim:
         if when == "dead":
             os._exit(0)
-        time.sleep(timeout + 6)
+        time.sleep(timeout + 3)
         return None
     t0 = time.monotonic()
     try:
