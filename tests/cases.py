@@ -408,7 +408,7 @@ def stop_case(rank: int, P: int, strategy: str, how: str, phase: str, timeout: f
     def stop():
         if how == "dead":
             os._exit(0)
-        time.sleep(timeout + 3)
+        time.sleep(timeout + 6)
 
     victim = rank == P - 1
     try:
