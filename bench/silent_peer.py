@@ -52,7 +52,7 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     res = dict(
-        command="python bench/silent_peer.py",
+        command="python bench/silent_peer.py " + " ".join(argv or sys.argv[1:]),
         machine=platform.processor() or platform.machine(),
         cores=os.cpu_count(),
         reps=a.reps,
