@@ -150,8 +150,8 @@ def main(argv=None) -> int:
                 row["victim_answered"] = res[victim] is not None and fault == "kill"
             except RankError as e:  # a survivor that gave no answer in time: a hang
                 row["hang"] = str(e)[:600]
-            if fault == "stall":  # the group timed out: the next trial needs fresh ranks
-                pools.pop(P).close()
+            if fault in ("stall", "refuse"):  # a timed-out group is not usable again: the next trial needs fresh
+                pools.pop(P).close()  # ranks (a refusal after a cached signature reaches the others as a timeout)
             rows.append(row)
             surv = [r for r in row.get("ranks", []) if r]
             print(
