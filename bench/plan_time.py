@@ -3,7 +3,7 @@
 them up.
 
     .venv/bin/python bench/plan_time.py [--ranks 64 256 1024] [--lookups 2000]
-    .venv/bin/python bench/plan_time.py --docs 16 --ranks 4 16 64 256 [--masks 3]   # a new mask per call
+    .venv/bin/python bench/plan_time.py --docs 16 --ranks 4 16 64 256 [--masks 5]   # a new mask per call
 
 What a call plans: the strategy from its spec (``tokenring.strategies.get``), the schedule
 (``Strategy.schedule``, cached per P/layout/causal/pass) and this rank's per-step plan with its read index
@@ -31,43 +31,49 @@ from tokenring.masks import make_mask  # noqa: E402
 from tokenring.strategies import get  # noqa: E402
 
 
-def plan(spec: str, P: int, layout: str, causal: bool, backward: bool, rank: int, mask=None):
-    sched = get(spec).schedule(P, layout, causal, backward, mask)
+def plan(spec: str, P: int, layout: str, causal: bool, backward: bool, rank: int, mask=None, whole=False):
+    """What a call plans (``Strategy.rank_schedule``: with a mask, this rank's part alone); ``whole``: the whole
+    schedule instead, as calls did before (the simulator still does)."""
+    st = get(spec)
+    if whole:
+        sched = st.schedule(P, layout, causal, backward, mask)
+    else:
+        sched = st.rank_schedule(P, layout, causal, backward, mask, rank)
     return _rank_plan(sched, rank, True)
 
 
 def masked(a) -> list[dict]:
-    """Planning a call whose documents are new (packed training): one fresh mask at a time."""
+    """Planning a call whose documents are new (packed training): one fresh mask at a time, this rank's part
+    (what a call builds) and the whole schedule (what calls built before), interleaved per mask."""
     import random
 
-    rows, s = [], 64
-    for P in a.ranks:
-        S = s * P
-        for spec in a.strategies:
-            for backward in (False, True):
-                laps = []
-                for i in range(a.masks):
-                    cuts = sorted(random.Random(1000 * P + i).sample(range(1, S), a.docs - 1))
-                    mask = make_mask(S, [0] + cuts + [S], None, True)
-                    t0 = time.perf_counter()
-                    plan(spec, P, "zigzag", True, backward, P // 3, mask)
-                    laps.append(time.perf_counter() - t0)
-                rows.append(
-                    dict(
-                        P=P,
-                        strategy=spec,
-                        backward=backward,
-                        docs=a.docs,
-                        local_length=s,
-                        per_new_mask_ms=[x * 1e3 for x in laps],
-                        median_ms=median(laps) * 1e3,
+    rows = []
+    for s in a.local:
+        for P in a.ranks:
+            S = s * P
+            for spec in a.strategies:
+                for backward in (False, True):
+                    laps: dict[str, list[float]] = {"rank": [], "whole": []}
+                    for i in range(a.masks):
+                        cuts = sorted(random.Random(1000 * P + i).sample(range(1, S), a.docs - 1))
+                        mask = make_mask(S, [0] + cuts + [S], None, True)
+                        for how in ("rank", "whole") if P <= a.whole_up_to else ("rank",):
+                            t0 = time.perf_counter()
+                            plan(spec, P, "zigzag", True, backward, P // 3, mask, whole=how == "whole")
+                            laps[how].append(time.perf_counter() - t0)
+                    row = dict(P=P, strategy=spec, backward=backward, docs=a.docs, local_length=s)
+                    for how, xs in laps.items():
+                        if xs:
+                            row[f"{how}_per_new_mask_ms"] = [x * 1e3 for x in xs]
+                            row[f"{how}_median_ms"] = median(xs) * 1e3
+                    rows.append(row)
+                    whole = f", whole schedule {row['whole_median_ms']:9.1f} ms" if laps["whole"] else ""
+                    print(
+                        f"s={s:5d} P={P:5d} {spec:26s} {'bwd' if backward else 'fwd'}: a new mask of {a.docs} "
+                        f"documents plans in {row['rank_median_ms']:7.2f} ms (range {min(laps['rank']) * 1e3:.2f}-"
+                        f"{max(laps['rank']) * 1e3:.2f}, {a.masks} masks){whole}",
+                        flush=True,
                     )
-                )
-                print(
-                    f"P={P:5d} {spec:26s} {'bwd' if backward else 'fwd'}: a new mask of {a.docs} documents "
-                    f"plans in {median(laps) * 1e3:9.1f} ms (median of {a.masks})",
-                    flush=True,
-                )
     return rows
 
 
@@ -77,7 +83,9 @@ def main(argv=None) -> int:
     ap.add_argument("--strategies", nargs="+", default=["token_ring:relay", "ring", "ring_bidir", "ulysses"])
     ap.add_argument("--lookups", type=int, default=2000)
     ap.add_argument("--docs", type=int, default=0, help="plan fresh masks of this many documents instead")
-    ap.add_argument("--masks", type=int, default=3)
+    ap.add_argument("--masks", type=int, default=5)
+    ap.add_argument("--local", type=int, nargs="+", default=[64, 4096], help="local lengths, with --docs")
+    ap.add_argument("--whole-up-to", type=int, default=256, help="also time whole schedules up to this P")
     a = ap.parse_args(argv)
     from tokenring.tools.bench import machine as machine_of
 

@@ -25,6 +25,7 @@ import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "tiles",
     "visible",
     "shard_pair",
+    "pair_table",
+    "PairTable",
     "shard_tiles",
     "shard_rows",
     "block_tiles",
@@ -200,26 +203,133 @@ def shard_rows(mask: Mask, P: int, layout: str, owner: int, rows: slice) -> torc
 
 def shard_pair(mask: Mask, P: int, layout: str, q_owner: int, kv_owner: int) -> tuple[slice, slice] | None:
     """Which rows of ``q_owner``'s shard see which rows of ``kv_owner``'s (:meth:`Mask.pair`)."""
-    return _pair_row(mask, P, layout, q_owner)[kv_owner]
+    return pair_table(mask, P, layout).get(q_owner, kv_owner)
 
 
-@lru_cache(maxsize=1024)
-def _pair_row(mask: Mask, P: int, layout: str, q_owner: int) -> tuple:
-    """:meth:`Mask.pair` of ``q_owner``'s shard against every owner's at once (one batched search instead of
-    ``P`` small ones: a new mask's schedule asks for all ``P^2`` pairs)."""
-    qpos = _positions(mask, P, layout, q_owner)
-    keys = torch.stack([_positions(mask, P, layout, o) for o in range(P)])  # (P, s), each row sorted
-    lo, hi = (t.expand(P, -1).contiguous() for t in mask.reach(qpos))
-    a, b = torch.searchsorted(keys, lo), torch.searchsorted(keys, hi)
-    live = b > a
-    idx = torch.arange(qpos.numel())
-    first = torch.where(live, idx, qpos.numel()).min(1).values
-    last = torch.where(live, idx, -1).max(1).values
-    k0 = torch.where(live, a, keys.shape[1]).min(1).values
-    inside = (idx >= first[:, None]) & (idx <= last[:, None])
-    k1 = torch.where(inside, b, -1).max(1).values
-    rows = torch.stack([live.any(1).long(), first, last + 1, k0, k1], 1).tolist()
-    return tuple((slice(r0, r1), slice(c0, c1)) if any_ else None for any_, r0, r1, c0, c1 in rows)
+class PairTable:
+    """:meth:`Mask.pair` of two ranks' shards: ``get(q_owner, kv_owner)`` is ``(query rows, key rows)`` or
+    ``None``. For every pair, or (``only`` given) for the pairs that involve rank ``only``, all that rank's
+    plan asks for. Kept as lists (one lookup per block)."""
+
+    def __init__(self, only: int | None, *blocks):
+        self.only = only
+        self.blocks = [[x.tolist() for x in arrays] for arrays in blocks]  # full: [table]; only: [row, column]
+        self._by_kv = blocks[0] if only is None else None
+
+    def needs(self, owner: int, of: str) -> tuple[list, list, list]:
+        """Per rank ``x`` (a whole table's): whether it needs rows of ``owner``'s queries (``of="q"``) or
+        keys (``of="kv"``), and which ``[lo, hi)``: three lists indexed by ``x``, for the relays' unions."""
+        if self.only is not None:
+            raise KeyError(f"this table holds rank {self.only}'s pairs only")
+        if of == "q":
+            live, q0, q1, _, _ = self.blocks[0]
+            return live[owner], q0[owner], q1[owner]
+        if not isinstance(self._by_kv, list):  # the transposed lists, made once when a relay asks
+            live, _, _, k0, k1 = self._by_kv
+            self._by_kv = [x.T.tolist() for x in (live, k0, k1)]
+        return tuple(x[owner] for x in self._by_kv)
+
+    def get(self, q_owner: int, kv_owner: int) -> tuple[slice, slice] | None:
+        if self.only is None:
+            block, i, j = self.blocks[0], q_owner, kv_owner
+        elif q_owner == self.only:
+            block, i, j = self.blocks[0], 0, kv_owner
+        elif kv_owner == self.only:
+            block, i, j = self.blocks[1], q_owner, 0
+        else:
+            raise KeyError(f"this table holds rank {self.only}'s pairs only, not ({q_owner}, {kv_owner})")
+        live, q0, q1, k0, k1 = block
+        if not live[i][j]:
+            return None
+        return slice(q0[i][j], q1[i][j]), slice(k0[i][j], k1[i][j])
+
+
+@lru_cache(maxsize=256)
+def _runs(S: int, P: int, layout: str, bounds) -> tuple[np.ndarray, ...]:
+    """Every shard as runs of consecutive positions, in row order, runs of rank 0 first: ``(owner, first
+    position, end position, first row)`` arrays (``bounds``: the documents, for ``zigzag_docs``). What
+    :func:`tokenring.layouts.local_positions` holds, without listing the ``S`` positions."""
+    r = np.arange(P)
+    if layout == "contiguous":
+        s = S // P
+        return r, r * s, (r + 1) * s, np.zeros(P, np.int64)
+    docs = [(0, S)] if layout == "zigzag" else [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    a = np.array([d[0] for d in docs], np.int64)[None, :]
+    c = (np.array([d[1] for d in docs], np.int64)[None, :] - a) // (2 * P)  # (1, docs): chunk per document
+    first = np.stack([a + r[:, None] * c, a + (2 * P - 1 - r[:, None]) * c], 2).reshape(P, -1)  # (P, 2 * docs)
+    size = np.broadcast_to(np.repeat(c, 2, 1), first.shape)
+    row0 = np.cumsum(size, 1) - size
+    owner = np.broadcast_to(r[:, None], first.shape)
+    return owner.ravel(), first.ravel(), (first + size).ravel(), row0.ravel()
+
+
+@lru_cache(maxsize=64)
+def pair_table(mask: Mask, P: int, layout: str, only: int | None = None) -> PairTable:
+    """:class:`PairTable` of ``mask`` over ``P`` shards of ``layout`` (``only``: just the pairs of that rank), in
+    closed form over runs of consecutive positions: no per-token search, so a new mask costs ``O(runs^2)``
+    (``O(runs)`` for one rank's pairs) whatever the local length.
+
+    Why it is exact: a query ``q`` sees keys ``[lo(q), hi(q))``, both nondecreasing in ``q`` and ``lo(q) <= q <
+    hi(q)``. So within a run of queries the ones seeing a run of keys ``[ka, kb)`` are those with ``hi(q) > ka``
+    (a suffix: from ``max(docstart(ka), ka - right)``) and ``lo(q) < kb`` (a prefix: up to ``min(docend(kb-1),
+    kb + left) - 1``), an interval; rows and positions rise together, so a shard pair's first and last live rows
+    are the extremes over its run pairs, and its key rows run from the keys below ``lo`` of the first live query
+    to those below ``hi`` of the last."""
+    runs = _runs(mask.S, P, layout, mask.bounds if layout == "zigzag_docs" else None)
+    if only is None:
+        return PairTable(None, _pairs(mask, runs, None, None))
+    return PairTable(only, _pairs(mask, runs, only, None), _pairs(mask, runs, None, only))
+
+
+def _pairs(mask: Mask, runs, q_owner: int | None, kv_owner: int | None) -> tuple[np.ndarray, ...]:
+    """``(live, q0, q1, k0, k1)`` arrays ``[query owner, key owner]`` of :func:`pair_table`, over every owner
+    or the one given on either side."""
+    owner, a, b, row0 = runs
+    bounds = np.asarray(mask.bounds, np.int64)
+
+    def doc(p):
+        return np.searchsorted(bounds, p, side="right") - 1
+
+    def side(o):  # the runs of owner o (all of them for None) and where each owner's runs start among them
+        sel = slice(None) if o is None else owner == o
+        own = owner[sel]
+        return sel, np.flatnonzero(np.r_[True, own[1:] != own[:-1]])
+
+    (qs, q_starts), (ks, k_starts) = side(q_owner), side(kv_owner)
+    qa, qb, qrow = a[qs], b[qs], row0[qs]
+    ka, kb, k_owner = a[ks], b[ks], owner[ks]
+    from_pos = bounds[doc(ka)]  # the first query position that sees a key at or after a key run's start
+    if mask.right >= 0:
+        from_pos = np.maximum(from_pos, ka - mask.right)
+    to_pos = bounds[doc(kb - 1) + 1] - 1  # the last one that sees a key before its end
+    if mask.left >= 0:
+        to_pos = np.minimum(to_pos, kb - 1 + mask.left)
+    fp = np.maximum(qa[:, None], from_pos[None, :])  # [query run, key run]: live query positions [fp, lp]
+    lp = np.minimum(qb[:, None] - 1, to_pos[None, :])
+    live = fp <= lp
+    big = np.iinfo(np.int64).max
+
+    def per_owner(x, fill, reduce):
+        return reduce.reduceat(reduce.reduceat(np.where(live, x, fill), q_starts, 0), k_starts, 1)
+
+    last_pos = per_owner(lp, -1, np.maximum)
+    ok = last_pos >= 0
+    first_pos = np.where(ok, per_owner(fp, big, np.minimum), 0)
+    last_pos = np.where(ok, last_pos, 0)
+    first_row = per_owner(qrow[:, None] + fp - qa[:, None], big, np.minimum)
+    last_row = per_owner(qrow[:, None] + lp - qa[:, None], -1, np.maximum)
+    lo = bounds[doc(first_pos)]
+    if mask.left >= 0:
+        lo = np.maximum(lo, first_pos - mask.left)
+    hi = bounds[doc(last_pos) + 1]
+    if mask.right >= 0:
+        hi = np.minimum(hi, last_pos + mask.right + 1)
+    column = np.cumsum(np.r_[True, k_owner[1:] != k_owner[:-1]]) - 1  # key run -> its owner's column
+
+    def keys_below(x):  # how many of the key owner's positions lie below x[query owner, key owner]
+        return np.add.reduceat(np.clip(x[:, column] - ka[None, :], 0, (kb - ka)[None, :]), k_starts, 1)
+
+    return ok, first_row, last_row + 1, keys_below(lo), keys_below(hi)
 
 
 @lru_cache(maxsize=8192)

@@ -62,6 +62,7 @@ __all__ = [
     "payload",
     "message_bytes",
     "relay",
+    "relay_through",
     "ulysses_kv_heads",
 ]
 
@@ -131,6 +132,7 @@ PARTS = (ALL, LO, HI)
 HEADS = ("all", "h0", "h1")
 
 
+@lru_cache(maxsize=1 << 16)
 def rows(a: int, b: int, n: int) -> Rows:
     """The part naming rows ``[a*s//n, b*s//n)`` (reduced: ``rows(2, 4, 4) == "hi"``)."""
     return Rows(a, b, n)
@@ -265,6 +267,7 @@ class Schedule:
     q_kind: str
     steps: list[Step]
     mask: object = None  # a tokenring.masks.Mask (documents / window) the blocks were cut for, or None
+    only: int | None = None  # built for this rank's plan alone (the steps hold its computes and messages only)
 
     def __post_init__(self) -> None:
         # Every rank builds the same schedule, so a bad one fails here on all of them at once; the executor
@@ -278,8 +281,13 @@ class Schedule:
                         f"{len(self.steps)} is due or ready outside them (please report it)"
                     )
 
+    def _mine(self, r: int) -> None:
+        if self.only is not None and r != self.only:
+            raise ValueError(f"schedule {self.strategy} was built for rank {self.only}'s plan alone, not rank {r}'s")
+
     def for_rank(self, r: int) -> list[tuple[list[Compute], list[Message], list[Message]]]:
         """Per step: this rank's computes, the messages it sends and those it receives, in posting order."""
+        self._mine(r)
         return [
             (
                 [c for c in st.computes if c.rank == r],
@@ -296,6 +304,7 @@ class Schedule:
         message's ``ready`` step when it has one and ``early``), each as ``(message, step posted by the sender,
         n)`` where ``n`` counts the earlier messages between the same two ranks posted in that step: both ends
         derive the message's tag from that pair, whenever each of them posts it."""
+        self._mine(r)
         out = [([c for c in st.computes if c.rank == r], [], []) for st in self.steps]
         for t, st in enumerate(self.steps):
             seen: dict = {}
@@ -425,10 +434,26 @@ def block_pair(
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def pairing(P: int, layout: str, causal: bool, mask=None):
+def pairing(P: int, layout: str, causal: bool, mask=None, only: int | None = None):
     """``pair(q_owner, kv_owner)`` = :func:`block_pair` for this problem: what the schedule builders take, so a
-    hierarchical schedule can run them on a sub-group with its own notion of which blocks meet."""
-    return lambda q_owner, kv_owner: block_pair(q_owner, kv_owner, P, layout, causal, mask)
+    hierarchical schedule can run them on a sub-group with its own notion of which blocks meet. With a
+    ``mask``, the pairs come from one :func:`tokenring.masks.pair_table` (``only``: the pairs of that rank
+    alone, all its direct schedule asks for), and ``pair.table.needs`` gives them as local row ranges, for the
+    relays' unions (``pair.s``: the local rows)."""
+    if mask is None:
+        return lambda q_owner, kv_owner: block_pair(q_owner, kv_owner, P, layout, causal, mask)
+    from .masks import pair_table
+
+    table, s = pair_table(mask, P, layout, only), mask.S // P
+
+    def pair(q_owner: int, kv_owner: int):
+        hit = table.get(q_owner, kv_owner)
+        if hit is None:
+            return None
+        return rows(hit[0].start, hit[0].stop, s), rows(hit[1].start, hit[1].stop, s), q_owner == kv_owner
+
+    pair.table, pair.s = table, s
+    return pair
 
 
 def relay(
@@ -451,6 +476,34 @@ def relay(
         out.append((i, Message(prev, dst, kind, owner, suffix[i], heads)))
         prev = dst
     return out
+
+
+def relay_through(
+    owner: int, path: list[int], need, kind: str, only: int, s: int, heads: str = "all"
+) -> list[tuple[int, Message]]:
+    """The hops of :func:`relay` that start or end at rank ``only``, from ``need = (live, lo, hi)``: whether
+    rank ``x`` needs rows of ``owner``'s and which local rows ``[lo[x], hi[x])`` of ``s``
+    (:meth:`tokenring.masks.PairTable.needs`). Reads the needs of ``only`` and the ranks after it alone."""
+    if only == owner:
+        first = 0
+    elif only in path:
+        first = path.index(only)
+    else:
+        return []
+    last = first + (only != owner)  # the hop into `only` and the one out of it
+    live, lo_of, hi_of = need
+    lo, hi, union = None, None, {}
+    for i in range(len(path) - 1, first - 1, -1):  # unions of what the rest of the path needs, from its end
+        x = path[i]
+        if live[x]:
+            lo, hi = (lo_of[x], hi_of[x]) if lo is None else (min(lo, lo_of[x]), max(hi, hi_of[x]))
+        if i <= last and lo is not None:
+            union[i] = rows(lo, hi, s)
+    return [
+        (i, Message(owner if i == 0 else path[i - 1], path[i], kind, owner, union[i], heads))
+        for i in range(first, min(last, len(path) - 1) + 1)
+        if i in union
+    ]
 
 
 def drop_empty_tail(steps: list[Step]) -> list[Step]:

@@ -14,7 +14,18 @@ is the classic ring above; ``ring:auto`` lets the cost model pick among the vari
 
 from __future__ import annotations
 
-from ..schedules import Compute, Message, Schedule, Step, drop_empty_tail, pairing, part_union, relay
+from ..schedules import (
+    Compute,
+    Message,
+    Schedule,
+    Step,
+    drop_empty_tail,
+    pairing,
+    part_union,
+    relay,
+    relay_through,
+    rows,
+)
 from .base import RelayOrDirect
 
 __all__ = ["pass_kv", "pass_kv_steps", "Ring", "STRATEGY"]
@@ -23,42 +34,95 @@ ONE_WAY = (("all", +1),)
 
 
 def pass_kv(
-    P: int, layout: str, causal: bool, backward: bool, lanes=ONE_WAY, name: str = "ring", mask=None
+    P: int,
+    layout: str,
+    causal: bool,
+    backward: bool,
+    lanes=ONE_WAY,
+    name: str = "ring",
+    mask=None,
+    only: int | None = None,
 ) -> Schedule:
-    steps = pass_kv_steps(P, pairing(P, layout, causal, mask), backward, lanes)
-    return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", drop_empty_tail(steps), mask)
+    steps = pass_kv_steps(P, pairing(P, layout, causal, mask), backward, lanes, only)
+    q_kind = "qgrad" if backward else "q"
+    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps), mask, only)
 
 
-def pass_kv_steps(P: int, pair, backward: bool, lanes=ONE_WAY) -> list[Step]:
-    """The steps of :func:`pass_kv` for blocks that meet as ``pair(q_owner, kv_owner)`` says."""
+def pass_kv_steps(P: int, pair, backward: bool, lanes=ONE_WAY, only: int | None = None) -> list[Step]:
+    """The steps of :func:`pass_kv` for blocks that meet as ``pair(q_owner, kv_owner)`` says (``only``: just
+    what rank ``only`` computes, sends and receives)."""
     steps = [Step() for _ in range(P + 1)]  # the extra step only brings the last dK/dV home
+    table = getattr(pair, "table", None)  # masked: row ranges for the unions without building parts
     for i in range(P):
-        own = pair(i, i)
-        if own is not None:
-            steps[0].computes.append(Compute(i, i, own[0], i, own[1], own[2]))
+        if only in (None, i):
+            own = pair(i, i)
+            if own is not None:
+                steps[0].computes.append(Compute(i, i, own[0], i, own[1], own[2]))
         for heads, sign in lanes:
             path = [(i + sign * t) % P for t in range(1, P)]
-            pairs = [pair(r, i) for r in path]
+            fast = only is not None and table is not None
+            pairs = [pair(r, i) if not fast or r == only else None for r in path]  # fast: `only`'s compute alone
             for t, (r, got) in enumerate(zip(path, pairs), start=1):
                 if got is not None:
                     steps[t].computes.append(Compute(r, r, got[0], i, got[1], got[2], heads=heads))
-            for t, m in relay(i, path, [(p[1] if p else None) for p in pairs], "kv", heads):
+            if fast:
+                need = table.needs(i, "kv")
+                hops = relay_through(i, path, need, "kv", only, pair.s, heads)
+            else:
+                needs = [(p[1] if p else None) for p in pairs]
+                hops = [(t, m) for t, m in relay(i, path, needs, "kv", heads) if only in (None, m.src, m.dst)]
+            for t, m in hops:
                 steps[t].messages.append(m)
             if backward:
-                # The dK/dV accumulator of K/V_i goes from each contributor to the next one, then home to i.
-                acc_part, holder, t_held = None, None, 0
-                for t, (r, got) in enumerate(zip(path, pairs), start=1):
-                    if got is None:
-                        continue
-                    if holder is not None:
-                        steps[t_held + 1].messages.append(Message(holder, r, "dkv", i, acc_part, heads))
-                    acc_part, holder, t_held = part_union(acc_part, got[1]), r, t
-                if holder is not None:
-                    steps[t_held + 1].messages.append(Message(holder, i, "dkv", i, acc_part, heads))
+                chain = (
+                    _dkv_chain_through(i, path, heads, need, pair.s, only)
+                    if fast
+                    else _dkv_chain(i, path, heads, pairs)
+                )
+                for t, m in chain:
+                    if only in (None, m.src, m.dst):
+                        steps[t].messages.append(m)
+    if only is not None:
+        for st in steps:
+            st.computes = [c for c in st.computes if c.rank == only]
     # Computes were appended per K/V owner; order them by rank for readable traces (semantics unaffected).
     for st in steps:
         st.computes.sort(key=lambda c: c.rank)
     return steps
+
+
+def _dkv_chain(i: int, path: list[int], heads: str, pairs) -> list[tuple[int, Message]]:
+    """The dK/dV accumulator of K/V_i: from each contributor on ``path`` (``pairs``: ``pair(r, i)`` per path
+    rank) to the next one, then home to ``i``, carrying the rows contributed so far."""
+    out, acc, holder, t_held = [], None, None, 0
+    for t, (r, got) in enumerate(zip(path, pairs), start=1):
+        if got is None:
+            continue
+        if holder is not None:
+            out.append((t_held + 1, Message(holder, r, "dkv", i, acc, heads)))
+        acc, holder, t_held = part_union(acc, got[1]), r, t
+    if holder is not None:
+        out.append((t_held + 1, Message(holder, i, "dkv", i, acc, heads)))
+    return out
+
+
+def _dkv_chain_through(i: int, path: list[int], heads: str, need, s: int, only: int) -> list[tuple[int, Message]]:
+    """The messages of :func:`_dkv_chain` to and from rank ``only``, from ``need = (live, lo, hi)`` per rank
+    (:meth:`tokenring.masks.PairTable.needs` of K/V_i): scans the path only up to ``only``'s successor."""
+    live, lo_of, hi_of = need
+    out, lo, hi, holder, t_held = [], None, None, None, 0
+    for t, r in enumerate(path, start=1):
+        if not live[r]:
+            continue
+        if holder is not None and only in (holder, r):
+            out.append((t_held + 1, Message(holder, r, "dkv", i, rows(lo, hi, s), heads)))
+        if holder == only:
+            return out  # `only`'s successor found: nothing later involves it
+        lo, hi = (lo_of[r], hi_of[r]) if lo is None else (min(lo, lo_of[r]), max(hi, hi_of[r]))
+        holder, t_held = r, t
+    if holder is not None and only in (holder, i):
+        out.append((t_held + 1, Message(holder, i, "dkv", i, rows(lo, hi, s), heads)))
+    return out
 
 
 class Ring(RelayOrDirect):
@@ -67,8 +131,10 @@ class Ring(RelayOrDirect):
 
     family, default_mode, mover = "ring", "relay", "kv"
 
-    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
-        return pass_kv(P, layout, causal, backward, mask=mask)
+    def relay_schedule(
+        self, P: int, layout: str, causal: bool, backward: bool, mask=None, only: int | None = None
+    ) -> Schedule:
+        return pass_kv(P, layout, causal, backward, mask=mask, only=only)
 
 
 STRATEGY = Ring()

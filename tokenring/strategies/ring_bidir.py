@@ -27,8 +27,10 @@ class RingBidir(ScheduledStrategy):
             )
         return None
 
-    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
-        return pass_kv(P, layout, causal, backward, TWO_WAY, self.name, mask)
+    def build_schedule(
+        self, P: int, layout: str, causal: bool, backward: bool, mask=None, only: int | None = None
+    ) -> Schedule:
+        return pass_kv(P, layout, causal, backward, TWO_WAY, self.name, mask, only)
 
 
 STRATEGY = RingBidir()

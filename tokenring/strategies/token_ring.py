@@ -58,6 +58,7 @@ from ..schedules import (
     pairings,
     part_rows,
     relay,
+    relay_through,
     rows,
 )
 from .base import RelayOrDirect
@@ -65,30 +66,37 @@ from .base import RelayOrDirect
 __all__ = ["TokenRing", "pass_q_steps", "direct", "direct_steps", "STRATEGY"]
 
 
-def _pass_q(P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
-    steps = pass_q_steps(P, pairing(P, layout, causal, mask), backward)
+def _pass_q(P: int, layout: str, causal: bool, backward: bool, mask=None, only: int | None = None) -> Schedule:
+    steps = pass_q_steps(P, pairing(P, layout, causal, mask), backward, only)
     carry = "qgrad" if backward else "q"
-    return Schedule("token_ring:relay", P, layout, causal, backward, carry, drop_empty_tail(steps), mask)
+    return Schedule("token_ring:relay", P, layout, causal, backward, carry, drop_empty_tail(steps), mask, only)
 
 
-def pass_q_steps(P: int, pair, backward: bool) -> list[Step]:
-    """The steps of the relay schedule for blocks that meet as ``pair(q_owner, kv_owner)`` says."""
+def pass_q_steps(P: int, pair, backward: bool, only: int | None = None) -> list[Step]:
+    """The steps of the relay schedule for blocks that meet as ``pair(q_owner, kv_owner)`` says (``only``:
+    just what rank ``only`` computes, sends and receives)."""
     carry, ret = ("qgrad", "dq") if backward else ("q", "out")
     steps = [Step() for _ in range(P + 1)]  # the extra step only returns the last partials
     for t in range(P):
-        for r in range(P):
+        for r in range(P) if only is None else sorted({only, (only - t) % P}):
             j = (r + t) % P
             got = pair(j, r)
             if got is None:
                 continue
             q_part, kv_part, diag = got
-            steps[t].computes.append(Compute(r, j, q_part, r, kv_part, diag))
+            if only in (None, r):
+                steps[t].computes.append(Compute(r, j, q_part, r, kv_part, diag))
             if j != r:
                 steps[t + 1].messages.append(Message(r, j, ret, j, q_part))
+    table = getattr(pair, "table", None)
     for j in range(P):
         path = [(j - t) % P for t in range(1, P)]
-        needs = [(got[0] if got else None) for got in (pair(j, r) for r in path)]
-        for t, m in relay(j, path, needs, carry):
+        if only is not None and table is not None:
+            hops = relay_through(j, path, table.needs(j, "q"), carry, only, pair.s)
+        else:
+            needs = [(got[0] if got else None) for got in (pair(j, r) for r in path)]
+            hops = [(t, m) for t, m in relay(j, path, needs, carry) if only in (None, m.src, m.dst)]
+        for t, m in hops:
             steps[t].messages.append(m)
     return steps
 
@@ -110,7 +118,16 @@ def _own_rows(r: int, a: int, b: int, n: int, own, causal: bool) -> list[Compute
 
 
 def direct(
-    name: str, P: int, layout: str, causal: bool, backward: bool, mover: str, chunks: int, lookahead: int, mask=None
+    name: str,
+    P: int,
+    layout: str,
+    causal: bool,
+    backward: bool,
+    mover: str,
+    chunks: int,
+    lookahead: int,
+    mask=None,
+    only: int | None = None,
 ) -> Schedule:
     """Direct (mesh-native), fine-grained schedule: every block one rank lacks comes *straight from its owner*,
     cut into ``chunks`` row chunks that are computed one per step, and sent up to ``lookahead`` blocks ahead.
@@ -137,23 +154,33 @@ def direct(
     """
     steps = direct_steps(
         P,
-        pairing(P, layout, causal, mask),
+        pairing(P, layout, causal, mask, only),
         causal,
         backward,
         mover,
         chunks,
         lookahead,
         None if mask is None else mask.S // P,
+        only,
     )
     q_kind = "qgrad" if backward else "q"
-    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps), mask)
+    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps), mask, only)
 
 
 def direct_steps(
-    P: int, pair, causal: bool, backward: bool, mover: str, chunks: int, lookahead: int, s: int | None = None
+    P: int,
+    pair,
+    causal: bool,
+    backward: bool,
+    mover: str,
+    chunks: int,
+    lookahead: int,
+    s: int | None = None,
+    only: int | None = None,
 ) -> list[Step]:
     """The steps of :func:`direct` for blocks that meet as ``pair(q_owner, kv_owner)`` says (``s``: the local
-    length, when parts are exact row ranges that a chunk can leave empty)."""
+    length, when parts are exact row ranges that a chunk can leave empty; ``only``: just what rank ``only``
+    computes, sends and receives, asking ``pair`` about that rank's pairs alone)."""
     c, k = chunks, lookahead
     if c < 1 or not 1 <= k <= max(1, P - 1):
         raise ValueError(f"chunks must be >= 1 and lookahead in 1..P-1 = {P - 1}; got chunks={c}, lookahead={k}")
@@ -168,7 +195,7 @@ def direct_steps(
     # round per chunk sweep), the tail at the last step.
     byes: dict[int, list[Compute]] = {}
     n_byes = c if P % 2 else 0
-    for r in range(P):
+    for r in range(P) if only is None else (only,):
         got = pair(r, r)
         pieces = own_pieces(c, P, mover, backward, triangle=causal and got is not None and got[2])
         computes = [
@@ -180,7 +207,8 @@ def direct_steps(
             steps[last].computes += tail
     x = 1
     for i, partner in itertools.product(range(c), rounds):  # chunk-major
-        for r, j in enumerate(partner):
+        for r in range(P) if only is None else sorted({only, partner[only]}):  # partners pair both ways
+            j = partner[r]
             if j == r:
                 steps[x].computes += byes[r][i]
                 continue
@@ -191,7 +219,9 @@ def direct_steps(
             part = chunk(q_part if mover == "q" else kv_part, i, c)
             if s is not None and not part_rows(part, s):
                 continue  # a masked block can have fewer rows than chunks
-            if mover == "q":
+            if only is not None and r != only:
+                pass  # the partner's compute: only its messages to and from `only` belong to this plan
+            elif mover == "q":
                 steps[x].computes.append(Compute(r, j, part, r, kv_part))
             else:
                 steps[x].computes.append(Compute(r, r, q_part, j, part))
@@ -209,8 +239,10 @@ class TokenRing(RelayOrDirect):
 
     family, default_mode, mover = "token_ring", "auto", "q"
 
-    def relay_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
-        return _pass_q(P, layout, causal, backward, mask)
+    def relay_schedule(
+        self, P: int, layout: str, causal: bool, backward: bool, mask=None, only: int | None = None
+    ) -> Schedule:
+        return _pass_q(P, layout, causal, backward, mask, only)
 
 
 STRATEGY = TokenRing()

@@ -280,7 +280,10 @@ class TwoLevel(RelayOrDirect):
             )
         return None
 
-    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
+    def build_schedule(
+        self, P: int, layout: str, causal: bool, backward: bool, mask=None, only: int | None = None
+    ) -> Schedule:
+        """The whole schedule, ``only`` or not (a two-level schedule is not built per rank)."""
         why = inner_size_error(self.name, P, self.inner)
         if why:
             raise ValueError(why)

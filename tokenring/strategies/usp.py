@@ -35,8 +35,8 @@ from ..schedules import (
     Schedule,
     Shapes,
     Step,
-    block_pair,
     drop_empty_tail,
+    pairing,
     part_rows,
     part_slice,
     ulysses_kv_heads,
@@ -57,32 +57,45 @@ def node_shapes(sh: Shapes, n: int) -> Shapes:
     return Shapes(sh.B, sh.s * n, sh.H // n, ulysses_kv_heads(sh.H, sh.Hkv, n) // n, sh.d, sh.dtype, sh.P // n)
 
 
-def _schedule(name: str, P: int, n: int, layout: str, causal: bool, backward: bool, mask) -> Schedule:
+def _schedule(
+    name: str, P: int, n: int, layout: str, causal: bool, backward: bool, mask, only: int | None = None
+) -> Schedule:
+    """``only``: just rank ``only``'s all-to-all messages and its head group's ring (the ring over the nodes is
+    still built whole: it has ``(P/n)^2`` blocks, and its length places the all-to-all back)."""
     m = P // n
     first, last = ("u_dout", "u_grad") if backward else ("u_qkv", "u_out")
+    nodes = range(m) if only is None else (only // n,)
+    groups = range(n) if only is None else (only % n,)
 
     def a2a(kind: str) -> list[Message]:
+        if only is None:
+            pairs = [(i, j) for i in range(n) for j in range(n)]
+        else:  # `only` (local rank l) sends to and receives from each rank of its node, in the same order
+            l = only % n
+            pairs = sorted({(l, j) for j in range(n)} | {(i, l) for i in range(n)})
         return [
             Message(a * n + i, a * n + j, kind, a * n + (j if kind in ("u_out", "u_grad") else i))
-            for a in range(m)
-            for i in range(n)
-            for j in range(n)
+            for a in nodes
+            for i, j in pairs
             if i != j
         ]
 
-    ring = pass_kv_steps(m, lambda q, kv: block_pair(q, kv, m, layout, causal, mask), backward)
+    ring = pass_kv_steps(m, pairing(m, layout, causal, mask), backward)
     ring = drop_empty_tail(ring)
     steps = [Step(messages=a2a(first))] + [Step() for _ in ring] + [Step(messages=a2a(last))]
     for t, st in enumerate(ring, start=1):
-        for l in range(n):  # one ring per head group, over the nodes
+        for l in groups:  # one ring per head group, over the nodes
             steps[t].computes += [
                 replace(c, rank=c.rank * n + l, q_owner=c.q_owner * n + l, kv_owner=c.kv_owner * n + l)
                 for c in st.computes
+                if only in (None, c.rank * n + l)
             ]
             steps[t].messages += [
-                replace(x, src=x.src * n + l, dst=x.dst * n + l, owner=x.owner * n + l) for x in st.messages
+                replace(x, src=x.src * n + l, dst=x.dst * n + l, owner=x.owner * n + l)
+                for x in st.messages
+                if only in (None, x.src * n + l, x.dst * n + l)
             ]
-    return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", steps, mask)
+    return Schedule(name, P, layout, causal, backward, "qgrad" if backward else "q", steps, mask, only)
 
 
 class _NodeTiles:
@@ -252,11 +265,13 @@ class Usp(Strategy):
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         return q, k, v
 
-    def build_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
+    def build_schedule(
+        self, P: int, layout: str, causal: bool, backward: bool, mask=None, only: int | None = None
+    ) -> Schedule:
         why = inner_size_error(self.name, P, self.node_size(P))
         if why:
             raise ValueError(why)
-        return _schedule(self.name, P, self.node_size(P), layout, causal, backward, mask)
+        return _schedule(self.name, P, self.node_size(P), layout, causal, backward, mask, only)
 
     def payload(self, kind: str, part: str, sh: Shapes, heads: str = "all"):
         """All-to-all messages are Ulysses' over the node; ring messages carry node rows of a head group."""
@@ -326,7 +341,7 @@ class Usp(Strategy):
 
         ops = _UspOps(sh, cfg, n, q.device, {"u_qkv": [q, k, v]}, ring)
         execute(
-            self.schedule(cfg.P, cfg.layout, cfg.causal, False, cfg.mask),
+            self.plan_schedule(cfg, backward=False),
             cfg.comm(f"{self.name} forward"),
             ops,
             cfg.held("forward"),
@@ -354,7 +369,7 @@ class Usp(Strategy):
 
         ops = _UspOps(sh, cfg, n, dout.device, {"u_dout": [dout]}, ring)
         execute(
-            self.schedule(cfg.P, cfg.layout, cfg.causal, True, cfg.mask),
+            self.plan_schedule(cfg, backward=True),
             cfg.comm(f"{self.name} backward"),
             ops,
             cfg.held("backward"),
