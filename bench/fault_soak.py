@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
 """Fault soak: many calls, each with one rank killed, stalled or refusing its input, in its forward or backward.
 
-    .venv/bin/python bench/fault_soak.py [--trials 500] [--timeout 2] [--seed 0]
+    .venv/bin/python bench/fault_soak.py [--trials 500] [--timeout 2] [--seed 0] [--ranks 2 3 4]
     .venv/bin/python bench/fault_soak.py --memory 10000     # RSS over many calls with a new mask each
 
-Each trial: P in {2, 3, 4} local gloo ranks (``RankPool``; after a death or a stall it starts fresh ones), a
-strategy (token_ring relay and direct, ring, ring direct, ring_bidir, ulysses), causal or not, a warm-up call,
+Each trial: P local gloo ranks, drawn from ``--ranks`` (``RankPool``; after a death, a stall or a refusal it
+starts fresh ones), a strategy (token_ring relay and direct, ring, ring direct, ring_bidir, ulysses), causal or
+not, packed documents or not (in half the trials: each rank then runs its own plan of the masked schedule), a
+warm-up call,
 then a call with one fault on a random victim: it exits (``os._exit``) or stalls (sleeps past the timeout) at
 the start of a random step of the forward or the backward, or it passes K/V of another head dim (refused).
 Every surviving rank reports how its call ended: a ``RuntimeError`` or ``ValueError`` (with the seconds from the
 start of that pass, and whether the message names the victim), or completion (it needed nothing more from it).
 A surviving rank that neither raises nor completes within the pool's limit is a hang. At the end, no process
-started by the soak may be left. Writes every trial to ``bench/results/fault_soak.json`` and prints the counts.
+started by the soak may be left. ``--workers W`` runs W trials at once, each on its own ranks (trial ``i`` is
+drawn from its own seed, whoever runs it). Writes every trial to ``bench/results/fault_soak.json`` (after every
+trial, with ``finished: false`` until the end) and prints the counts.
 """
 
 from __future__ import annotations
@@ -31,9 +35,21 @@ sys.path.insert(0, os.path.dirname(HERE))
 SPECS = ["token_ring:relay", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c=2,k=1", "ring_bidir", "ulysses"]
 
 
-def trial(rank: int, P: int, spec: str, causal: bool, phase: str, victim: int, step: int, timeout: float, fault: str):
+def trial(
+    rank: int,
+    P: int,
+    spec: str,
+    causal: bool,
+    phase: str,
+    victim: int,
+    step: int,
+    timeout: float,
+    fault: str,
+    cu: list[int] | None = None,
+):
     """One call with a fault on rank ``victim``: ``kill`` (exits at ``step`` of ``phase``), ``stall`` (sleeps
-    there for the timeout + 3 s, alive) or ``refuse`` (passes K/V of another head dim: a ValueError)."""
+    there for the timeout + 3 s, alive) or ``refuse`` (passes K/V of another head dim: a ValueError). ``cu``:
+    packed documents (each rank then runs its own plan of the masked schedule)."""
     import torch
 
     import tokenring
@@ -43,14 +59,14 @@ def trial(rank: int, P: int, spec: str, causal: bool, phase: str, victim: int, s
     layout = "zigzag" if causal else "contiguous"
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 24, h, 8, generator=g).requires_grad_() for h in (12, 2, 2))
-    tokenring.attention(q, k, v, causal=causal, strategy=spec, layout=layout).sum().backward()  # warm-up
+    tokenring.attention(q, k, v, causal=causal, strategy=spec, layout=layout, cu_seqlens=cu).sum().backward()
     if rank == victim and fault == "refuse":
         k, v = (torch.randn(1, 24, 2, 6, requires_grad=True) for _ in range(2))
     elif rank == victim:
         exit_at_step(phase, step, stall=timeout + 3 if fault == "stall" else 0.0)
     t0 = time.monotonic()
     try:
-        out = tokenring.attention(q, k, v, causal=causal, strategy=spec, layout=layout)
+        out = tokenring.attention(q, k, v, causal=causal, strategy=spec, layout=layout, cu_seqlens=cu)
         if phase == "backward":
             t0 = time.monotonic()
         out.sum().backward()
@@ -107,81 +123,47 @@ def leftover_children() -> list[int]:
     return out
 
 
-def main(argv=None) -> int:
+def draw(i: int, seed: int, ranks: list[int]) -> dict:
+    """Trial ``i``'s setup, drawn from its own seed (the same whichever worker runs it)."""
+    from tokenring.masks import make_mask
     from tokenring.strategies import get, why_not
-    from tokenring.tools.launch import RankError, RankPool
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=500)
-    ap.add_argument("--memory", type=int, default=0, help="instead: this many calls with new masks, RSS kept")
-    ap.add_argument("--timeout", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    if a.memory:
-        return memory_run(a.memory)
-    rnd = random.Random(a.seed)
-    pools: dict[int, RankPool] = {}
-    rows = []
-    t_start = time.monotonic()
-    try:
-        for i in range(a.trials):
-            P = rnd.choice([2, 3, 4])
-            spec = rnd.choice([s for s in SPECS if why_not(s, 12, 2, P) is None])
-            causal, phase = rnd.random() < 0.5, rnd.choice(["forward", "backward"])
-            fault = rnd.choice(["kill", "stall", "refuse"])
-            phase = "forward" if fault == "refuse" else phase
-            steps = len(get(spec).schedule(P, "zigzag" if causal else "contiguous", causal, phase == "backward").steps)
-            victim, kill_step = rnd.randrange(P), rnd.randrange(steps)
-            pool = pools.setdefault(P, RankPool(P, threads=1, timeout=3 * a.timeout + 30))
-            row = dict(
-                trial=i,
-                P=P,
-                strategy=spec,
-                causal=causal,
-                phase=phase,
-                fault=fault,
-                victim=victim,
-                kill_step=kill_step,
-                steps=steps,
-            )
-            try:
-                res = pool.run(trial, spec, causal, phase, victim, kill_step, a.timeout, fault, allow_exit=True)
-                row["ranks"] = [None if r == victim else res[r] for r in range(P)]
-                row["victim_answered"] = res[victim] is not None and fault == "kill"
-            except RankError as e:  # a survivor that gave no answer in time: a hang
-                row["hang"] = str(e)[:600]
-            if fault in ("stall", "refuse"):  # a timed-out group is not usable again: the next trial needs fresh
-                pools.pop(P).close()  # ranks (a refusal after a cached signature reaches the others as a timeout)
-            rows.append(row)
-            surv = [r for r in row.get("ranks", []) if r]
-            print(
-                f"{i:3d} P={P} {spec:26s} {'causal' if causal else 'full  '} {phase:8s} {fault} r{victim}@{kill_step}: "
-                + (
-                    "HANG"
-                    if "hang" in row
-                    else ", ".join(
-                        f"{r['outcome']} {r['seconds']:.1f}s"
-                        + ("" if r["outcome"] != "raised" else (" named" if r["names_victim"] else " UNNAMED"))
-                        for r in surv
-                    )
-                ),
-                flush=True,
-            )
-    finally:
-        for pool in pools.values():
-            pool.close()
-    time.sleep(1.0)
-    left = leftover_children() + [p.pid for p in multiprocessing.active_children()]
+    rnd = random.Random(seed * 1_000_003 + i)
+    P = rnd.choice(ranks)
+    spec = rnd.choice([s for s in SPECS if why_not(s, 12, 2, P) is None])
+    causal, phase = rnd.random() < 0.5, rnd.choice(["forward", "backward"])
+    fault = rnd.choice(["kill", "stall", "refuse"])
+    phase = "forward" if fault == "refuse" else phase
+    layout, S, victim = "zigzag" if causal else "contiguous", 24 * P, rnd.randrange(P)
+    cu = [0] + sorted(rnd.sample(range(1, S), 3)) + [S] if rnd.random() < 0.5 else None
+    mask = make_mask(S, cu, None, causal) if cu else None  # the victim's steps: its own plan's
+    steps = len(get(spec).rank_schedule(P, layout, causal, phase == "backward", mask, victim).steps)
+    return dict(
+        trial=i,
+        P=P,
+        strategy=spec,
+        causal=causal,
+        cu_seqlens=cu,
+        phase=phase,
+        fault=fault,
+        victim=victim,
+        kill_step=rnd.randrange(steps),
+        steps=steps,
+    )
+
+
+def summarize(rows: list[dict], timeout: float, left: list[int], wall: float) -> dict:
     surv = [r for row in rows for r in row.get("ranks", []) if r]
     raised = [r for r in surv if r["outcome"] in ("raised", "refused")]
-    bound = a.timeout + 2.0
-    summary = dict(
+    bound = timeout + 2.0
+    return dict(
         trials=len(rows),
         surviving_rank_calls=len(surv),
         raised=len(raised),
         refused=sum(r["outcome"] == "refused" for r in surv),
         completed=sum(r["outcome"] == "completed" for r in surv),
         faults={f: sum(row["fault"] == f for row in rows) for f in ("kill", "stall", "refuse")},
+        masked_trials=sum(row["cu_seqlens"] is not None for row in rows),
         raised_within_bound=sum(r["seconds"] <= bound for r in raised),
         raised_naming_victim=sum(r["names_victim"] for r in raised),
         hangs=sum("hang" in row for row in rows),
@@ -189,23 +171,99 @@ def main(argv=None) -> int:
         slowest_raise_s=max((r["seconds"] for r in raised), default=None),
         bound_s=bound,
         leftover_processes=sorted(set(left)),
-        wall_s=time.monotonic() - t_start,
+        wall_s=wall,
     )
-    out = dict(
-        command="python bench/fault_soak.py " + " ".join(argv or sys.argv[1:]),
-        machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count()),
-        summary=summary,
-        trials=rows,
-    )
-    with open(os.path.join(HERE, "results", "fault_soak.json"), "w") as f:
-        json.dump(out, f, indent=1)
+
+
+def main(argv=None) -> int:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenring.tools.launch import RankError, RankPool
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=500)
+    ap.add_argument("--memory", type=int, default=0, help="instead: this many calls with new masks, RSS kept")
+    ap.add_argument("--timeout", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4], help="group sizes to draw from")
+    ap.add_argument("--workers", type=int, default=1, help="trials run at once, each on its own ranks")
+    a = ap.parse_args(argv)
+    if a.memory:
+        return memory_run(a.memory)
+    rows: list[dict] = []
+    lock = threading.Lock()
+    t_start = time.monotonic()
+    command = "python bench/fault_soak.py " + " ".join(argv or sys.argv[1:])
+    machine = dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
+
+    def save(summary: dict) -> None:  # after every trial too, so an interrupted soak keeps what it ran
+        out = dict(command=command, machine=machine, summary=summary, trials=sorted(rows, key=lambda r: r["trial"]))
+        with open(os.path.join(HERE, "results", "fault_soak.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+    def worker(w: int) -> None:
+        pools: dict[int, RankPool] = {}
+        try:
+            for i in range(w, a.trials, a.workers):
+                row = draw(i, a.seed, a.ranks)
+                P, spec, victim, fault = row["P"], row["strategy"], row["victim"], row["fault"]
+                pool = pools.setdefault(P, RankPool(P, threads=1, timeout=3 * a.timeout + 30))
+                args = (
+                    spec,
+                    row["causal"],
+                    row["phase"],
+                    victim,
+                    row["kill_step"],
+                    a.timeout,
+                    fault,
+                    row["cu_seqlens"],
+                )
+                try:
+                    res = pool.run(trial, *args, allow_exit=True)
+                    row["ranks"] = [None if r == victim else res[r] for r in range(P)]
+                    row["victim_answered"] = res[victim] is not None and fault == "kill"
+                except RankError as e:  # a survivor that gave no answer in time: a hang
+                    row["hang"] = str(e)[:600]
+                if fault in ("stall", "refuse"):  # a timed-out group is not usable again: the next trial needs
+                    pools.pop(P).close()  # fresh ranks (a refusal after agreeing reaches the others as a timeout)
+                surv = [r for r in row.get("ranks", []) if r]
+                line = (
+                    f"{i:3d} P={P} {spec:26s} {'causal' if row['causal'] else 'full  '} "
+                    f"{'docs' if row['cu_seqlens'] else '    '} {row['phase']:8s} {fault} "
+                    f"r{victim}@{row['kill_step']}: "
+                ) + (
+                    "HANG"
+                    if "hang" in row
+                    else ", ".join(
+                        f"{r['outcome']} {r['seconds']:.1f}s"
+                        + ("" if r["outcome"] != "raised" else (" named" if r["names_victim"] else " UNNAMED"))
+                        for r in surv
+                    )
+                )
+                with lock:
+                    rows.append(row)
+                    print(line, flush=True)
+                    save(summarize(rows, a.timeout, [], time.monotonic() - t_start) | dict(finished=False))
+        finally:
+            for pool in pools.values():
+                pool.close()
+
+    with ThreadPoolExecutor(a.workers) as ex:
+        for f in [ex.submit(worker, w) for w in range(a.workers)]:
+            f.result()
+    time.sleep(1.0)
+    left = leftover_children() + [p.pid for p in multiprocessing.active_children()]
+    summary = summarize(rows, a.timeout, left, time.monotonic() - t_start)
+    save(summary)
     print(json.dumps(summary, indent=1))
+    raised = summary["raised"]
     ok = (
         summary["hangs"] == 0
         and not left
         and summary["victim_answered"] == 0
-        and summary["raised_within_bound"] == len(raised)
-        and summary["raised_naming_victim"] == len(raised)
+        and summary["raised_within_bound"] == raised
+        and summary["raised_naming_victim"] == raised
     )
     return 0 if ok else 1
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import settings
-from .comm import collective_device, get_timeout, group_store
+from .comm import collective_device, get_timeout, group_store, publish_refusal
 from .device import autocast_dtype, values_travel
 from .device import device_type as device_kind
 from .instrument import NONE as NO_HOOKS
@@ -346,11 +346,20 @@ def _check_sinks(sinks, q: torch.Tensor, rank: int) -> None:
 
 
 def _refuse_everywhere(problem: ValueError, group, rank: int, P: int):
-    """Tell the other ranks this rank refuses its arguments (they raise at once), then raise ``problem``."""
+    """Tell the other ranks this rank refuses its arguments, then raise ``problem``. Ranks that compare
+    signatures for this call raise at once; ranks that had agreed on their shapes at an earlier call go ahead
+    without comparing, and name this rank and its reason when its messages do not come (the store report)."""
+    publish_refusal(group, rank, str(problem))
     try:
         _agree(list(_REFUSED), None, "", group, collective_device(group), rank, P, remember=False)
-    except (ValueError, RuntimeError):  # its own error is the one to raise
+    except ValueError:  # its own error is the one to raise
         pass
+    except RuntimeError:
+        raise ValueError(
+            f"{problem} (The other ranks did not compare signatures with this one: they had agreed on their "
+            f"shapes at an earlier call and went ahead, so they will fail waiting for this rank and name it. "
+            f"The process group cannot be used again after this: destroy it and start the ranks again.)"
+        ) from None
     raise problem from None
 
 

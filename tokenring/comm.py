@@ -68,19 +68,37 @@ def group_store(group):
         return None
 
 
+def publish_refusal(group, rank: int, why: str) -> None:
+    """Leave this rank's reason for refusing its arguments where :func:`silent_ranks` finds it: ranks that had
+    agreed on the call's shapes at an earlier call go ahead without asking, wait for this rank's messages, and
+    can then say why they never came."""
+    store = group_store(group)
+    try:
+        if store is not None:
+            store.set(f"tokenring/refused/{rank}", why[:2000])
+    except Exception:  # reporting only: the refusal itself is raised whatever happens here
+        pass
+
+
 def silent_ranks(store, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> str:
     """After this rank failed waiting for rank ``first``: follow who waits for whom through the reports failed
     ranks leave (``tokenring/stuck/<rank>`` = the rank it waited for, at its latest failure, in this or an
     earlier call: a rank that failed in the forward never reaches the backward its peers wait in) to the first
-    rank that left none within ``wait_s``: the rank that died, hangs, or stopped calling attention. A sentence
-    naming it ('' if it cannot be told)."""
+    rank that left none within ``wait_s``: the rank that died, hangs, refused its arguments
+    (:func:`publish_refusal`) or stopped calling attention. A sentence naming it ('' if it cannot be told)."""
     if store is None:
         return ""
     chain, r = [me], first
     deadline = time.monotonic() + wait_s
     try:
         while r not in chain:
-            key = f"tokenring/stuck/{r}"
+            key, refused = f"tokenring/stuck/{r}", f"tokenring/refused/{r}"
+            if store.check([refused]) and not store.check([key]):
+                return (
+                    f" Rank {r} is the one that stopped: it refused its arguments to attention (at this or an "
+                    f"earlier call; the ranks had agreed on these shapes before, so the others went ahead "
+                    f"without it): {store.get(refused).decode()}"
+                )
             while not store.check([key]) and time.monotonic() < deadline:
                 time.sleep(0.02)
             if not store.check([key]):
