@@ -300,6 +300,27 @@ def refuse_later_case(rank: int, P: int, strategy: str, timeout: float) -> tuple
     raise AssertionError(f"rank {rank}: the call went through although rank 1 refused its arguments")
 
 
+def many_masks_case(rank: int, P: int, keep: int) -> tuple[int, float]:
+    """Calls with more new masks than the verified-signature cache keeps (``keep`` per group), then the first
+    masks again: every rank drops and re-exchanges alike. ``(entries kept, largest error vs. one process)``."""
+    from tokenring import api
+    from tokenring.layouts import shard
+
+    size, api._checked.size = api._checked.size, keep
+    try:
+        S, worst = 16 * P, 0.0
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, S, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+        for cut in (3, 5, 7, 9, 11, 3, 5):
+            cu = [0, cut, S]
+            out = tokenring.attention(*(shard(x) for x in (q, k, v)), causal=True, cu_seqlens=cu, layout="contiguous")
+            want = shard(reference(q, k, v, True, 8**-0.5, cu))
+            worst = max(worst, (out - want).abs().max().item())
+        return len(api._checked.groups[next(iter(api._checked.groups))]), worst
+    finally:
+        api._checked.size = size
+
+
 def peak_memory_case(rank: int, P: int, s: int, H: int, d: int, strategy: str) -> int:
     """Peak resident memory growth (bytes) of one causal forward+backward at local length ``s``, after a
     small warm-up call so that one-time allocations (kernel libraries, thread pools, gloo buffers) are not

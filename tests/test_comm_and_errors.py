@@ -382,6 +382,13 @@ def test_refusal_after_agreement_names_the_rank_and_its_reason(strategy):
         assert "Rank 1 is the one that stopped: it refused its arguments" in msg and "head dim" in msg, (rank, msg)
 
 
+def test_verified_signatures_are_bounded_and_dropped_alike(pools):
+    """Packed training brings a new mask (a new signature) every step: the verified ones are capped per group,
+    dropped oldest first on every rank alike, and a dropped one is simply exchanged again."""
+    for kept, err in pools(3).run(cases.many_masks_case, 2):
+        assert kept == 2 and err < 1e-10, (kept, err)
+
+
 def test_rank_that_never_calls_is_named():
     """A rank that never reaches the call's signature exchange is named by the ranks that did."""
     for msg in spawn(cases.absent_case, 3, 2.0, timeout=60)[:2]:

@@ -29,9 +29,41 @@ from .strategies.base import Config
 __all__ = ["attention", "choose_strategy", "resolve", "STRATEGY_NAMES", "forget_choices"]
 
 STRATEGY_NAMES = NAMES
-# (group, signature) -> the strategy that runs: signatures already verified identical on every rank, with the
-# choice rank 0 made for "auto" / a family choice (set_topology clears it on every rank: calls re-decide).
-_checked: dict = {}
+
+
+class _Verified:
+    """``(id(group), signature)`` -> the strategy that runs: signatures already verified identical on every
+    rank, with the choice rank 0 made for "auto" / a family choice (set_topology clears it on every rank: calls
+    re-decide). At most ``size`` per group, the oldest dropped first: entries go in only after an exchange
+    every rank of the group makes, so every rank keeps the same ones and skips (or repeats) an exchange alike,
+    and packed training, with a new mask every step, does not grow it."""
+
+    def __init__(self, size: int = 256):
+        self.size, self.groups = size, {}
+
+    def get(self, key):
+        return self.groups.get(key[0], {}).get(key)
+
+    def __contains__(self, key) -> bool:
+        return key in self.groups.get(key[0], {})
+
+    def __getitem__(self, key):
+        return self.groups[key[0]][key]
+
+    def __setitem__(self, key, value) -> None:
+        group = self.groups.setdefault(key[0], {})
+        group[key] = value
+        while len(group) > self.size:
+            group.pop(next(iter(group)))
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self.groups.values())
+
+    def clear(self) -> None:
+        self.groups.clear()
+
+
+_checked = _Verified()
 _exchanges: dict = {}  # per group: signature exchanges so far (the same count on every rank in step)
 
 
