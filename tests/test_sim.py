@@ -458,3 +458,21 @@ def test_queued_variant_only_adds_waits(topo):
                 assert b > 1.2 * a, (name, causal, a, b)  # its prefetches share the port with later steps'
             if topo.startswith("mesh"):  # a link per pair: queueing happens only on the backplane, exempt
                 assert b == pytest.approx(a), (name, causal, a, b)
+
+
+def test_auto_keeps_its_choice_across_masks_of_one_class(monkeypatch):
+    """Packed training brings new documents every step: ``auto`` decides once per mask class (window, number of
+    documents to a power of two), not once per mask, and its cache stays bounded."""
+    from tokenring.masks import make_mask
+
+    auto = auto_mod
+    monkeypatch.setattr(auto, "_cache", {})
+    sh = Shapes(1, 64, 4, 2, 16, torch.float32, 4)
+    first = auto.choose(sh, True, "zigzag", mask=make_mask(256, [0, 10, 90, 200, 256], None, True))
+    again = auto.choose(sh, True, "zigzag", mask=make_mask(256, [0, 50, 60, 170, 256], None, True))
+    assert again is first and len(auto._cache) == 1
+    auto.choose(sh, True, "zigzag", mask=make_mask(256, [0, 50, 256], None, True))  # 2 documents: another class
+    assert len(auto._cache) == 2
+    monkeypatch.setattr(auto, "_CACHE_SIZE", 2)
+    auto.choose(sh, True, "zigzag", mask=make_mask(256, [0, 50, 256], (8, -1), True))  # a window: another one
+    assert len(auto._cache) == 2

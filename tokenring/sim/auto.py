@@ -9,7 +9,7 @@ per node from ``$LOCAL_WORLD_SIZE``, NVLink or PCIe between them). The kernel mo
 (``cpu``: a fixed analytic model, never a timing taken on this rank). ``tokenring.attention`` asks the model on
 rank 0 only and sends its
 choice to every rank with the signature check, so ranks never disagree. Choices are cached per
-(shapes, dtype, causal, layout, pass, topology).
+(shapes, dtype, causal, layout, pass, topology, :func:`mask_class`).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def choose(
         torch.get_num_threads(),
         topology if isinstance(topology, (str, type(None))) else repr(topology),
         requested,
-        mask,
+        mask_class(mask),
         inner,
     )
     if key not in _cache:
@@ -130,8 +130,21 @@ def choose(
             raise ValueError(
                 f"no variant of {requested!r} can run B={sh.B} s={sh.s} H={sh.H} Hkv={sh.Hkv} on P={sh.P} ranks"
             )
+        while len(_cache) >= _CACHE_SIZE:  # oldest first out (only rank 0 decides: nothing to keep in step)
+            _cache.pop(next(iter(_cache)))
         _cache[key] = (fastest(results).strategy, results, topo, origin)
     return _cache[key]
+
+
+_CACHE_SIZE = 512
+
+
+def mask_class(mask) -> tuple | None:
+    """What of a mask a choice is kept for: its window, and its number of documents to a power of two. Packed
+    training brings new documents every step; simulating every candidate again would cost seconds a step
+    (measured: 0.5-13 s at P = 4-16 on this repository's CPU host), so ``auto`` decides on the first mask of a
+    class and keeps that choice for the others (``explain`` shows that first mask's predictions)."""
+    return None if mask is None else (mask.left, mask.right, mask.causal, mask.documents.bit_length())
 
 
 def _kernel_choice(dtype, d: int) -> str:
