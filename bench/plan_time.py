@@ -6,11 +6,13 @@ them up.
     .venv/bin/python bench/plan_time.py --docs 16 --ranks 4 16 64 256 [--masks 5]   # a new mask per call
 
 What a call plans: the strategy from its spec (``tokenring.strategies.get``), the schedule
-(``Strategy.schedule``, cached per P/layout/causal/pass) and this rank's per-step plan with its read index
-(``tokenring.executor._rank_plan``, cached per schedule and rank). For each P, strategy and mask, forward and
-backward: the first (building) call once, and the median of ``--lookups`` later calls. With ``--docs N``: what
-packed training pays when every step brings new documents: ``--masks`` fresh masks of ``N`` random documents
-(causal, zigzag, local length 64), each planned from scratch (nothing cached for it), timed one by one. Writes
+(``Strategy.rank_schedule``: the whole schedule, cached per P/layout/causal/pass; with a mask only this rank's
+part of it) and this rank's per-step plan with its read index (``tokenring.executor._rank_plan``, cached per
+schedule and rank). For each P, strategy and mask, forward and backward: the first (building) call once, and
+the median of ``--lookups`` later calls. With ``--docs N``: what packed training pays when every step brings
+new documents: ``--masks`` fresh masks of ``N`` random documents (causal, zigzag, local lengths ``--local``),
+each planned from scratch (nothing cached for it), timed one by one, this rank's part and (up to
+``--whole-up-to`` ranks) the whole schedule as calls built it before, interleaved per mask. Writes
 ``bench/results/plan_time.json`` (``plan_time_docs.json`` with ``--docs``).
 """
 

@@ -263,7 +263,7 @@ def _runs(S: int, P: int, layout: str, bounds) -> tuple[np.ndarray, ...]:
     return owner.ravel(), first.ravel(), (first + size).ravel(), row0.ravel()
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=8)  # a whole table at P=256 is 5 lists of 65536: enough for a call's passes and layers
 def pair_table(mask: Mask, P: int, layout: str, only: int | None = None) -> PairTable:
     """:class:`PairTable` of ``mask`` over ``P`` shards of ``layout`` (``only``: just the pairs of that rank), in
     closed form over runs of consecutive positions: no per-token search, so a new mask costs ``O(runs^2)``
