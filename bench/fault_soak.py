@@ -11,7 +11,8 @@ warm-up call,
 then a call with one fault on a random victim: it exits (``os._exit``) or stalls (sleeps past the timeout) at
 the start of a random step of the forward or the backward, or it passes K/V of another head dim (refused).
 Every surviving rank reports how its call ended: a ``RuntimeError`` or ``ValueError`` (with the seconds from the
-start of that pass, and whether the message names the victim), or completion (it needed nothing more from it).
+start of that pass, and whether the message names the victim), or completion (it needed nothing more from it),
+whose output and gradients are then checked against float64 attention in one process (error < 1e-4).
 A surviving rank that neither raises nor completes within the pool's limit is a hang. At the end, no process
 started by the soak may be left. ``--workers W`` runs W trials at once, each on its own ranks (trial ``i`` is
 drawn from its own seed, whoever runs it). Writes every trial to ``bench/results/fault_soak.json`` (after every
@@ -60,6 +61,7 @@ def trial(
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 24, h, 8, generator=g).requires_grad_() for h in (12, 2, 2))
     tokenring.attention(q, k, v, causal=causal, strategy=spec, layout=layout, cu_seqlens=cu).sum().backward()
+    q.grad = k.grad = v.grad = None
     if rank == victim and fault == "refuse":
         k, v = (torch.randn(1, 24, 2, 6, requires_grad=True) for _ in range(2))
     elif rank == victim:
@@ -78,7 +80,40 @@ def trial(
             names_victim=names or (rank == victim),
             message=str(e)[:400],
         )
-    return dict(outcome="completed", seconds=time.monotonic() - t0)
+    seconds = time.monotonic() - t0
+    return dict(outcome="completed", seconds=seconds, error=completed_error(rank, P, q, k, v, out, causal, layout, cu))
+
+
+def completed_error(rank: int, P: int, q, k, v, out, causal: bool, layout: str, cu) -> float:
+    """A survivor that completed its call must hold the right answer: the largest error of its output and its
+    gradients (of the sum of every rank's output) relative to float64 attention in one process. Every rank
+    holds the same shard values (one seed), so the global inputs are those values at every rank's positions."""
+    import torch
+
+    from tokenring.layouts import local_positions
+    from tokenring.masks import make_mask, visible
+
+    S = q.shape[1] * P
+    pos = [local_positions(S, P, r, layout) for r in range(P)]
+    full = []
+    for x in (q, k, v):
+        y = torch.empty(1, S, *x.shape[2:], dtype=torch.float64)
+        for p in pos:
+            y[:, p] = x.detach().double()
+        full.append(y.requires_grad_())
+    Q, K, V = full
+    mask = make_mask(S, cu, None, causal)
+    i = torch.arange(S)
+    seen = visible(mask, i, i) if mask is not None else (i[None, :] <= i[:, None]) if causal else None
+    rep = Q.shape[2] // K.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", Q, K.repeat_interleave(rep, 2)) * Q.shape[3] ** -0.5
+    if seen is not None:
+        s = s.masked_fill(~seen, float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), V.repeat_interleave(rep, 2))
+    ref.sum().backward()
+    me = pos[rank]
+    pairs = [(out, ref[:, me]), (q.grad, Q.grad[:, me]), (k.grad, K.grad[:, me]), (v.grad, V.grad[:, me])]
+    return max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in pairs)
 
 
 def memory(rank: int, P: int, calls: int, every: int) -> list[tuple[int, float]]:
@@ -162,6 +197,8 @@ def summarize(rows: list[dict], timeout: float, left: list[int], wall: float) ->
         raised=len(raised),
         refused=sum(r["outcome"] == "refused" for r in surv),
         completed=sum(r["outcome"] == "completed" for r in surv),
+        completed_correct=sum(r["outcome"] == "completed" and r["error"] < 1e-4 for r in surv),
+        completed_worst_error=max((r["error"] for r in surv if r["outcome"] == "completed"), default=None),
         faults={f: sum(row["fault"] == f for row in rows) for f in ("kill", "stall", "refuse")},
         masked_trials=sum(row["cu_seqlens"] is not None for row in rows),
         raised_within_bound=sum(r["seconds"] <= bound for r in raised),
@@ -237,6 +274,7 @@ def main(argv=None) -> int:
                     if "hang" in row
                     else ", ".join(
                         f"{r['outcome']} {r['seconds']:.1f}s"
+                        + (f" err {r['error']:.1e}" if r["outcome"] == "completed" else "")
                         + ("" if r["outcome"] != "raised" else (" named" if r["names_victim"] else " UNNAMED"))
                         for r in surv
                     )
@@ -260,6 +298,7 @@ def main(argv=None) -> int:
     raised = summary["raised"]
     ok = (
         summary["hangs"] == 0
+        and summary["completed_correct"] == summary["completed"]
         and not left
         and summary["victim_answered"] == 0
         and summary["raised_within_bound"] == raised
