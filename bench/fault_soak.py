@@ -15,7 +15,8 @@ start of that pass, and whether the message names the victim), or completion (it
 whose output and gradients are then checked against float64 attention in one process (error < 1e-4).
 A surviving rank that neither raises nor completes within the pool's limit is a hang. At the end, no process
 started by the soak may be left. ``--workers W`` runs W trials at once, each on its own ranks (trial ``i`` is
-drawn from its own seed, whoever runs it; ``--only`` runs some of them again). Ranks are started, and checked to
+drawn from its own seed, whoever runs it; ``--only`` runs some of them again, ``--resume`` the ones an interrupted
+soak did not reach, keeping the others and each rerun trial's earlier outcome). Ranks are started, and checked to
 answer, before a trial's clock starts. Writes every trial to ``bench/results/fault_soak.json`` (after every
 trial, with ``finished: false`` until the end) and prints the counts.
 """
@@ -210,6 +211,7 @@ def summarize(rows: list[dict], timeout: float, left: list[int], wall: float) ->
         raised_within_bound=sum(r["seconds"] <= bound for r in raised),
         raised_naming_victim=sum(r["names_victim"] for r in raised),
         hangs=sum("hang" in row for row in rows),
+        rerun_after_hang=sum("hang" in row.get("earlier", {}) for row in rows),
         victim_answered=sum(row.get("victim_answered", False) for row in rows),
         slowest_raise_s=max((r["seconds"] for r in raised), default=None),
         bound_s=bound,
@@ -233,25 +235,48 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="trials run at once, each on its own ranks")
     ap.add_argument("--only", type=int, nargs="+", help="run just these trials (their draws from --seed)")
     ap.add_argument("--out", default="fault_soak.json", help="file name under bench/results")
+    ap.add_argument("--resume", action="store_true", help="keep the trials in --out, run the missing ones")
     a = ap.parse_args(argv)
     if a.memory:
         return memory_run(a.memory)
     rows: list[dict] = []
+    commands: list[str] = []
+    path = os.path.join(HERE, "results", a.out)
+    if a.resume and os.path.exists(path):  # an interrupted soak goes on: keep its trials, run the others
+        with open(path) as f:
+            earlier = json.load(f)
+        commands = earlier.get("commands") or [earlier["command"]]
+        again = set(a.only or ())
+        rows = [r for r in earlier["trials"] if r["trial"] not in again]
+        tried = {r["trial"]: r for r in earlier["trials"] if r["trial"] in again}
+    else:
+        tried, earlier = {}, {}
+    done = {r["trial"] for r in rows}
+    before_s = earlier.get("summary", {}).get("wall_s", 0.0)  # the interrupted runs' time, for the total
     lock = threading.Lock()
     t_start = time.monotonic()
-    command = "python bench/fault_soak.py " + " ".join(argv or sys.argv[1:])
+    commands.append("python bench/fault_soak.py " + " ".join(argv or sys.argv[1:]))
     machine = dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
 
     def save(summary: dict) -> None:  # after every trial too, so an interrupted soak keeps what it ran
-        out = dict(command=command, machine=machine, summary=summary, trials=sorted(rows, key=lambda r: r["trial"]))
-        with open(os.path.join(HERE, "results", a.out), "w") as f:
+        out = dict(
+            command=commands[-1],
+            commands=commands,
+            machine=machine,
+            summary=summary,
+            trials=sorted(rows, key=lambda r: r["trial"]),
+        )
+        with open(path, "w") as f:
             json.dump(out, f, indent=1)
 
     def worker(w: int) -> None:
         pools: dict[int, RankPool] = {}
         try:
-            for i in a.only[w :: a.workers] if a.only else range(w, a.trials, a.workers):
+            todo = sorted(set(a.only or ()) | ({i for i in range(a.trials) if i not in done} if a.resume else set()))
+            for i in todo[w :: a.workers] if todo else range(w, a.trials, a.workers):
                 row = draw(i, a.seed, a.ranks)
+                if i in tried:  # run again: its earlier outcome stays with it
+                    row["earlier"] = {k: v for k, v in tried[i].items() if k in ("hang", "ranks")}
                 P, spec, victim, fault = row["P"], row["strategy"], row["victim"], row["fault"]
                 pool = pools.setdefault(P, RankPool(P, threads=1, timeout=3 * a.timeout + 30))
                 limit, pool.timeout = pool.timeout, 600.0  # fresh ranks start up untimed (a loaded host is slow)
@@ -293,7 +318,7 @@ def main(argv=None) -> int:
                 with lock:
                     rows.append(row)
                     print(line, flush=True)
-                    save(summarize(rows, a.timeout, [], time.monotonic() - t_start) | dict(finished=False))
+                    save(summarize(rows, a.timeout, [], before_s + time.monotonic() - t_start) | dict(finished=False))
         finally:
             for pool in pools.values():
                 pool.close()
@@ -303,7 +328,7 @@ def main(argv=None) -> int:
             f.result()
     time.sleep(1.0)
     left = leftover_children() + [p.pid for p in multiprocessing.active_children()]
-    summary = summarize(rows, a.timeout, left, time.monotonic() - t_start)
+    summary = summarize(rows, a.timeout, left, before_s + time.monotonic() - t_start)
     save(summary)
     print(json.dumps(summary, indent=1))
     raised = summary["raised"]
