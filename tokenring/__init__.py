@@ -25,6 +25,7 @@ __all__ = [
     "local_positions",
     "choose_strategy",
     "explain",
+    "calibrate",
     "set_topology",
     "get_current_topology",
     "set_timeout",
@@ -44,4 +45,8 @@ def __getattr__(name: str):
         from .sim import auto
 
         return getattr(auto, name)
+    if name == "calibrate":
+        from .calibration import calibrate
+
+        return calibrate
     raise AttributeError(f"module 'tokenring' has no attribute {name!r}")

@@ -6,10 +6,11 @@ JSON/YAML path, a dict or a :class:`~tokenring.sim.topology.Topology`), else a d
 ``loopback`` (local gloo ranks sharing one host, a switch-like model of the loopback's ~1.4 GB/s) on CPU; on
 CUDA the machine's own (:func:`~tokenring.sim.topology.detected_topology`: the GPU model from its name, GPUs
 per node from ``$LOCAL_WORLD_SIZE``, NVLink or PCIe between them). The kernel model is the topology's device
-(``cpu``: a fixed analytic model, never a timing taken on this rank). ``tokenring.attention`` asks the model on
-rank 0 only and sends its
-choice to every rank with the signature check, so ranks never disagree. Choices are cached per
-(shapes, dtype, causal, layout, pass, topology, :func:`mask_class`).
+(``cpu``: a fixed analytic model, never a timing taken on this rank), unless the topology is a
+:func:`tokenring.calibrate` profile, which carries the kernel model measured on the group.
+``tokenring.attention`` asks the model on rank 0 only and sends its choice to every rank with the signature
+check, so ranks never disagree. Choices are cached per (shapes, dtype, causal, layout, pass, topology,
+:func:`mask_class`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ def get_current_topology(P: int, device_type: str = "cpu") -> tuple[Topology, st
 
 
 def _kernel(topo: Topology, P: int):
-    """The topology's device model; on CPU the analytic one, for local ranks sharing this host's cores."""
+    """The topology's measured kernel model if it has one (a :func:`tokenring.calibrate` profile), else its
+    device's; on CPU the analytic one, for local ranks sharing this host's cores."""
+    if topo.kernel is not None:
+        return topo.kernel
     if topo.device == "cpu":
         threads = torch.get_num_threads()
         return kernel_model("cpu", threads, share=cpu_share(P, threads))
@@ -223,6 +227,10 @@ def explain(
             file=out,
         )
         print(f"topology: {topo.describe()} [{origin}]; kernel model: {_kernel(topo, P).name}", file=out)
+        if topo.measured:
+            from ..calibration import profile_summary
+
+            print(profile_summary(topo), file=out)
         if device_type == "cuda":
             print(f"block kernel: {_kernel_choice(dtype, d)}", file=out)
         w = max(12, *(len(r.strategy) + 1 for r in results))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from importlib import resources
 
@@ -35,6 +35,8 @@ __all__ = [
     "cpu_share",
     "CPU_ANALYTIC",
     "block_flops",
+    "model_to_dict",
+    "model_from_dict",
 ]
 
 
@@ -104,6 +106,20 @@ class KernelModel:
             speed=self.speed * speed,
             step=self.step,
         )
+
+
+def model_to_dict(m: KernelModel) -> dict:
+    """JSON-ready form of ``m`` (a calibration profile's kernel), read back by :func:`model_from_dict`."""
+    d = {f.name: getattr(m, f.name) for f in fields(m)}
+    d["curves"] = [[bool(b), bool(c), list(map(float, lf)), list(map(float, lt))] for b, c, lf, lt in m.curves]
+    return d
+
+
+def model_from_dict(d: dict) -> KernelModel:
+    d = dict(d)
+    curves = tuple((bool(b), bool(c), np.array(lf), np.array(lt)) for b, c, lf, lt in d.pop("curves", ()))
+    pairs = {k: tuple(map(float, d[k])) for k in ("fwd", "fwd_causal", "bwd", "bwd_causal", "merge", "add") if k in d}
+    return KernelModel(**{**d, **pairs}, curves=curves)
 
 
 def _fit_line(F: np.ndarray, t: np.ndarray) -> tuple[float, float]:

@@ -28,7 +28,7 @@ import json
 import os
 import re
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -44,6 +44,8 @@ __all__ = [
     "parse_rate",
     "parse_time",
     "topology_from_dict",
+    "topology_to_dict",
+    "PROFILE_FORMAT",
     "preset_names",
     "detected_topology",
     "gpu_model",
@@ -108,6 +110,10 @@ class Topology:
     # (the queued model): in posting order (FIFO, the default), or fairly (TCP on the testbeds: a message
     # posted later takes its share at once; bench/results/token_ring_wins.md, evidence.md).
     fair_share: bool = False
+    # A measured kernel model (:func:`tokenring.calibrate`): when set, ``auto`` uses it instead of the device's.
+    kernel: object = field(default=None, repr=False, compare=False)
+    # What calibration measured, kept for ``explain`` (links, patterns, kernel points, the machine).
+    measured: dict = field(default=None, repr=False, compare=False)
 
     # --- what subclasses provide -------------------------------------------------------------------------
     def _routes(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -729,6 +735,37 @@ def preset_names() -> list[str]:
     return list(PRESETS)
 
 
+PROFILE_FORMAT = "tokenring-profile/1"  # a calibration profile file (tokenring.calibrate): topology + kernel
+
+
+def topology_to_dict(topo: Topology) -> dict:
+    """JSON-ready form of a switch, mesh or ring topology (what :func:`tokenring.calibrate` produces); the
+    inverse of :func:`topology_from_dict`. Infinite rates are left out (they are the defaults)."""
+    kinds = {SwitchTopology: "switch", MeshTopology: "mesh", RingTopology: "ring"}
+    if type(topo) not in kinds:
+        raise ValueError(f"only switch, mesh and ring topologies are written out, not {type(topo).__name__}")
+    skip = {"preset", "preset_kw", "kernel", "measured"}
+    out = {"kind": kinds[type(topo)]}
+    for f in fields(topo):
+        v = getattr(topo, f.name)
+        if f.name in skip or (isinstance(v, float) and v == INF):
+            continue
+        out[f.name] = v
+    return out
+
+
+def _profile(d: dict, P: int | None) -> Topology:
+    """The topology of a calibration profile, carrying its measured kernel model and measurements."""
+    from .kernel_model import model_from_dict
+
+    if d.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"profile format {d.get('format')!r} unknown (this version reads {PROFILE_FORMAT!r})")
+    topo = topology_from_dict(d["topology"], P)
+    topo.kernel = model_from_dict(d["kernel"])
+    topo.measured = dict(d.get("measured", {}), machine=d.get("machine", {}))
+    return topo
+
+
 def topology_from_dict(d: dict, P: int | None = None) -> Topology:
     """From JSON/YAML data. Either ``{"preset": "mesh", "rate": "100mbit", "P": 4}`` or a kind with its
     parameters (rates as numbers of bytes/s or strings like ``"25GB/s"``, times like ``"10us"``)::
@@ -744,6 +781,8 @@ def topology_from_dict(d: dict, P: int | None = None) -> Topology:
     true for gloo over TCP, as on the testbeds): see :class:`Topology`.
     """
     d = dict(d)
+    if "format" in d:
+        return _profile(d, P)
     if "preset" in d:
         name = d.pop("preset")
         kw = {k: d[k] for k in ("rate",) if k in d}
@@ -807,7 +846,10 @@ def _preset(name: str, P: int | None = None, **kw) -> Topology:
 
 def get_topology(spec, P: int | None = None) -> Topology:
     """A topology from a :class:`Topology` (resized to ``P``), a dict, a preset name, ``"kind:RATE"`` for the
-    testbed kinds (``"mesh:200mbit"``), or a path to a ``.json`` / ``.yaml`` file."""
+    testbed kinds (``"mesh:200mbit"``), a path to a ``.json`` / ``.yaml`` file (a topology, or a profile written
+    by :func:`tokenring.calibrate`), or a calibration :class:`~tokenring.calibrate.Profile`."""
+    if isinstance(getattr(spec, "topology", None), Topology):  # a calibration Profile
+        spec = spec.topology
     if isinstance(spec, Topology):
         return spec if P is None or P == spec.P else spec.with_P(P)
     if isinstance(spec, dict):

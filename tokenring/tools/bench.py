@@ -617,8 +617,17 @@ def _worker(spec_path: str, rank: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- launcher
-def launch(spec: dict, *, prefix=None, env=None, workdir: str | None = None, timeout: float | None = None) -> dict:
+def launch(
+    spec: dict,
+    *,
+    prefix=None,
+    env=None,
+    workdir: str | None = None,
+    timeout: float | None = None,
+    module: str = "tokenring.tools.bench",
+) -> dict:
     """Run one benchmark case on ``spec['P']`` rank processes and return rank 0's result dict.
+    ``module``: whose ``--_worker`` the ranks run (``tokenring.tools.calibrate`` runs a calibration).
 
     The ranks rendezvous through a file store in ``workdir`` (:func:`tokenring.tools.launch.init_rank`: no
     TCP store, gloo on ``lo`` unless ``env`` sets ``GLOO_SOCKET_IFNAME``). ``prefix(r)`` gives the command
@@ -636,14 +645,16 @@ def launch(spec: dict, *, prefix=None, env=None, workdir: str | None = None, tim
     procs, errs = [], []
     # A backstop for a hang the per-operation timeouts miss, so generous: a case of many strategies, repeats and
     # a backward runs for minutes (a P=5 forward+backward of 8 strategies took over 240 s on 2 cores).
-    calls = len(spec["strategies"]) * (spec["warmup"] + 2 * spec["repeats"]) * (3 if spec["pass"] == "both" else 1)
-    limit = timeout or (spec["timeout"] + 120 + 5 * calls)
+    if timeout is None:
+        calls = len(spec["strategies"]) * (spec["warmup"] + 2 * spec["repeats"]) * (3 if spec["pass"] == "both" else 1)
+        timeout = spec["timeout"] + 120 + 5 * calls
+    limit = timeout
     try:
         for r in range(P):
             cmd = list(prefix(r) if prefix else []) + [
                 sys.executable,
                 "-m",
-                "tokenring.tools.bench",
+                module,
                 "--_worker",
                 spec_path,
                 "--_rank",

@@ -14,6 +14,7 @@ COMMANDS = {
     "bench": ("tokenring.tools.bench", "side-by-side benchmark of strategies (and PyTorch's own) on local ranks"),
     "testbed": ("tokenring.tools.testbed", "run the benchmark over emulated, bandwidth-shaped links (root)"),
     "simulate": ("tokenring.tools.simulate", "predict each strategy's time on a modelled interconnect"),
+    "calibrate": ("tokenring.tools.calibrate", "measure this machine's kernels and links into a profile for auto"),
     "explain": ("tokenring.tools.explain", "what auto would pick and why, or (--plan) a strategy's schedule per rank"),
 }
 

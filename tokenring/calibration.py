@@ -1,0 +1,620 @@
+"""``tokenring.calibrate``: measure this group's kernels and links, and give ``auto`` a model of *this* machine.
+
+    profile = tokenring.calibrate(seq=16384, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    tokenring.set_topology(profile)            # every rank (calibrate returns rank 0's profile on every rank)
+    profile.save("profile.json")              # later: TOKENRING_TOPOLOGY=profile.json, or set_topology(path)
+
+Every rank of the group calls it; all ranks are busy at once, as in a real call, so contention is measured,
+not assumed. It measures, in this order:
+
+1. **Kernels**: the block attention the executor runs (:mod:`tokenring.kernels`), forward and backward,
+   full and causal-diagonal, at the shard length the caller names and at 1/2 and 1/4 of it (the blocks that
+   chunked and zigzag schedules run), with the caller's heads, head dim and dtype; the exact merge; a copy.
+   Fitted into a :class:`~tokenring.sim.kernel_model.KernelModel` (its curve goes through the measured points).
+2. **Host time per step**: fitted on real forward calls of schedules with more and fewer steps, at the
+   caller's shapes, so that the simulator on the measured kernels and links predicts them (see
+   :func:`_fit_step`; a tiny ring call's time per step is kept beside it).
+3. **Links**: each ordered pair alone (latency from a ping-pong, bandwidth from one message and an ack), then
+   traffic patterns with many pairs busy at once (all-to-all, every shift ``r -> r+k``, one rank to all, all
+   to one rank). A full mesh keeps its pair rate in an all-to-all, a switch port divides it, a ring of links
+   slows the longer shifts. Each kind (mesh, switch, ring, with and without a shared backplane) predicts
+   every pattern; the kind that predicts them best is kept, with the pair rate and latency measured.
+4. **Compute slowdown while bytes move**: the block kernel runs while an all-to-all is in flight; the extra
+   time per byte the rank moves is the topology's ``cpu_per_byte`` (on CPU hosts the network stack shares the
+   cores; on GPUs it is the communication kernels' share of the SMs).
+
+The decision is made on rank 0, with rank 0's profile (the all-gathered measurements, so the same on every
+rank). Time: bounded by the message size, chosen so that one pair transfer takes about ``pair_seconds``; with
+the defaults, about 10-40 s at P = 4-8 on the CPU testbed (``bench/results/calibration.json`` records each run's
+seconds). A rank that dies or stalls makes the others raise an error naming it within the
+``tokenring.set_timeout`` bound.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import device as _device
+from .comm import get_timeout, group_store, silent_ranks
+from .kernels import block_backward, block_forward
+from .merge import merge_, new_accumulator
+from .sim.kernel_model import KernelModel, fit_table, model_to_dict
+from .sim.topology import (
+    INF,
+    PROFILE_FORMAT,
+    MeshTopology,
+    RingTopology,
+    SwitchTopology,
+    Topology,
+    topology_from_dict,
+    topology_to_dict,
+)
+
+__all__ = ["calibrate", "Profile", "load_profile"]
+
+KINDS = ("mesh", "switch", "ring")
+
+
+@dataclass
+class Profile:
+    """What :func:`calibrate` measured: a topology (with the measured kernel model attached, so
+    ``set_topology(profile)`` and ``set_topology(profile.topology)`` are the same), the machine, and every
+    measurement with what the fitted model predicts for it."""
+
+    topology: Topology
+    kernel: KernelModel
+    machine: dict
+    measured: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dict(
+            format=PROFILE_FORMAT,
+            topology=topology_to_dict(self.topology),
+            kernel=model_to_dict(self.kernel),
+            machine=self.machine,
+            measured=self.measured,
+        )
+
+    def save(self, path: str) -> str:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        return path
+
+    def summary(self) -> str:
+        return profile_summary(self.topology)
+
+
+def load_profile(path: str) -> Profile:
+    with open(path) as f:
+        d = json.load(f)
+    topo = topology_from_dict(d)
+    return Profile(topo, topo.kernel, d.get("machine", {}), d.get("measured", {}))
+
+
+# ------------------------------------------------------------------------------------------- plumbing
+class _Group:
+    """Bounded point-to-point and barriers for one calibration: a peer that dies or stalls becomes an error
+    naming it (through the rendezvous store's failure reports, as in attention's own communication)."""
+
+    def __init__(self, group, dev: torch.device):
+        self.group, self.dev = group, dev
+        self.rank, self.P = dist.get_rank(group), dist.get_world_size(group)
+        self.nccl = _device.nccl(group)
+        self.timeout = get_timeout()
+        self.tag = 7_000_000  # distinct from attention's tags
+        self.phase = "start"
+
+    def sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+
+    def fail(self, peer: int | None, err: Exception) -> RuntimeError:
+        who = ""
+        store = group_store(self.group)
+        if store is not None and peer is not None and not self.nccl:
+            try:
+                store.set(f"tokenring/stuck/{self.rank}", str(peer))
+                who = silent_ranks(store, self.rank, peer)
+            except Exception:
+                pass
+        return RuntimeError(
+            f"tokenring.calibrate: rank {self.rank} failed in {self.phase} "
+            f"{f'waiting for rank {peer} ' if peer is not None else ''}within {self.timeout:.0f} s: {err}.{who} "
+            f"Every rank of the group must call calibrate at once; a rank that died or stopped calling it is the "
+            f"cause. The process group cannot be used again after this: destroy it and start the ranks again."
+        )
+
+    def new_tag(self) -> int:
+        """The next message tag; every rank calls it alike, whether or not it takes part."""
+        self.tag += 1
+        return self.tag
+
+    def barrier(self) -> None:
+        """All ranks here: a dissemination barrier (round i: to rank + 2^i, from rank - 2^i), bounded and naming
+        a missing peer, unlike the process group's barrier."""
+        z, i = torch.zeros(1, device=self.dev), 1
+        while i < self.P:
+            tag = self.new_tag()
+            self.exchange([((self.rank + i) % self.P, z)], [((self.rank - i) % self.P, torch.empty_like(z))], tag)
+            i *= 2
+
+    def exchange(self, sends, recvs, tag: int) -> float:
+        """Post every receive then every send, wait for all; seconds from posting to the last completion."""
+        self.sync()
+        t0 = time.perf_counter()
+        works = [(src, dist.irecv(buf, src, self.group, tag=tag)) for src, buf in recvs]
+        works += [(dst, dist.isend(buf, dst, self.group, tag=tag)) for dst, buf in sends]
+        for peer, w in works:
+            try:
+                if self.nccl:
+                    w.wait()
+                else:
+                    w.wait(datetime.timedelta(seconds=self.timeout))
+            except Exception as e:
+                raise self.fail(dist.get_global_rank(self.group, peer) if self.group else peer, e) from e
+        self.sync()
+        return time.perf_counter() - t0
+
+    def gather(self, obj):
+        """Every rank's ``obj`` (small, picklable), in rank order."""
+        out = [None] * self.P
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _best(g: _Group, fn, repeats: int) -> float:
+    """Median of ``repeats`` timed calls (after one untimed), every rank starting each call together: under
+    contention the median is what a call meets, the fastest is rarely repeated."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        g.barrier()
+        g.sync()
+        t = time.perf_counter()
+        fn()
+        g.sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------- kernels
+def _kernel_rows(g: _Group, s: int, H: int, Hkv: int, d: int, dtype, repeats: int) -> list[dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(1234 + g.rank)
+    scale = d**-0.5
+    # the blocks schedules run: the shard and its halves / quarters with every head; Ulysses' whole sequence
+    # with H / P heads (a larger block, so the curve is measured, not extrapolated, there)
+    sizes = sorted({(max(16, s // 4), H, Hkv), (max(16, s // 2), H, Hkv), (max(16, s), H, Hkv)})
+    if H % g.P == 0 and Hkv % g.P == 0:
+        sizes.append((s * g.P, H // g.P, Hkv // g.P))
+    for n, H, Hkv in sizes:
+        for causal in (False, True):
+            q, do = (torch.randn(1, n, H, d, generator=gen, dtype=dtype).to(g.dev) for _ in range(2))
+            k, v = (torch.randn(1, n, Hkv, d, generator=gen, dtype=dtype).to(g.dev) for _ in range(2))
+            out, lse = block_forward(q, k, v, causal, scale)
+            delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+            tf = _best(g, lambda: block_forward(q, k, v, causal, scale), repeats)
+            tb = _best(g, lambda: block_backward(do, q, k, v, lse, delta, causal, scale, out=out), repeats)
+            acc_o, acc_l = new_accumulator(1, n, H, d, dtype, g.dev)
+            merge_(acc_o, acc_l, out, lse)
+            tm = _best(g, lambda: merge_(acc_o, acc_l, out, lse), repeats)
+            rows.append(
+                dict(
+                    hq=H,
+                    hkv=Hkv,
+                    n=n,
+                    d=d,
+                    causal=causal,
+                    k_fwd_ms=tf * 1e3,
+                    k_fb_ms=(tf + tb) * 1e3,
+                    merge_ms=tm * 1e3,
+                )
+            )
+    return rows
+
+
+def _copy_bandwidth(g: _Group, nbytes: int, repeats: int) -> float:
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=g.dev).fill_(1.0)
+    y = torch.empty_like(x)
+    t = _best(g, lambda: y.copy_(x), repeats)
+    return 2 * x.numel() * 4 / t
+
+
+# ------------------------------------------------------------------------------------------- links
+def _buf(g: _Group, nbytes: int) -> torch.Tensor:
+    return torch.empty(max(1, nbytes), dtype=torch.uint8, device=g.dev)
+
+
+def _pattern(g: _Group, flows: list[tuple[int, int]], nbytes: int, repeats: int) -> float:
+    """Seconds until every flow ``(src, dst)`` of ``nbytes`` has arrived, all posted at once (slowest rank,
+    fastest of ``repeats``)."""
+    me = g.rank
+    sends = [(d, _buf(g, nbytes)) for s, d in flows if s == me]
+    recvs = [(s, _buf(g, nbytes)) for s, d in flows if d == me]
+    times = []
+    for _ in range(repeats):
+        g.barrier()
+        tag = g.new_tag()
+        t = g.exchange(sends, recvs, tag) if sends or recvs else 0.0
+        times.append(max(g.gather(t)))
+    return min(times)
+
+
+def _pair_alone(g: _Group, src: int, dst: int, nbytes: int, repeats: int) -> float:
+    """Seconds from posting ``nbytes`` src -> dst to the sender holding the receiver's 1-byte answer
+    (= latency + transfer + latency), the other ranks idle."""
+    me, times = g.rank, []
+    for _ in range(repeats):
+        g.barrier()
+        t, there, back = 0.0, g.new_tag(), g.new_tag()
+        if me == src:
+            t0 = time.perf_counter()
+            g.exchange([(dst, _buf(g, nbytes))], [], there)
+            g.exchange([], [(dst, _buf(g, 1))], back)
+            t = time.perf_counter() - t0
+        elif me == dst:
+            g.exchange([], [(src, _buf(g, nbytes))], there)
+            g.exchange([(src, _buf(g, 1))], [], back)
+        times.append(t)
+    return max(g.gather(min(times)))  # the sender's
+
+
+def _patterns(P: int) -> dict[str, list[tuple[int, int]]]:
+    pats = {"all_to_all": [(s, d) for s in range(P) for d in range(P) if s != d]}
+    for k in range(1, P):
+        pats[f"shift_{k}"] = [(s, (s + k) % P) for s in range(P)]
+    pats["one_to_all"] = [(0, d) for d in range(1, P)]
+    pats["all_to_one"] = [(s, 0) for s in range(1, P)]
+    if P > 2:
+        pats["exchange_0_1"] = [(0, 1), (1, 0)]
+    return pats
+
+
+def _candidates(P: int, bw: float, lat: float, bp: float, common: dict) -> list[Topology]:
+    tag = "" if bp == INF else f"+backplane {bp / 1e6:.4g} MB/s"
+    out = [
+        MeshTopology("mesh" + tag, P, link_bw=bw, latency=lat, backplane_bw=bp, **common),
+        SwitchTopology("switch" + tag, P, port_bw=bw, latency=lat, backplane_bw=bp, **common),
+    ]
+    if P > 2:
+        out.append(RingTopology("ring" + tag, P, link_bw=bw, latency=lat, backplane_bw=bp, **common))
+    return out
+
+
+def _predict(topo: Topology, flows, nbytes: int) -> float:
+    src, dst = zip(*flows)
+    return float(topo.flow_times(list(src), list(dst), [nbytes] * len(flows)).max())
+
+
+def _fit_links(P: int, pairs: dict, latency: dict, patterns: dict, nbytes: int, common: dict):
+    """The kind (and backplane) whose predictions of the patterns are closest (mean |log ratio|)."""
+    bw = statistics.median(pairs.values())
+    lat = statistics.median(latency.values())
+    flows = _patterns(P)
+    # a shared backplane, if any, is what the busiest pattern moved in total: try each pattern's total rate
+    totals = sorted({len(flows[n]) * nbytes / max(t - lat, 1e-9) for n, t in patterns.items()})
+    scored = []
+    for cand in (c for bp in [INF] + totals for c in _candidates(P, bw, lat, bp, common)):
+        err = statistics.mean(abs(math.log(_predict(cand, flows[n], nbytes) / t)) for n, t in patterns.items())
+        scored.append((err, cand))
+    scored.sort(key=lambda x: x[0])
+    return scored
+
+
+# ------------------------------------------------------------------------------------------- the call
+def calibrate(
+    group=None,
+    *,
+    seq: int | None = None,
+    heads: int = 8,
+    kv_heads: int | None = None,
+    head_dim: int = 64,
+    dtype=torch.float32,
+    device=None,
+    repeats: int = 3,
+    pair_seconds: float = 0.05,
+    message_bytes: int | None = None,
+) -> Profile:
+    """Measure this group's kernels and links (every rank calls it at once) and return rank 0's
+    :class:`Profile` on every rank. ``seq``: the global sequence length the model will see (its shard length
+    ``seq / P`` sets the block sizes timed; default 1024 rows per rank), ``heads`` / ``kv_heads`` /
+    ``head_dim`` / ``dtype`` as in the calls to come. ``device``: where the kernels run (default: the current
+    CUDA device on an NCCL group, else CPU). ``pair_seconds``: about how long one pair transfer of the
+    bandwidth probe takes (the message size is chosen from a first probe; ``message_bytes`` fixes it)."""
+    t_start = time.perf_counter()
+    if not dist.is_initialized():
+        raise RuntimeError("tokenring.calibrate needs an initialised process group (init_process_group)")
+    dev = torch.device(device) if device is not None else _device.collective_device(group)
+    g = _Group(group, dev)
+    P = g.P
+    kv_heads = kv_heads or heads
+    s = max(16, (seq // P) if seq else 1024)
+    if P < 2:
+        raise ValueError("tokenring.calibrate measures links between ranks: run it on a group of 2 or more ranks")
+    try:
+        return _calibrate(g, s, heads, kv_heads, head_dim, dtype, repeats, pair_seconds, message_bytes, t_start)
+    except RuntimeError as e:
+        if str(e).startswith("tokenring.calibrate"):
+            raise
+        raise g.fail(None, e) from e
+
+
+def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_bytes, t_start) -> Profile:
+    P = g.P
+    seconds = {}
+
+    def phase(name):
+        g.phase = name
+        seconds[name] = time.perf_counter()
+
+    # 1. kernels, every rank at once
+    phase("kernels")
+    rows_all = g.gather(_kernel_rows(g, s, H, Hkv, d, dtype, repeats))
+    keys = ("k_fwd_ms", "k_fb_ms", "merge_ms")
+    rows = [dict(r, **{k: statistics.mean(x[i][k] for x in rows_all) for k in keys}) for i, r in enumerate(rows_all[0])]
+    mem_bw = statistics.mean(g.gather(_copy_bandwidth(g, 64 << 20, repeats)))
+
+    # 3. links: latency per pair (ping-pong), then the message size, then each pair alone
+    phase("latency")
+    latency = {}
+    for a in range(P):
+        for b in range(a + 1, P):
+            t = _pair_alone(g, a, b, 1, 2 * repeats)
+            latency[f"{a}-{b}"] = latency[f"{b}-{a}"] = t / 2
+    lat = statistics.median(latency.values())
+    phase("bandwidth")
+    if message_bytes is None:
+        probe = 1 << 20
+        t = _pair_alone(g, 0, 1, probe, 2)
+        rate = probe / max(t - 2 * lat, 1e-6)
+        message_bytes = int(min(256 << 20, max(256 << 10, rate * pair_seconds)))
+    nbytes = int(message_bytes)
+    pairs = {}
+    for a in range(P):
+        for b in range(P):
+            if a != b:
+                t = _pair_alone(g, a, b, nbytes, max(1, repeats - 1))
+                pairs[f"{a}-{b}"] = nbytes / max(t - 2 * latency[f"{a}-{b}"], 1e-9)
+    phase("patterns")
+    patterns = {n: _pattern(g, flows, nbytes, max(1, repeats - 1)) for n, flows in _patterns(P).items()}
+
+    # 4. compute while an all-to-all is in flight
+    phase("overlap")
+    per_byte = _compute_per_byte(g, s, H, Hkv, d, dtype, nbytes, repeats)
+
+    # 2. host time per step: a tiny ring call
+    phase("step")
+    step = _step_time(g, lat)
+
+    # fit, on rank 0's view of the gathered measurements (identical on every rank)
+    gloo = not g.nccl
+    common = dict(
+        device=_device_name(g.dev),
+        cpu_per_byte=per_byte,
+        ready_notice=gloo,
+        fair_share=gloo,
+        source="",
+    )
+    scored = _fit_links(P, pairs, latency, patterns, nbytes, common)
+    kinds = [dict(kind=c.name, error=round(e, 4)) for e, c in scored]
+    err, topo = scored[0]
+    kind = type(topo).__name__.replace("Topology", "").lower()
+    host = platform.node()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    topo.name = f"calibrated:{kind}:{stamp}"
+    topo.source = (
+        f"tokenring.calibrate on {host} at {stamp}: {P} ranks, pair rate {statistics.median(pairs.values()) / 1e6:.4g} "
+        f"MB/s (median of {len(pairs)}), latency {lat * 1e6:.0f} us, kind {kinds[0]['kind']} chosen by its "
+        f"predictions of {len(patterns)} traffic patterns (mean |log error| {err:.3f})"
+    )
+    kname = f"calibrated-{_device_name(g.dev)}-{str(dtype).replace('torch.', '')}-P{P}"
+    km = fit_table(rows, "k", kname, mem_bw=mem_bw, source=f"{topo.source}; block kernels timed on every rank at once")
+    from dataclasses import replace
+
+    km = replace(km, add=(km.merge[0] / 4, km.merge[1] / 4), step=step)
+    topo.kernel = km
+    phase("calls")
+    km, calls = _fit_step(g, topo, km, s, H, Hkv, d, dtype, repeats)
+    topo.kernel = km
+    flows = _patterns(P)
+    measured = dict(
+        P=P,
+        shapes=dict(s=s, H=H, Hkv=Hkv, d=d, dtype=str(dtype).replace("torch.", "")),
+        message_bytes=nbytes,
+        latency_s=latency,
+        pair_Bps=pairs,
+        patterns={
+            n: dict(measured_s=t, predicted_s=_predict(topo, flows[n], nbytes), flows=len(flows[n]))
+            for n, t in patterns.items()
+        },
+        kinds=kinds,
+        kernel_rows=[
+            dict(
+                r,
+                model_fwd_ms=km.block_time(r["n"], r["n"], r["hq"], r["hkv"], d, r["causal"], False, dtype.itemsize)
+                * 1e3,
+                model_bwd_ms=km.block_time(r["n"], r["n"], r["hq"], r["hkv"], d, r["causal"], True, dtype.itemsize)
+                * 1e3,
+            )
+            for r in rows
+        ],
+        calls=calls,
+        mem_bw_Bps=mem_bw,
+        compute_per_byte_s=per_byte,
+        step_s=km.step,
+        tiny_step_s=step,
+        seconds={
+            name: round(t - seconds[name], 3)
+            for name, t in zip(list(seconds), list(seconds.values())[1:] + [time.perf_counter()])
+        },
+        total_s=round(time.perf_counter() - t_start, 3),
+    )
+    topo.measured = dict(measured, machine=_machine(g))
+    # rank 0's profile on every rank (the host time per step and the seconds are each rank's own until here)
+    d = g.gather(Profile(topo, km, topo.measured["machine"], measured).to_dict())[0]
+    topo = topology_from_dict(d)
+    return Profile(topo, topo.kernel, d["machine"], d["measured"])
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        from .sim.topology import gpu_model
+
+        return gpu_model(torch.cuda.get_device_name(dev))[0]
+    return "cpu"
+
+
+def _machine(g: _Group) -> dict:
+    from .tools.bench import machine
+
+    m = machine()
+    m.update(
+        threads=torch.get_num_threads(),
+        backend=dist.get_backend(g.group),
+        gpu=torch.cuda.get_device_name(g.dev) if g.dev.type == "cuda" else None,
+        gloo_ifname=os.environ.get("GLOO_SOCKET_IFNAME"),
+    )
+    return m
+
+
+def _compute_per_byte(g: _Group, s, H, Hkv, d, dtype, nbytes: int, repeats: int) -> float:
+    """Extra compute seconds per byte a rank sends or receives: the block forward timed alone, then run over and
+    over while an all-to-all of ``nbytes`` per pair is in flight (mean over ranks, >= 0)."""
+    gen = torch.Generator().manual_seed(99 + g.rank)
+    q = torch.randn(1, s, H, d, generator=gen, dtype=dtype).to(g.dev)
+    k, v = (torch.randn(1, s, Hkv, d, generator=gen, dtype=dtype).to(g.dev) for _ in range(2))
+    fn = lambda: block_forward(q, k, v, False, d**-0.5)
+    alone = _best(g, fn, repeats)
+    P, me = g.P, g.rank
+    extra = []
+    for _ in range(max(1, repeats - 1)):
+        g.barrier()
+        tag = g.new_tag()
+        recvs = [dist.irecv(_buf(g, nbytes), r, g.group, tag=tag) for r in range(P) if r != me]
+        sends = [dist.isend(_buf(g, nbytes), r, g.group, tag=tag) for r in range(P) if r != me]
+        done, failed = threading.Event(), []
+
+        def wait_all(works=recvs + sends):  # gloo's works never report completion: a thread waits for them
+            try:
+                for w in works:
+                    w.wait(datetime.timedelta(seconds=g.timeout))
+            except Exception as e:
+                failed.append(e)
+            done.set()
+
+        waiter = threading.Thread(target=wait_all, daemon=True)
+        t0, n = time.perf_counter(), 0
+        waiter.start()
+        while not done.is_set():
+            fn()
+            g.sync()
+            n += 1
+        busy = time.perf_counter() - t0
+        waiter.join()
+        if failed:
+            raise g.fail(None, failed[0])
+        extra.append(max(0.0, busy - n * alone) / (2 * (P - 1) * nbytes))
+    return max(0.0, statistics.mean(g.gather(min(extra))))
+
+
+def _step_time(g: _Group, lat: float) -> float:
+    """Host seconds per schedule step: a tiny ring call's time per step, less a message latency and a tiny
+    kernel (the rest is the executor's loop and the posting of messages)."""
+    from .api import attention
+
+    q = torch.randn(1, 16, 1, 8, device=g.dev)
+    fn = lambda: attention(q, q, q, strategy="ring", group=g.group)
+    t = _best(g, fn, 5)
+    tiny = min(_best(g, lambda: block_forward(q, q, q, False, 8**-0.5), 3), t / g.P)
+    return max(0.0, t / g.P - lat - tiny)
+
+
+STEP_PROBES = ("ring", "token_ring:direct,c=1,k=1", "token_ring:direct,c=2,k=1", "token_ring:direct,c=4,k=1")
+
+
+def _fit_step(g: _Group, topo: Topology, km: KernelModel, s, H, Hkv, d, dtype, repeats: int):
+    """Host time per step, fitted on real calls: schedules with more, smaller steps (``STEP_PROBES``, forward,
+    the caller's shapes) are timed on the group, and the step cost is the one (>= 0, least squares of relative
+    error) with which the simulator, on the measured kernels and links, predicts them. It takes in what a tiny
+    call does not show: posting large messages, the executor's loop between kernels of real size.
+    ``(kernel model with that step, {strategy: measured / predicted})``."""
+    from dataclasses import replace
+
+    from .api import attention
+    from .schedules import Shapes
+    from .sim.simulator import simulate
+    from .strategies import get as get_strategy
+
+    P = g.P
+    sh = Shapes(1, s, H, Hkv, d, dtype, P)
+    gen = torch.Generator().manual_seed(7 + g.rank)
+    q = torch.randn(1, s, H, d, generator=gen, dtype=dtype).to(g.dev)
+    k, v = (torch.randn(1, s, Hkv, d, generator=gen, dtype=dtype).to(g.dev) for _ in range(2))
+    probes = [n for n in STEP_PROBES if get_strategy(n).check(H, Hkv, P, s, False) is None]
+    measured = {}
+    for name in probes:
+        t = _best(g, lambda name=name: attention(q, k, v, strategy=name, group=g.group), max(2, repeats - 1))
+        measured[name] = max(g.gather(t))
+
+    def predict(step):
+        m = replace(km, step=step)
+        return {n: simulate(n, sh, topo, m, causal=False, layout="contiguous").time for n in probes}
+
+    base, probe = predict(0.0), predict(1e-3)
+    slope = {n: (probe[n] - base[n]) / 1e-3 for n in probes}
+    num = sum((measured[n] - base[n]) * slope[n] / measured[n] ** 2 for n in probes)
+    den = sum(slope[n] ** 2 / measured[n] ** 2 for n in probes)
+    step = min(0.05, max(0.0, num / den)) if den > 0 else km.step
+    km = replace(km, step=step)
+    after = predict(step)
+    return km, {n: dict(measured_s=measured[n], predicted_s=after[n]) for n in probes}
+
+
+def profile_summary(topo: Topology) -> str:
+    """Lines for ``explain``: the measured figures of a calibrated topology next to what it predicts."""
+    m = topo.measured or {}
+    if not m:
+        return ""
+    mach = m.get("machine", {})
+    pairs = list(m.get("pair_Bps", {}).values())
+    lines = [
+        f"profile: measured on {mach.get('host', '?')} ({mach.get('cpu', '?')}, {mach.get('cores', '?')} cores, "
+        f"torch {mach.get('torch', '?')}{', ' + mach['gpu'] if mach.get('gpu') else ''}), P={m.get('P')}, "
+        f"in {m.get('total_s', 0):.1f} s",
+    ]
+    if pairs:
+        lats = list(m["latency_s"].values())
+        lines.append(
+            f"  links: pair rate {statistics.median(pairs) / 1e6:.4g} MB/s median ({min(pairs) / 1e6:.4g}-"
+            f"{max(pairs) / 1e6:.4g}), latency {statistics.median(lats) * 1e6:.0f} us; compute per byte moved "
+            f"{m.get('compute_per_byte_s', 0) * 1e9:.3g} ns; host time per step {m.get('step_s', 0) * 1e3:.3g} ms"
+        )
+        lines.append("  kind: " + ", ".join(f"{k['kind']} {k['error']:.3f}" for k in m.get("kinds", [])[:4]))
+        lines.append(f"  {'pattern':<14}{'measured':>12}{'model':>12}")
+        for n, p in m.get("patterns", {}).items():
+            lines.append(f"  {n:<14}{p['measured_s'] * 1e3:>10.3g}ms{p['predicted_s'] * 1e3:>10.3g}ms")
+    if m.get("calls"):
+        lines.append(f"  {'call (fwd)':<28}{'measured':>10}{'model':>10}")
+        for n, c in m["calls"].items():
+            lines.append(f"  {n:<28}{c['measured_s'] * 1e3:>8.4g}ms{c['predicted_s'] * 1e3:>8.4g}ms")
+    rows = m.get("kernel_rows", [])
+    if rows:
+        lines.append(f"  {'block':<16}{'fwd meas':>10}{'model':>10}{'bwd meas':>10}{'model':>10}")
+        for r in rows:
+            tag = f"n={r['n']}{' causal' if r['causal'] else ''}"
+            lines.append(
+                f"  {tag:<16}{r['k_fwd_ms']:>8.3g}ms{r['model_fwd_ms']:>8.3g}ms"
+                f"{r['k_fb_ms'] - r['k_fwd_ms']:>8.3g}ms{r['model_bwd_ms']:>8.3g}ms"
+            )
+    return "\n".join(lines)
