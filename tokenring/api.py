@@ -282,7 +282,17 @@ def _show(field: str, value: float) -> str:
     return f"{value:g}" if field in ("softmax_scale",) else str(int(value))
 
 
-def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P: int, remember: bool = True):
+def _agree(
+    sig: list[float],
+    decide,
+    describe: str,
+    group,
+    device,
+    rank: int,
+    P: int,
+    remember: bool = True,
+    calibrate_for=None,
+):
     """Verify that every rank calls with the same shapes and options, and return the strategy to run.
 
     ``decide()`` resolves the strategy; only rank 0 calls it (``auto`` runs the cost model there) and its
@@ -293,8 +303,9 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
     key = (id(group), tuple(sig))  # nothing per-host in it: a rank that re-checked alone would wait for the others
     if remember and key in _checked:
         return _checked[key]
-    choice = strategy_code(decide()) if rank == 0 and decide is not None else [-1.0] * CODE_LEN
-    mine = torch.tensor(sig + choice, dtype=torch.float64, device=device)
+    lazy = rank == 0 and calibrate_for is not None and settings.get("calibrate") and id(group) not in _calibrated
+    choice = strategy_code(decide()) if rank == 0 and decide is not None and not lazy else [-1.0] * CODE_LEN
+    mine = torch.tensor(sig + choice + [float(lazy)], dtype=torch.float64, device=device)
     allsig = [torch.empty_like(mine) for _ in range(P)]
     # Each rank marks its arrival in the rendezvous store, so a rank that never comes can be named.
     n = _exchanges[id(group)] = _exchanges.get(id(group), -1) + 1
@@ -350,10 +361,28 @@ def _agree(sig: list[float], decide, describe: str, group, device, rank: int, P:
                 f"Every rank must pass shards of the same shape, dtype and options; shard the sequence with "
                 f"tokenring.shard() so local lengths are equal."
             )
-    chosen = from_code(allsig[0][-CODE_LEN:].tolist())
+    if allsig[0][-1].item():  # rank 0 asks every rank to calibrate the group first
+        _calibrate_group(group, *calibrate_for)
+        return _agree(sig, decide, describe, group, device, rank, P, remember, calibrate_for)
+    chosen = from_code(allsig[0][-CODE_LEN - 1 : -1].tolist())
     if remember:
         _checked[key] = chosen
     return chosen
+
+
+_calibrated: set = set()  # ids of the groups calibrated in this process (the calibrate setting)
+
+
+def _calibrate_group(group, q, k) -> None:
+    """Calibrate ``group`` for calls shaped like ``q`` / ``k`` and make the profile this process's topology."""
+    from .calibration import calibrate
+
+    P = dist.get_world_size(group)
+    profile = calibrate(
+        group, seq=q.shape[1] * P, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3], dtype=q.dtype
+    )
+    settings.configure(topology=profile)  # clears the verified signatures and auto's choices on every rank
+    _calibrated.add(id(group))
 
 
 def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
@@ -692,8 +721,16 @@ def run_forward(
     sig = _signature(
         q, k, causal, layout, strategy, scale, backward, mask.key if mask is not None else 0, n, sinks is not None
     )
+    auto = strategy == "auto" or get_strategy(strategy).mode == "auto"
     strat = _agree(
-        sig, decide, _describe(q, k, causal, layout, strategy, mask, sinks), group, collective_device(group), rank, P
+        sig,
+        decide,
+        _describe(q, k, causal, layout, strategy, mask, sinks),
+        group,
+        collective_device(group),
+        rank,
+        P,
+        calibrate_for=(q, k) if auto else None,
     )
     q, scale = fold_scale(q, scale)
     cfg = _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras)

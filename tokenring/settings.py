@@ -18,6 +18,8 @@ setting            environment variable         default
 ``cpu_backward``   ``TOKENRING_CPU_BACKWARD``   by the CPU's flags: ``cpu_flash`` or ``math`` backward
 ``node_size``      ``LOCAL_WORLD_SIZE``         0 (unknown): ranks per node of the hierarchical
                                                 strategies (torchrun sets the variable)
+``calibrate``      ``TOKENRING_CALIBRATE``      off: on, a group's first ``auto`` call runs
+                                                ``tokenring.calibrate`` on every rank first (10-40 s)
 =================  ===========================  ===================================================
 """
 
@@ -89,6 +91,13 @@ SETTINGS = {
             lambda text: text != "0",
         ),
         Setting("cpu_backward", "TOKENRING_CPU_BACKWARD", None, _cpu_backward, "fused or math backward on CPU"),
+        Setting(
+            "calibrate",
+            "TOKENRING_CALIBRATE",
+            False,
+            _flag,
+            "calibrate a group's kernels and links at its first auto call",
+        ),
         Setting(
             "node_size",
             "LOCAL_WORLD_SIZE",
