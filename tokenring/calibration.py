@@ -11,9 +11,10 @@ not assumed. It measures, in this order:
    full and causal-diagonal, at the shard length the caller names and at 1/2 and 1/4 of it (the blocks that
    chunked and zigzag schedules run), with the caller's heads, head dim and dtype; the exact merge; a copy.
    Fitted into a :class:`~tokenring.sim.kernel_model.KernelModel` (its curve goes through the measured points).
-2. **Host time per step**: fitted on real forward calls of schedules with more and fewer steps, at the
-   caller's shapes, so that the simulator on the measured kernels and links predicts them (see
-   :func:`_fit_step`; a tiny ring call's time per step is kept beside it).
+2. **Real calls**: a forward call of each strategy in ``STEP_PROBES`` at the caller's shapes. For the
+   link models (each kind's best, with and without a shared backplane; step 3), the host time per step that makes
+   the simulator predict these calls best is fitted (:func:`_fit_step`); the link model with the smallest sum of
+   its pattern and call errors is kept.
 3. **Links**: each ordered pair alone (latency from a ping-pong, bandwidth from one message and an ack), then
    traffic patterns with many pairs busy at once (all-to-all, every shift ``r -> r+k``, one rank to all, all
    to one rank). A full mesh keeps its pair rate in an all-to-all, a switch port divides it, a ring of links
@@ -49,6 +50,7 @@ from . import device as _device
 from .comm import get_timeout, group_store, silent_ranks
 from .kernels import block_backward, block_forward
 from .merge import merge_, new_accumulator
+from .schedules import Shapes
 from .sim.kernel_model import KernelModel, fit_table, model_to_dict
 from .sim.topology import (
     INF,
@@ -360,7 +362,7 @@ def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_by
 
     # 1. kernels, every rank at once
     phase("kernels")
-    rows_all = g.gather(_kernel_rows(g, s, H, Hkv, d, dtype, repeats))
+    rows_all = g.gather(_kernel_rows(g, s, H, Hkv, d, dtype, max(5, repeats)))
     keys = ("k_fwd_ms", "k_fb_ms", "merge_ms")
     rows = [dict(r, **{k: statistics.mean(x[i][k] for x in rows_all) for k in keys}) for i, r in enumerate(rows_all[0])]
     mem_bw = statistics.mean(g.gather(_copy_bandwidth(g, 64 << 20, repeats)))
@@ -408,24 +410,38 @@ def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_by
     )
     scored = _fit_links(P, pairs, latency, patterns, nbytes, common)
     kinds = [dict(kind=c.name, error=round(e, 4)) for e, c in scored]
-    err, topo = scored[0]
+    kname = f"calibrated-{_device_name(g.dev)}-{str(dtype).replace('torch.', '')}-P{P}"
+    km = fit_table(rows, "k", kname, mem_bw=mem_bw, source="block kernels timed on every rank at once")
+    from dataclasses import replace
+
+    km = replace(km, add=(km.merge[0] / 4, km.merge[1] / 4), step=step)
+    # real calls decide between the link models that predict the patterns about as well, and fit the step
+    phase("calls")
+    sh = Shapes(1, s, H, Hkv, d, dtype, P)
+    probes = _measure_calls(g, sh, repeats)
+    fits, seen = [], set()
+    for i, (e, cand) in enumerate(scored):  # each kind's best, without and with a backplane
+        family = (type(cand), cand.backplane_bw == INF)
+        if family in seen:
+            continue
+        seen.add(family)
+        st, predicted, call_err = _fit_step(cand, km, sh, probes)
+        fits.append((call_err + e, call_err, e, cand, st, predicted))
+        kinds[i]["calls_error"] = round(call_err, 4)
+    _, call_err, err, topo, st, predicted = min(fits, key=lambda f: f[0])
+    km = replace(km, step=st)
+    calls = {n: dict(measured_s=probes[n], predicted_s=predicted[n]) for n in probes}
+    label = topo.name
     kind = type(topo).__name__.replace("Topology", "").lower()
     host = platform.node()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     topo.name = f"calibrated:{kind}:{stamp}"
     topo.source = (
         f"tokenring.calibrate on {host} at {stamp}: {P} ranks, pair rate {statistics.median(pairs.values()) / 1e6:.4g} "
-        f"MB/s (median of {len(pairs)}), latency {lat * 1e6:.0f} us, kind {kinds[0]['kind']} chosen by its "
-        f"predictions of {len(patterns)} traffic patterns (mean |log error| {err:.3f})"
+        f"MB/s (median of {len(pairs)}), latency {lat * 1e6:.0f} us; {label}: mean |log error| {err:.3f} over "
+        f"{len(patterns)} traffic patterns, {call_err:.3f} over {len(probes)} real calls"
     )
-    kname = f"calibrated-{_device_name(g.dev)}-{str(dtype).replace('torch.', '')}-P{P}"
-    km = fit_table(rows, "k", kname, mem_bw=mem_bw, source=f"{topo.source}; block kernels timed on every rank at once")
-    from dataclasses import replace
-
-    km = replace(km, add=(km.merge[0] / 4, km.merge[1] / 4), step=step)
-    topo.kernel = km
-    phase("calls")
-    km, calls = _fit_step(g, topo, km, s, H, Hkv, d, dtype, repeats)
+    km = replace(km, source=f"{topo.source}; block kernels timed on every rank at once")
     topo.kernel = km
     flows = _patterns(P)
     measured = dict(
@@ -507,6 +523,12 @@ def _compute_per_byte(g: _Group, s, H, Hkv, d, dtype, nbytes: int, repeats: int)
 
         def wait_all(works=recvs + sends):  # gloo's works never report completion: a thread waits for them
             try:
+                if g.nccl:  # a wait there only orders the stream: poll the works' CUDA events instead
+                    deadline = time.monotonic() + g.timeout
+                    while not all(w.is_completed() for w in works):
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("the all-to-all did not complete")
+                        time.sleep(1e-4)
                 for w in works:
                     w.wait(datetime.timedelta(seconds=g.timeout))
             except Exception as e:
@@ -540,45 +562,55 @@ def _step_time(g: _Group, lat: float) -> float:
     return max(0.0, t / g.P - lat - tiny)
 
 
-STEP_PROBES = ("ring", "token_ring:direct,c=1,k=1", "token_ring:direct,c=2,k=1", "token_ring:direct,c=4,k=1")
+STEP_PROBES = (
+    "ring",
+    "ring_bidir",
+    "ulysses",
+    "token_ring:relay",
+    "token_ring:direct,c=1,k=1",
+    "token_ring:direct,c=2,k=1",
+    "token_ring:direct,c=4,k=1",
+)
+MAX_STEP = 0.02  # seconds: a host time per step beyond this means the link model is off, not the host
 
 
-def _fit_step(g: _Group, topo: Topology, km: KernelModel, s, H, Hkv, d, dtype, repeats: int):
-    """Host time per step, fitted on real calls: schedules with more, smaller steps (``STEP_PROBES``, forward,
-    the caller's shapes) are timed on the group, and the step cost is the one (>= 0, least squares of relative
-    error) with which the simulator, on the measured kernels and links, predicts them. It takes in what a tiny
-    call does not show: posting large messages, the executor's loop between kernels of real size.
-    ``(kernel model with that step, {strategy: measured / predicted})``."""
-    from dataclasses import replace
-
+def _measure_calls(g: _Group, sh, repeats: int) -> dict:
+    """Forward calls of ``STEP_PROBES`` (those that run these shapes) at the caller's shapes on the group:
+    ``{strategy: seconds}``, the slowest rank's median."""
     from .api import attention
-    from .schedules import Shapes
-    from .sim.simulator import simulate
     from .strategies import get as get_strategy
 
-    P = g.P
-    sh = Shapes(1, s, H, Hkv, d, dtype, P)
     gen = torch.Generator().manual_seed(7 + g.rank)
-    q = torch.randn(1, s, H, d, generator=gen, dtype=dtype).to(g.dev)
-    k, v = (torch.randn(1, s, Hkv, d, generator=gen, dtype=dtype).to(g.dev) for _ in range(2))
-    probes = [n for n in STEP_PROBES if get_strategy(n).check(H, Hkv, P, s, False) is None]
-    measured = {}
-    for name in probes:
-        t = _best(g, lambda name=name: attention(q, k, v, strategy=name, group=g.group), max(2, repeats - 1))
-        measured[name] = max(g.gather(t))
+    q = torch.randn(1, sh.s, sh.H, sh.d, generator=gen, dtype=sh.dtype).to(g.dev)
+    k, v = (torch.randn(1, sh.s, sh.Hkv, sh.d, generator=gen, dtype=sh.dtype).to(g.dev) for _ in range(2))
+    out = {}
+    for name in STEP_PROBES:
+        if get_strategy(name).check(sh.H, sh.Hkv, g.P, sh.s, False) is None:
+            t = _best(g, lambda name=name: attention(q, k, v, strategy=name, group=g.group), max(2, repeats - 1))
+            out[name] = max(g.gather(t))
+    return out
+
+
+def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict):
+    """Host time per step (``0 .. MAX_STEP``) with which the simulator, on the measured kernels and ``topo``,
+    predicts the real calls best (least squares of relative error; the prediction is near linear in it). It
+    takes in what a tiny call does not show: posting large messages, the executor's loop between kernels of real
+    size. ``(step, {strategy: predicted seconds}, mean |log error|)``."""
+    from dataclasses import replace
+
+    from .sim.simulator import simulate
 
     def predict(step):
         m = replace(km, step=step)
-        return {n: simulate(n, sh, topo, m, causal=False, layout="contiguous").time for n in probes}
+        return {n: simulate(n, sh, topo, m, causal=False, layout="contiguous").time for n in measured}
 
     base, probe = predict(0.0), predict(1e-3)
-    slope = {n: (probe[n] - base[n]) / 1e-3 for n in probes}
-    num = sum((measured[n] - base[n]) * slope[n] / measured[n] ** 2 for n in probes)
-    den = sum(slope[n] ** 2 / measured[n] ** 2 for n in probes)
-    step = min(0.05, max(0.0, num / den)) if den > 0 else km.step
-    km = replace(km, step=step)
+    slope = {n: (probe[n] - base[n]) / 1e-3 for n in measured}
+    num = sum((measured[n] - base[n]) * slope[n] / measured[n] ** 2 for n in measured)
+    den = sum(slope[n] ** 2 / measured[n] ** 2 for n in measured)
+    step = min(MAX_STEP, max(0.0, num / den)) if den > 0 else km.step
     after = predict(step)
-    return km, {n: dict(measured_s=measured[n], predicted_s=after[n]) for n in probes}
+    return step, after, statistics.mean(abs(math.log(after[n] / measured[n])) for n in measured)
 
 
 def profile_summary(topo: Topology) -> str:
@@ -600,7 +632,14 @@ def profile_summary(topo: Topology) -> str:
             f"{max(pairs) / 1e6:.4g}), latency {statistics.median(lats) * 1e6:.0f} us; compute per byte moved "
             f"{m.get('compute_per_byte_s', 0) * 1e9:.3g} ns; host time per step {m.get('step_s', 0) * 1e3:.3g} ms"
         )
-        lines.append("  kind: " + ", ".join(f"{k['kind']} {k['error']:.3f}" for k in m.get("kinds", [])[:4]))
+        lines.append(
+            "  link models, mean |log error| over the patterns (and the real calls): "
+            + ", ".join(
+                f"{k['kind']} {k['error']:.3f}" + (f" ({k['calls_error']:.3f})" if "calls_error" in k else "")
+                for k in m.get("kinds", [])
+                if "calls_error" in k
+            )
+        )
         lines.append(f"  {'pattern':<14}{'measured':>12}{'model':>12}")
         for n, p in m.get("patterns", {}).items():
             lines.append(f"  {n:<14}{p['measured_s'] * 1e3:>10.3g}ms{p['predicted_s'] * 1e3:>10.3g}ms")
