@@ -218,6 +218,15 @@ def score(data: dict) -> dict:
             sim_abs_error_worst=max(errs),
         )
     cal = [s["profile"]["measured"]["total_s"] for s in data["sessions"] if s.get("profile")]
+    # how far apart one strategy's rounds are: the resolution of "within 5%"
+    spreads = [
+        (max(v["times"]) - min(v["times"])) / v["time"]
+        for s in data["sessions"]
+        for c in s["configs"]
+        for v in c["measured"].values()
+    ]
+    for name in summary:
+        summary[name]["round_spread_median"] = statistics.median(spreads)
     return dict(rows=rows, errors=errors, summary=summary, calibrate_seconds=cal)
 
 
@@ -238,6 +247,13 @@ def report(data: dict, scored: dict) -> str:
             f"{s['worst']:.3f} | {s['sim_abs_error_median']:.1%} | {s['sim_abs_error_p90']:.1%} | "
             f"{s['sim_abs_error_worst']:.1%} |"
         )
+    spread = next(iter(scored["summary"].values()), {}).get("round_spread_median")
+    if spread is not None:
+        lines += [
+            "",
+            f"One strategy's {len(data['sessions'][0]['configs'][0]['measured'][scored['rows'][0]['best']]['times'])} "
+            f"rounds span {spread:.1%} of their median (median over every strategy and configuration).",
+        ]
     cs = scored["calibrate_seconds"]
     if cs:
         lines += ["", f"`calibrate` took {min(cs):.1f}-{max(cs):.1f} s per session (P=4 and 5)."]
