@@ -282,6 +282,11 @@ def main() -> int:
     ap.add_argument("--p5-rate", type=float, default=300.0, help="rate of the P=5 sessions (0: none)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--from-json", default=None)
+    ap.add_argument(
+        "--refit",
+        action="store_true",
+        help="fit each session's stored calibration measurements again with this version of tokenring.calibrate",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "results", "calibration_measurements.json"))
     a = ap.parse_args()
     if a.from_json:
@@ -302,6 +307,12 @@ def main() -> int:
             data["sessions"].append(measure_session(sess, a.repeats, lambda s: print(s, flush=True)))
             with open(a.out, "w") as f:
                 json.dump(data, f)
+    if a.refit:
+        from tokenring.calibration import refit
+
+        for sess in data["sessions"]:
+            sess["profile"] = refit(sess["profile"]).to_dict()
+        data["command"] += " (profiles refitted: --from-json ... --refit)"
     scored = score(data)
     summary = dict(
         command=data["command"],
@@ -309,7 +320,8 @@ def main() -> int:
         rows=scored["rows"],
         calibrate_seconds=scored["calibrate_seconds"],
     )
-    _results.write(os.path.join(HERE, "results", "calibration_evidence"), summary, report(data, scored).splitlines())
+    stem = "calibration_evidence" + ("_refit" if a.refit else "")
+    _results.write(os.path.join(HERE, "results", stem), summary, report(data, scored).splitlines())
     return 0
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests import calibrate_cases as cases
-from tokenring.calibration import _fit_links, _patterns
+from tokenring.calibration import _fit_links, _patterns, refit
 from tokenring.sim.topology import MeshTopology, RingTopology, SwitchTopology, get_topology, topology_from_dict
 from tokenring.tools.launch import spawn
 
@@ -65,6 +65,8 @@ def test_calibrate_on_local_ranks_gives_one_profile_auto_uses(tmp_path):
     t = topo.flow_times([0, 1], [1, 2], [1e6, 1e6])
     assert np.allclose(t, again.flow_times([0, 1], [1, 2], [1e6, 1e6]))
     assert topo.with_P(5).kernel is topo.kernel
+    again = refit(first).to_dict()  # the fit is a function of the measurements kept in the profile
+    assert again["topology"] == first["topology"] and again["kernel"] == first["kernel"]
 
 
 def test_rank_that_dies_during_calibration_is_named():

@@ -37,7 +37,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import threading
 import time
@@ -48,10 +47,9 @@ import torch.distributed as dist
 
 from . import device as _device
 from .comm import get_timeout, group_store, silent_ranks
-from .kernels import block_backward, block_forward
-from .merge import merge_, new_accumulator
+from .kernels import block_forward
 from .schedules import Shapes
-from .sim.kernel_model import KernelModel, fit_table, model_to_dict
+from .sim.kernel_model import KernelModel, block_row, fit_table, model_to_dict
 from .sim.topology import (
     INF,
     PROFILE_FORMAT,
@@ -192,38 +190,17 @@ def _best(g: _Group, fn, repeats: int) -> float:
 
 # ------------------------------------------------------------------------------------------- kernels
 def _kernel_rows(g: _Group, s: int, H: int, Hkv: int, d: int, dtype, repeats: int) -> list[dict]:
-    rows = []
     gen = torch.Generator().manual_seed(1234 + g.rank)
-    scale = d**-0.5
     # the blocks schedules run: the shard and its halves / quarters with every head; Ulysses' whole sequence
     # with H / P heads (a larger block, so the curve is measured, not extrapolated, there)
     sizes = sorted({(max(16, s // 4), H, Hkv), (max(16, s // 2), H, Hkv), (max(16, s), H, Hkv)})
     if H % g.P == 0 and Hkv % g.P == 0:
         sizes.append((s * g.P, H // g.P, Hkv // g.P))
-    for n, H, Hkv in sizes:
-        for causal in (False, True):
-            q, do = (torch.randn(1, n, H, d, generator=gen, dtype=dtype).to(g.dev) for _ in range(2))
-            k, v = (torch.randn(1, n, Hkv, d, generator=gen, dtype=dtype).to(g.dev) for _ in range(2))
-            out, lse = block_forward(q, k, v, causal, scale)
-            delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
-            tf = _best(g, lambda: block_forward(q, k, v, causal, scale), repeats)
-            tb = _best(g, lambda: block_backward(do, q, k, v, lse, delta, causal, scale, out=out), repeats)
-            acc_o, acc_l = new_accumulator(1, n, H, d, dtype, g.dev)
-            merge_(acc_o, acc_l, out, lse)
-            tm = _best(g, lambda: merge_(acc_o, acc_l, out, lse), repeats)
-            rows.append(
-                dict(
-                    hq=H,
-                    hkv=Hkv,
-                    n=n,
-                    d=d,
-                    causal=causal,
-                    k_fwd_ms=tf * 1e3,
-                    k_fb_ms=(tf + tb) * 1e3,
-                    merge_ms=tm * 1e3,
-                )
-            )
-    return rows
+    return [
+        block_row(n, h, hkv, d, dtype, causal, lambda fn: _best(g, fn, repeats), gen, g.dev, prefix="k")
+        for n, h, hkv in sizes
+        for causal in (False, True)
+    ]
 
 
 def _copy_bandwidth(g: _Group, nbytes: int, repeats: int) -> float:
@@ -399,57 +376,82 @@ def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_by
     phase("step")
     step = _step_time(g, lat)
 
-    # fit, on rank 0's view of the gathered measurements (identical on every rank)
-    gloo = not g.nccl
-    common = dict(
+    phase("calls")
+    probes = _measure_calls(g, Shapes(1, s, H, Hkv, d, dtype, P), repeats)
+    seconds["end"] = time.perf_counter()
+    raw = dict(
+        P=P,
+        shapes=dict(s=s, H=H, Hkv=Hkv, d=d, dtype=str(dtype).replace("torch.", "")),
         device=_device_name(g.dev),
-        cpu_per_byte=per_byte,
-        ready_notice=gloo,
-        fair_share=gloo,
-        source="",
+        gloo=not g.nccl,
+        message_bytes=nbytes,
+        latency_s=latency,
+        pair_Bps=pairs,
+        patterns_s=patterns,
+        kernel_rows=rows,
+        calls_s=probes,
+        mem_bw_Bps=mem_bw,
+        compute_per_byte_s=per_byte,
+        tiny_step_s=step,
+        seconds={name: round(t - seconds[name], 3) for name, t in zip(list(seconds), list(seconds.values())[1:])},
+        total_s=round(time.perf_counter() - t_start, 3),
     )
-    scored = _fit_links(P, pairs, latency, patterns, nbytes, common)
-    kinds = [dict(kind=c.name, error=round(e, 4)) for e, c in scored]
-    kname = f"calibrated-{_device_name(g.dev)}-{str(dtype).replace('torch.', '')}-P{P}"
-    km = fit_table(rows, "k", kname, mem_bw=mem_bw, source="block kernels timed on every rank at once")
+    # rank 0's measurements on every rank (the host time per step and the seconds are each rank's own until here)
+    raw = g.gather(raw)[0]
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return fit_profile(raw, g.gather(_machine(g))[0], stamp)
+
+
+def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
+    """The profile from what :func:`calibrate` measured (``raw``); deterministic, so every rank fits the same
+    and a stored profile can be fitted again by newer code (:func:`refit`)."""
     from dataclasses import replace
 
-    km = replace(km, add=(km.merge[0] / 4, km.merge[1] / 4), step=step)
+    P, shapes = raw["P"], raw["shapes"]
+    dtype = getattr(torch, shapes["dtype"])
+    sh = Shapes(1, shapes["s"], shapes["H"], shapes["Hkv"], shapes["d"], dtype, P)
+    common = dict(
+        device=raw["device"],
+        cpu_per_byte=raw["compute_per_byte_s"],
+        ready_notice=raw["gloo"],
+        fair_share=raw["gloo"],
+        source="",
+    )
+    pairs, latency, patterns, nbytes = raw["pair_Bps"], raw["latency_s"], raw["patterns_s"], raw["message_bytes"]
+    scored = _fit_links(P, pairs, latency, patterns, nbytes, common)
+    kinds = [dict(kind=c.name, error=round(e, 4)) for e, c in scored]
+    kname = f"calibrated-{raw['device']}-{shapes['dtype']}-P{P}"
+    rows = raw["kernel_rows"]
+    km = fit_table(rows, "k", kname, mem_bw=raw["mem_bw_Bps"], source="block kernels timed on every rank at once")
+    km = replace(km, add=(km.merge[0] / 4, km.merge[1] / 4), step=raw["tiny_step_s"])
     # real calls decide between the link models that predict the patterns about as well, and fit the step
-    phase("calls")
-    sh = Shapes(1, s, H, Hkv, d, dtype, P)
-    probes = _measure_calls(g, sh, repeats)
+    probes = raw["calls_s"]
     fits, seen = [], set()
     for i, (e, cand) in enumerate(scored):  # each kind's best, without and with a backplane
         family = (type(cand), cand.backplane_bw == INF)
         if family in seen:
             continue
         seen.add(family)
-        st, predicted, call_err = _fit_step(cand, km, sh, probes)
-        fits.append((call_err + e, call_err, e, cand, st, predicted))
+        fitted, predicted, call_err = _fit_step(cand, km, sh, probes)
+        fits.append((call_err + e, call_err, e, cand, fitted, predicted))
         kinds[i]["calls_error"] = round(call_err, 4)
-    _, call_err, err, topo, st, predicted = min(fits, key=lambda f: f[0])
-    km = replace(km, step=st)
-    calls = {n: dict(measured_s=probes[n], predicted_s=predicted[n]) for n in probes}
+    _, call_err, err, topo, km, predicted = min(fits, key=lambda f: f[0])
+    lat = statistics.median(latency.values())
     label = topo.name
     kind = type(topo).__name__.replace("Topology", "").lower()
-    host = platform.node()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     topo.name = f"calibrated:{kind}:{stamp}"
     topo.source = (
-        f"tokenring.calibrate on {host} at {stamp}: {P} ranks, pair rate {statistics.median(pairs.values()) / 1e6:.4g} "
-        f"MB/s (median of {len(pairs)}), latency {lat * 1e6:.0f} us; {label}: mean |log error| {err:.3f} over "
-        f"{len(patterns)} traffic patterns, {call_err:.3f} over {len(probes)} real calls"
+        f"tokenring.calibrate on {machine.get('host', '?')} at {stamp}: {P} ranks, pair rate "
+        f"{statistics.median(pairs.values()) / 1e6:.4g} MB/s (median of {len(pairs)}), latency {lat * 1e6:.0f} us; "
+        f"{label}: mean |log error| {err:.3f} over {len(patterns)} traffic patterns, {call_err:.3f} over "
+        f"{len(probes)} real calls"
     )
     km = replace(km, source=f"{topo.source}; block kernels timed on every rank at once")
     topo.kernel = km
     flows = _patterns(P)
+    d, e = shapes["d"], dtype.itemsize
     measured = dict(
-        P=P,
-        shapes=dict(s=s, H=H, Hkv=Hkv, d=d, dtype=str(dtype).replace("torch.", "")),
-        message_bytes=nbytes,
-        latency_s=latency,
-        pair_Bps=pairs,
+        raw,
         patterns={
             n: dict(measured_s=t, predicted_s=_predict(topo, flows[n], nbytes), flows=len(flows[n]))
             for n, t in patterns.items()
@@ -458,29 +460,30 @@ def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_by
         kernel_rows=[
             dict(
                 r,
-                model_fwd_ms=km.block_time(r["n"], r["n"], r["hq"], r["hkv"], d, r["causal"], False, dtype.itemsize)
-                * 1e3,
-                model_bwd_ms=km.block_time(r["n"], r["n"], r["hq"], r["hkv"], d, r["causal"], True, dtype.itemsize)
-                * 1e3,
+                model_fwd_ms=km.block_time(r["n"], r["n"], r["hq"], r["hkv"], d, r["causal"], False, e) * 1e3,
+                model_bwd_ms=km.block_time(r["n"], r["n"], r["hq"], r["hkv"], d, r["causal"], True, e) * 1e3,
             )
             for r in rows
         ],
-        calls=calls,
-        mem_bw_Bps=mem_bw,
-        compute_per_byte_s=per_byte,
+        calls={n: dict(measured_s=probes[n], predicted_s=predicted[n]) for n in probes},
         step_s=km.step,
-        tiny_step_s=step,
-        seconds={
-            name: round(t - seconds[name], 3)
-            for name, t in zip(list(seconds), list(seconds.values())[1:] + [time.perf_counter()])
-        },
-        total_s=round(time.perf_counter() - t_start, 3),
+        compute_factor=1.0 / km.speed,
     )
-    topo.measured = dict(measured, machine=_machine(g))
-    # rank 0's profile on every rank (the host time per step and the seconds are each rank's own until here)
-    d = g.gather(Profile(topo, km, topo.measured["machine"], measured).to_dict())[0]
-    topo = topology_from_dict(d)
-    return Profile(topo, topo.kernel, d["machine"], d["measured"])
+    topo.measured = dict(measured, machine=machine)
+    return Profile(topo, km, machine, measured)
+
+
+def refit(profile: dict) -> Profile:
+    """Fit a stored profile's measurements again with this version's fitting (a profile written by an older
+    version keeps its measurements: patterns, calls and kernel rows)."""
+    m = profile["measured"]
+    raw = dict(m)
+    raw.setdefault("patterns_s", {n: p["measured_s"] for n, p in m["patterns"].items()})
+    raw.setdefault("calls_s", {n: c["measured_s"] for n, c in m["calls"].items()})
+    raw.setdefault("device", profile["topology"].get("device", "cpu"))
+    raw.setdefault("gloo", bool(profile["topology"].get("ready_notice", True)))
+    stamp = profile["topology"]["name"].split(":", 2)[-1]
+    return fit_profile(raw, profile.get("machine", {}), stamp)
 
 
 def _device_name(dev: torch.device) -> str:
@@ -572,6 +575,8 @@ STEP_PROBES = (
     "token_ring:direct,c=4,k=1",
 )
 MAX_STEP = 0.02  # seconds: a host time per step beyond this means the link model is off, not the host
+COMPUTE_RANGE = (0.8, 1.5)  # the kernel-time factor the real calls may fit
+COMPUTE_FACTOR = False  # fitted on the testbed it traded off against the step (0.8-1.5, at its bounds): off
 
 
 def _measure_calls(g: _Group, sh, repeats: int) -> dict:
@@ -591,26 +596,46 @@ def _measure_calls(g: _Group, sh, repeats: int) -> dict:
     return out
 
 
-def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict):
-    """Host time per step (``0 .. MAX_STEP``) with which the simulator, on the measured kernels and ``topo``,
-    predicts the real calls best (least squares of relative error; the prediction is near linear in it). It
-    takes in what a tiny call does not show: posting large messages, the executor's loop between kernels of real
-    size. ``(step, {strategy: predicted seconds}, mean |log error|)``."""
+def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict, compute: bool | None = None):
+    """Host time per step (``0 .. MAX_STEP``) and, with ``compute``, a factor on every kernel time
+    (``COMPUTE_RANGE``: kernels inside a real call, beside the others' traffic and the executor, against the
+    same kernel timed alone) with which the simulator, on the measured kernels and ``topo``, predicts the real
+    calls best: least squares of relative error on the predictions linearised around (1, 0), solved twice. It
+    takes in what a tiny call does not show: posting large messages, the loop between kernels of real size.
+    ``(kernel model with both, {strategy: predicted seconds}, mean |log error|)``."""
     from dataclasses import replace
+
+    import numpy as np
 
     from .sim.simulator import simulate
 
-    def predict(step):
-        m = replace(km, step=step)
-        return {n: simulate(n, sh, topo, m, causal=False, layout="contiguous").time for n in measured}
+    compute = COMPUTE_FACTOR if compute is None else compute
+    names = list(measured)
+    m = np.array([measured[n] for n in names])
 
-    base, probe = predict(0.0), predict(1e-3)
-    slope = {n: (probe[n] - base[n]) / 1e-3 for n in measured}
-    num = sum((measured[n] - base[n]) * slope[n] / measured[n] ** 2 for n in measured)
-    den = sum(slope[n] ** 2 / measured[n] ** 2 for n in measured)
-    step = min(MAX_STEP, max(0.0, num / den)) if den > 0 else km.step
-    after = predict(step)
-    return step, after, statistics.mean(abs(math.log(after[n] / measured[n])) for n in measured)
+    def model(factor, step):
+        k = replace(km, step=step)
+        return k if factor == 1.0 else k.scaled(k.name, 1.0 / factor, 1.0, k.source)
+
+    def predict(factor, step):
+        k = model(factor, step)
+        return np.array([simulate(n, sh, topo, k, causal=False, layout="contiguous").time for n in names])
+
+    factor, step = 1.0, 0.0
+    for _ in range(2):
+        base = predict(factor, step)
+        cols = [(predict(factor, step + 1e-3) - base) / 1e-3]
+        if compute:
+            cols.append((predict(factor * 1.1, step) - base) / (0.1 * factor))
+        A = np.stack(cols, axis=1) / m[:, None]
+        rhs = (m - base) / m
+        delta, *_ = np.linalg.lstsq(A, rhs, rcond=None)
+        step = float(min(MAX_STEP, max(0.0, step + delta[0])))
+        if compute:
+            factor = float(min(COMPUTE_RANGE[1], max(COMPUTE_RANGE[0], factor + delta[1])))
+    after = predict(factor, step)
+    err = float(np.mean(np.abs(np.log(after / m))))
+    return model(factor, step), dict(zip(names, after.tolist())), err
 
 
 def profile_summary(topo: Topology) -> str:

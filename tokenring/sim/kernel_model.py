@@ -35,6 +35,7 @@ __all__ = [
     "cpu_share",
     "CPU_ANALYTIC",
     "block_flops",
+    "block_row",
     "model_to_dict",
     "model_from_dict",
 ]
@@ -262,54 +263,59 @@ _CPU_CACHE: dict = {}
 CALIB_BLOCKS = ((256, 4), (1024, 4), (4096, 1))
 
 
-def _calib_rows(threads: int, dtype_name: str, blocks, d: int, repeats: int, barrier=None) -> list[dict]:
+def block_row(n: int, H: int, Hkv: int, d: int, dtype, causal: bool, best, gen, device="cpu", prefix="cpu") -> dict:
+    """One measured row for :func:`fit_table`: ``best(fn)`` seconds of ``tokenring.kernels``' block forward,
+    backward and the exact merge on an ``n x n`` block (``H`` query, ``Hkv`` K/V heads), in milliseconds.
+    Shared by :func:`calibrate_cpu` and :func:`tokenring.calibrate`."""
     import torch
 
     from ..kernels import block_backward, block_forward
     from ..merge import merge_, new_accumulator
 
+    scale = d**-0.5
+    q, do = (torch.randn(1, n, H, d, generator=gen, dtype=dtype).to(device) for _ in range(2))
+    k, v = (torch.randn(1, n, Hkv, d, generator=gen, dtype=dtype).to(device) for _ in range(2))
+    out, lse = block_forward(q, k, v, causal, scale)
+    delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    tf = best(lambda: block_forward(q, k, v, causal, scale))
+    tb = best(lambda: block_backward(do, q, k, v, lse, delta, causal, scale, out=out))
+    acc_o, acc_l = new_accumulator(1, n, H, d, dtype, device)
+    merge_(acc_o, acc_l, out, lse)
+    tm = best(lambda: merge_(acc_o, acc_l, out, lse))
+    return {
+        "hq": H,
+        "hkv": Hkv,
+        "n": n,
+        "d": d,
+        "causal": causal,
+        f"{prefix}_fwd_ms": tf * 1e3,
+        f"{prefix}_fb_ms": (tf + tb) * 1e3,
+        "merge_ms": tm * 1e3,
+    }
+
+
+def _calib_rows(threads: int, dtype_name: str, blocks, d: int, repeats: int, barrier=None) -> list[dict]:
+    import torch
+
     dtype = getattr(torch, dtype_name)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
-    rows = []
+
+    def best(fn):
+        if barrier is not None:  # every timing process measures the same kernel at once
+            barrier.wait()
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
     try:
         g = torch.Generator().manual_seed(0)
-        for n, H in blocks:
-            for causal in (False, True):
-                q, k, v, do = (torch.randn(1, n, H, d, generator=g, dtype=dtype) for _ in range(4))
-                out, lse = block_forward(q, k, v, causal, d**-0.5)
-                delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
-
-                def best(fn):
-                    if barrier is not None:  # every timing process measures the same kernel at once
-                        barrier.wait()
-                    ts = []
-                    for _ in range(repeats):
-                        t = time.perf_counter()
-                        fn()
-                        ts.append(time.perf_counter() - t)
-                    return min(ts)
-
-                tf = best(lambda: block_forward(q, k, v, causal, d**-0.5))
-                tb = best(lambda: block_backward(do, q, k, v, lse, delta, causal, d**-0.5))
-                acc_o, acc_l = new_accumulator(1, n, H, d, dtype, "cpu")
-                merge_(acc_o, acc_l, out, lse)
-                tm = best(lambda: merge_(acc_o, acc_l, out, lse))
-                rows.append(
-                    dict(
-                        hq=H,
-                        hkv=H,
-                        n=n,
-                        d=d,
-                        causal=causal,
-                        cpu_fwd_ms=tf * 1e3,
-                        cpu_fb_ms=(tf + tb) * 1e3,
-                        merge_ms=tm * 1e3,
-                    )
-                )
+        return [block_row(n, H, H, d, dtype, causal, best, g) for n, H in blocks for causal in (False, True)]
     finally:
         torch.set_num_threads(old)
-    return rows
 
 
 def _calib_child(args, barrier, queue):
