@@ -288,6 +288,7 @@ def main() -> int:
         help="fit each session's stored calibration measurements again with this version of tokenring.calibrate",
     )
     ap.add_argument("--out", default=os.path.join(HERE, "results", "calibration_measurements.json"))
+    ap.add_argument("--stem", default="calibration_evidence", help="name of the report in bench/results/")
     a = ap.parse_args()
     if a.from_json:
         with open(a.from_json) as f:
@@ -320,7 +321,7 @@ def main() -> int:
         rows=scored["rows"],
         calibrate_seconds=scored["calibrate_seconds"],
     )
-    stem = "calibration_evidence" + ("_refit" if a.refit else "")
+    stem = a.stem + ("_refit" if a.refit else "")
     _results.write(os.path.join(HERE, "results", stem), summary, report(data, scored).splitlines())
     return 0
 

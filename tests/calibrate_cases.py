@@ -90,3 +90,14 @@ def lazy_case(rank: int, P: int) -> tuple[str, float, int]:
         cal.calibrate = real
         api._calibrated.clear()
         tokenring.configure(calibrate=None, topology=None)
+
+
+def subgroup_case(rank: int, P: int) -> str | None:
+    """Ranks 1..P-1 calibrate on their own subgroup (as the context-parallel group of a mesh); rank 0 does not."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(1, P)))
+    if rank == 0:
+        return None
+    prof = tokenring.calibrate(group, **SMALL)
+    return prof.topology.name if prof.measured["P"] == P - 1 else "wrong P"

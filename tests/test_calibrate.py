@@ -98,3 +98,8 @@ def test_command_line_writes_a_profile_explain_shows(tmp_path):
 def test_calibrate_setting_calibrates_at_the_first_auto_call():
     for name, err, runs in spawn(cases.lazy_case, 3, timeout=300):
         assert name.startswith("calibrated:") and runs == 1 and err < 1e-10, (name, runs, err)
+
+
+def test_calibrate_on_a_subgroup():
+    names = spawn(cases.subgroup_case, 4, timeout=300)
+    assert names[0] is None and len(set(names[1:])) == 1 and names[1].startswith("calibrated:"), names

@@ -11,7 +11,8 @@ not assumed. It measures, in this order:
    full and causal-diagonal, at the shard length the caller names and at 1/2 and 1/4 of it (the blocks that
    chunked and zigzag schedules run), with the caller's heads, head dim and dtype; the exact merge; a copy.
    Fitted into a :class:`~tokenring.sim.kernel_model.KernelModel` (its curve goes through the measured points).
-2. **Real calls**: a forward call of each strategy in ``STEP_PROBES`` at the caller's shapes. For the
+2. **Real calls**: a forward call of each strategy in ``STEP_PROBES`` at the caller's shapes, and causal
+   (zigzag) ones of ``CAUSAL_PROBES``. For the
    link models (each kind's best, with and without a shared backplane; step 3), the host time per step that makes
    the simulator predict these calls best is fitted (:func:`_fit_step`); the link model with the smallest sum of
    its pattern and call errors is kept.
@@ -130,7 +131,8 @@ class _Group:
                 pass
         return RuntimeError(
             f"tokenring.calibrate: rank {self.rank} failed in {self.phase} "
-            f"{f'waiting for rank {peer} ' if peer is not None else ''}within {self.timeout:.0f} s: {err}.{who} "
+            f"{f'waiting for rank {peer} of the group ' if peer is not None else ''}within {self.timeout:.0f} s: "
+            f"{err}.{who} "
             f"Every rank of the group must call calibrate at once; a rank that died or stopped calling it is the "
             f"cause. The process group cannot be used again after this: destroy it and start the ranks again."
         )
@@ -149,12 +151,19 @@ class _Group:
             self.exchange([((self.rank + i) % self.P, z)], [((self.rank - i) % self.P, torch.empty_like(z))], tag)
             i *= 2
 
+    # peers are ranks of the group (a subgroup, e.g. the context-parallel one of a dp x cp mesh, included)
+    def isend(self, buf, dst: int, tag: int):
+        return dist.isend(buf, group=self.group, tag=tag, group_dst=dst)
+
+    def irecv(self, buf, src: int, tag: int):
+        return dist.irecv(buf, group=self.group, tag=tag, group_src=src)
+
     def exchange(self, sends, recvs, tag: int) -> float:
         """Post every receive then every send, wait for all; seconds from posting to the last completion."""
         self.sync()
         t0 = time.perf_counter()
-        works = [(src, dist.irecv(buf, src, self.group, tag=tag)) for src, buf in recvs]
-        works += [(dst, dist.isend(buf, dst, self.group, tag=tag)) for dst, buf in sends]
+        works = [(src, self.irecv(buf, src, tag)) for src, buf in recvs]
+        works += [(dst, self.isend(buf, dst, tag)) for dst, buf in sends]
         for peer, w in works:
             try:
                 if self.nccl:
@@ -162,7 +171,7 @@ class _Group:
                 else:
                     w.wait(datetime.timedelta(seconds=self.timeout))
             except Exception as e:
-                raise self.fail(dist.get_global_rank(self.group, peer) if self.group else peer, e) from e
+                raise self.fail(peer, e) from e
         self.sync()
         return time.perf_counter() - t0
 
@@ -396,10 +405,10 @@ def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_by
         seconds={name: round(t - seconds[name], 3) for name, t in zip(list(seconds), list(seconds.values())[1:])},
         total_s=round(time.perf_counter() - t_start, 3),
     )
-    # rank 0's measurements on every rank (the host time per step and the seconds are each rank's own until here)
-    raw = g.gather(raw)[0]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return fit_profile(raw, g.gather(_machine(g))[0], stamp)
+    # rank 0's measurements, machine and time on every rank (the step, seconds and clock are each rank's own)
+    raw, machine, stamp = g.gather((raw, _machine(g), stamp))[0]
+    return fit_profile(raw, machine, stamp)
 
 
 def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
@@ -520,8 +529,8 @@ def _compute_per_byte(g: _Group, s, H, Hkv, d, dtype, nbytes: int, repeats: int)
     for _ in range(max(1, repeats - 1)):
         g.barrier()
         tag = g.new_tag()
-        recvs = [dist.irecv(_buf(g, nbytes), r, g.group, tag=tag) for r in range(P) if r != me]
-        sends = [dist.isend(_buf(g, nbytes), r, g.group, tag=tag) for r in range(P) if r != me]
+        recvs = [g.irecv(_buf(g, nbytes), r, tag) for r in range(P) if r != me]
+        sends = [g.isend(_buf(g, nbytes), r, tag) for r in range(P) if r != me]
         done, failed = threading.Event(), []
 
         def wait_all(works=recvs + sends):  # gloo's works never report completion: a thread waits for them
@@ -579,9 +588,18 @@ COMPUTE_RANGE = (0.8, 1.5)  # the kernel-time factor the real calls may fit
 COMPUTE_FACTOR = False  # fitted on the testbed it traded off against the step (0.8-1.5, at its bounds): off
 
 
+CAUSAL_PROBES = ("ring", "token_ring:direct,c=2,k=1", "ulysses")  # also timed causal (zigzag): "causal:<name>"
+
+
+def _probe(key: str) -> tuple[str, bool]:
+    """``(strategy, causal)`` of a probe call's key (``"causal:ring"`` is ring's causal zigzag forward)."""
+    causal = key.startswith("causal:")
+    return (key[len("causal:") :] if causal else key), causal
+
+
 def _measure_calls(g: _Group, sh, repeats: int) -> dict:
-    """Forward calls of ``STEP_PROBES`` (those that run these shapes) at the caller's shapes on the group:
-    ``{strategy: seconds}``, the slowest rank's median."""
+    """Forward calls of ``STEP_PROBES`` (and ``CAUSAL_PROBES`` causal, zigzag) that run these shapes, at the
+    caller's shapes on the group: ``{key: seconds}``, the slowest rank's median."""
     from .api import attention
     from .strategies import get as get_strategy
 
@@ -589,10 +607,12 @@ def _measure_calls(g: _Group, sh, repeats: int) -> dict:
     q = torch.randn(1, sh.s, sh.H, sh.d, generator=gen, dtype=sh.dtype).to(g.dev)
     k, v = (torch.randn(1, sh.s, sh.Hkv, sh.d, generator=gen, dtype=sh.dtype).to(g.dev) for _ in range(2))
     out = {}
-    for name in STEP_PROBES:
-        if get_strategy(name).check(sh.H, sh.Hkv, g.P, sh.s, False) is None:
-            t = _best(g, lambda name=name: attention(q, k, v, strategy=name, group=g.group), max(2, repeats - 1))
-            out[name] = max(g.gather(t))
+    for key in list(STEP_PROBES) + [f"causal:{n}" for n in CAUSAL_PROBES]:
+        name, causal = _probe(key)
+        if get_strategy(name).check(sh.H, sh.Hkv, g.P, sh.s, causal) is None and not (causal and sh.s % 2):
+            kw = dict(strategy=name, group=g.group, causal=causal, layout="zigzag" if causal else "contiguous")
+            t = _best(g, lambda kw=kw: attention(q, k, v, **kw), max(2, repeats - 1))
+            out[key] = max(g.gather(t))
     return out
 
 
@@ -619,7 +639,12 @@ def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict, compute: bool
 
     def predict(factor, step):
         k = model(factor, step)
-        return np.array([simulate(n, sh, topo, k, causal=False, layout="contiguous").time for n in names])
+        return np.array(
+            [
+                simulate(n, sh, topo, k, causal=c, layout="zigzag" if c else "contiguous").time
+                for n, c in map(_probe, names)
+            ]
+        )
 
     factor, step = 1.0, 0.0
     for _ in range(2):
