@@ -236,7 +236,8 @@ def report(data: dict, scored: dict) -> str:
         "# `auto` with a calibrated profile on the testbed",
         "",
         f"Machine: {m.get('cpu')} ({m.get('cores')} cores), torch {m.get('torch')}, host `{m.get('host')}`. "
-        f"Command: `{data['command']}`. Every round is in `calibration_measurements.json`.",
+        f"Command: `{data['command']}`. Every round is in "
+        f"`{os.path.basename(data.get('out', 'calibration_measurements.json'))}`.",
         "",
         "| model | configs | auto within 5% of best | median ratio | worst ratio | sim error median | p90 | worst |",
         "|---|---|---|---|---|---|---|---|",
@@ -308,6 +309,7 @@ def main() -> int:
             data["sessions"].append(measure_session(sess, a.repeats, lambda s: print(s, flush=True)))
             with open(a.out, "w") as f:
                 json.dump(data, f)
+    data.setdefault("out", a.from_json or a.out)
     if a.refit:
         from tokenring.calibration import refit
 
