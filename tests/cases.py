@@ -610,3 +610,41 @@ def silent_case(rank: int, P: int, strategy: str, victim: int, when: str, timeou
     except RuntimeError as e:
         return time.monotonic() - t0, str(e)
     raise AssertionError(f"rank {rank}: no RuntimeError although rank {victim} stopped ({when})")
+
+
+def extend_case(rank: int, P: int, case: dict) -> float:
+    """``n`` cached rows dealt to the ranks unevenly and in shuffled positions, ``T`` new tokens split by
+    ``split_new`` (or the ranges ``case["ranges"]``), every strategy of ``tokenring.extend``: this rank's error
+    against a float64 single-process reference in which new token ``i`` (position ``n + i``) sees every cached
+    row and the new tokens up to itself (within ``window`` / its document, if given)."""
+    from tokenring.extend import extend_attention, split_new
+
+    B, n, T, H, Hkv, d = (case[x] for x in ("B", "n", "T", "H", "Hkv", "d"))
+    dtype = getattr(torch, case["dtype"])
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    k_all, v_all = (torch.randn(B, n + T, Hkv, d, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    q_all = torch.randn(B, T, H, d, generator=g, dtype=torch.float64).to(dtype)
+    order = torch.randperm(n, generator=g)  # which cached positions each rank holds: any, in any order
+    cuts = sorted(torch.randint(0, n + 1, (P - 1,), generator=g).tolist())
+    bounds = [0] + cuts + [n]
+    counts = [bounds[r + 1] - bounds[r] for r in range(P)]
+    a, b = case.get("ranges", split_new(counts, T))[rank]
+    mine = order[bounds[rank] : bounds[rank + 1]]
+    rows = mine.tolist() + list(range(n + a, n + b))
+    window, cu = case.get("window"), case.get("cu_seqlens")
+    out = extend_attention(
+        q_all[:, a:b],
+        k_all[:, rows],
+        v_all[:, rows],
+        new=(a, b),
+        strategy=case["strategy"],
+        softmax_scale=case.get("scale"),
+        window=window,
+        cu_seqlens=cu,
+        positions=mine if (window is not None or cu) else None,
+    )
+    ok = allowed(n + T, True, cu, None if window is None else (window, 0))[n:]
+    kk, vv = (x.double().repeat_interleave(H // Hkv, 2) for x in (k_all, v_all))
+    s = torch.einsum("bqhd,bkhd->bhqk", q_all.double(), kk) * case.get("scale", d**-0.5)
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~ok, float("-inf")), -1), vv)
+    return rel_err(out, ref[:, a:b]) if b > a else 0.0

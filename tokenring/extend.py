@@ -1,0 +1,548 @@
+"""Prefill of new tokens over a persistent sequence-sharded KV cache: the next turn of a chat, an agent step, a
+query over a cached corpus, a chunk of a long prompt. The ``T`` new tokens are sharded over the ranks as well,
+so the model's per-token work (projections, MLP, norms) runs once per token, not once per rank.
+
+What each rank holds (the same picture on every rank, :class:`Shards`)::
+
+    rank j:  cached rows (n_j - t_j of them, every one before every new token) | new tokens a_j..b_j-1 (t_j)
+    queries: rank j's new tokens a_j..b_j-1 (token indices of this step, global position start + i)
+
+so query and key/value shards have different lengths. Rank ``r``'s queries see every cached row and the new
+rows causally (plus a window and documents over global positions, if given). Four schedules, forward only:
+
+- ``"pass_q"`` (TokenRing, direct): every rank sends its queries straight to every other rank at once, attends
+  each visitor to its own rows, and sends the partial ``(out, lse)`` straight home, where the partials merge in
+  rank order. Bytes per rank do not depend on the cache: ``(P-1)·t·H·d`` query elements out and ``(P-1)·t·H·(d+1)``
+  accumulator numbers back.
+- ``"pass_q_relay"`` (the paper's TokenRing): queries travel around the ring ``r+1 -> r``, one hop per step;
+  partials go straight home.
+- ``"pass_kv"`` (ring attention): every rank's K/V rows travel around the ring ``r -> r+1``; ``(P-1)/P`` of the
+  whole cache crosses each link per layer.
+- ``"ulysses"``: one all-to-all gives each rank every query and every cached row of ``H/P`` heads, another
+  brings the outputs back (needs ``H`` and ``Hkv`` divisible by ``P``); moves ``(P-1)/P`` of the cache too.
+
+``"auto"`` asks :func:`tokenring.sim.extend.choose` (the topology of :func:`tokenring.set_topology`): pass-Q
+while the new tokens are few next to the cache, the alternatives when they are not. Every wait is bounded
+(:func:`tokenring.set_timeout`) and names the rank that stopped; messages go through :class:`tokenring.comm.Comm`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comm, buffers, get_timeout
+from .device import collective_device, nccl, values_travel
+from .kernels import block_forward, fold_scale, softmax_scale_of
+from .layouts import group_info
+from .masks import TILE_ROWS
+from .merge import acc_dtype, merge_, new_accumulator
+from .schedules import Message
+
+__all__ = ["STRATEGIES", "Shards", "split_new", "extend_attention", "extend_bytes"]
+
+STRATEGIES = ("pass_q", "pass_q_relay", "pass_kv", "ulysses")
+
+
+@dataclass(frozen=True)
+class Shards:
+    """What every rank holds for one step: ``rows[j]`` K/V rows (cached, then its new ones) and new tokens
+    ``new[j] = (a_j, b_j)`` (token indices of the step; rank j's queries and its last ``b_j - a_j`` rows)."""
+
+    rows: tuple[int, ...]
+    new: tuple[tuple[int, int], ...]
+
+    @property
+    def P(self) -> int:
+        return len(self.rows)
+
+    @property
+    def T(self) -> int:
+        return sum(b - a for a, b in self.new)
+
+    def t(self, j: int) -> int:
+        return self.new[j][1] - self.new[j][0]
+
+    def cached(self, j: int) -> int:
+        return self.rows[j] - self.t(j)
+
+    @property
+    def start(self) -> int:
+        """Global position of the step's first new token: every cached row comes before it."""
+        return sum(self.cached(j) for j in range(self.P))
+
+    def problem(self) -> str | None:
+        """Why these shards do not describe one step (``None``: they do)."""
+        spans = sorted(self.new)
+        if any(a < 0 or b < a for a, b in spans) or any(x[1] != y[0] for x, y in zip(spans, spans[1:])):
+            return f"the ranks' new-token ranges {list(self.new)} do not tile 0..T-1 without gaps or overlaps"
+        if spans and spans[0][0] != 0:
+            return f"the ranks' new-token ranges {list(self.new)} do not start at token 0"
+        bad = [j for j in range(self.P) if self.cached(j) < 0]
+        if bad:
+            return f"rank(s) {bad} hold fewer rows than their new tokens (each rank stores its new tokens' K/V last)"
+        return None
+
+
+def split_new(counts: list[int], T: int) -> list[tuple[int, int]]:
+    """Which of ``T`` new tokens each rank computes and stores, given the rows ``counts[r]`` it holds:
+    contiguous ranges in rank order, ``T // P`` tokens each and the remainder to the ranks holding the fewest
+    rows (ties: the lowest rank). Shards that differ by at most one row stay so; with ``T >= P`` every rank
+    gets a token. The same answer on every rank."""
+    P = len(counts)
+    extra = set(sorted(range(P), key=lambda r: (counts[r], r))[: T % P])
+    out, a = [], 0
+    for r in range(P):
+        n = T // P + (r in extra)
+        out.append((a, a + n))
+        a += n
+    return out
+
+
+def extend_bytes(strategy: str, shards: Shards, B: int, H: int, Hkv: int, d: int, itemsize: int, rank: int = 0) -> int:
+    """Bytes rank ``rank`` receives in one layer's call (payloads only; positions, when a mask needs them, and
+    the shape check excluded): what :class:`tokenring.comm.Comm` logs, as a formula."""
+    P, acc = shards.P, 4 if itemsize < 8 else 8
+    others = [j for j in range(P) if j != rank]
+    if strategy == "pass_q":
+        return (
+            sum(B * shards.t(j) * H * d * itemsize for j in others) + (P - 1) * B * shards.t(rank) * H * (d + 1) * acc
+        )
+    if strategy == "pass_q_relay":
+        return (
+            sum(B * shards.t((rank + i) % P) * H * d * itemsize for i in range(1, P))
+            + (P - 1) * B * shards.t(rank) * H * (d + 1) * acc
+        )
+    if strategy == "pass_kv":
+        return sum(2 * B * shards.rows[j] * Hkv * d * itemsize for j in others)
+    if strategy == "ulysses":
+        h, hk = H // P, Hkv // P
+        return (
+            sum(B * (shards.t(j) * h + 2 * shards.rows[j] * hk) * d * itemsize for j in others)
+            + (P - 1) * B * shards.t(rank) * h * d * itemsize
+        )
+    raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or 'auto'")
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """A window (query at position p sees keys at positions >= p - left) and documents (``bounds``, global
+    cu_seqlens: keys of the query's document only) on top of causal attention."""
+
+    left: int = -1
+    bounds: tuple[int, ...] = ()
+
+    @property
+    def plain(self) -> bool:
+        return self.left < 0 and not self.bounds
+
+    def visible(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        ok = kpos[None, :] <= qpos[:, None]
+        if self.left >= 0:
+            ok &= kpos[None, :] >= qpos[:, None] - self.left
+        if self.bounds:
+            edges = torch.tensor(self.bounds[1:-1], dtype=torch.int64, device=qpos.device)
+            doc_q, doc_k = (torch.bucketize(p, edges, right=True) for p in (qpos, kpos))
+            ok &= doc_q[:, None] == doc_k[None, :]
+        return ok
+
+
+def _attend(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: _Mask, scale: float):
+    """Queries of new tokens ``qa..`` (``q`` (B, tq, H, d)) against one rank's rows: ``k``/``v`` (B, n, Hkv, d)
+    whose last ``kb - ka`` rows are new tokens ``ka..kb-1`` and the rest cached rows at global positions
+    ``kpos`` (needed only with a window or documents). Returns the partial ``(out, lse)`` in accumulator
+    dtype, ``lse = -inf`` on rows that see nothing."""
+    B, tq, H, d = q.shape
+    o, lse = new_accumulator(B, tq, H, d, q.dtype, q.device)
+    old, qb = k.shape[1] - (kb - ka), qa + tq
+
+    def add(rows: slice, keys: slice, causal: bool = False, vis=None):
+        merge_(o[:, rows], lse[:, :, rows], *block_forward(q[:, rows], k[:, keys], v[:, keys], causal, scale, mask=vis))
+
+    if not mask.plain:  # explicit masks from global positions, TILE_ROWS query rows at a time
+        qpos = torch.arange(start + qa, start + qb, device=q.device)
+        newpos = torch.arange(start + ka, start + kb, device=q.device)
+        allpos = torch.cat([kpos.to(q.device, torch.int64), newpos])
+        for r0 in range(0, tq, TILE_ROWS):
+            r1 = min(tq, r0 + TILE_ROWS)
+            vis = mask.visible(qpos[r0:r1], allpos)
+            cols = vis.any(0).nonzero().flatten()
+            if len(cols):  # only the span of keys some row of the tile sees
+                c0, c1 = int(cols[0]), int(cols[-1]) + 1
+                add(slice(r0, r1), slice(c0, c1), vis=vis[:, c0:c1])
+        return o, lse
+    if old:  # every cached row precedes every new token
+        add(slice(0, tq), slice(0, old))
+    lo, hi = max(qa, ka), min(qb, kb)
+    if lo < hi:  # queries among these new keys: keys ka..lo-1 in full, then the causal square lo..hi-1
+        if lo > ka:
+            add(slice(lo - qa, hi - qa), slice(old, old + lo - ka))
+        add(slice(lo - qa, hi - qa), slice(old + lo - ka, old + hi - ka), causal=True)
+    if kb > ka and qb > max(qa, kb):  # queries after every new key here
+        add(slice(max(qa, kb) - qa, tq), slice(old, old + kb - ka))
+    return o, lse
+
+
+def _meets(shards: Shards, ranges, mask: _Mask, qj: int, kj: int) -> bool:
+    """Whether rank ``qj``'s queries see any row of rank ``kj`` (the same answer on every rank): nothing is
+    computed or sent for pairs that do not meet. ``ranges[j]``: (lowest, highest) cached position of rank j."""
+    a, b = shards.new[qj]
+    if a == b:
+        return False
+    ka, kb = shards.new[kj]
+    sees_new = kb > ka and ka < b
+    if not shards.cached(kj):
+        return sees_new
+    if mask.left >= 0 and ranges[kj][1] < shards.start + a - mask.left:
+        return sees_new  # every cached row of kj is out of the window of qj's first query
+    return True
+
+
+def _code(x) -> float:
+    return float(zlib.crc32(str(x).encode()))
+
+
+_HEADER = ["batch", "query heads", "key/value heads", "head dim", "dtype", "strategy", "window", "documents", "scale"]
+
+
+def _exchange_header(
+    B, t, n, H, Hkv, d, dtype, new, strategy, mask, scale, pos_range, state, rank, P, group
+) -> tuple[Shards, list]:
+    """All ranks' shapes, agreed or refused together: a ``ValueError`` on every rank when they disagree."""
+    same = [B, H, Hkv, d, _code(dtype), _code(strategy), mask.left, _code(mask.bounds), _code(scale)]
+    mine = torch.tensor(
+        [*same, *map(float, state), t, n, *new, *pos_range], dtype=torch.float64, device=collective_device(group)
+    )
+    every = [torch.empty_like(mine) for _ in range(P)]
+    _wait(dist.all_gather(every, mine, group=group, async_op=True), rank, "the step's shapes", group)
+    if not values_travel(group):  # the fake process group moves no values: trust this rank's
+        every = [mine] * P
+    rows = [e.tolist() for e in every]
+    k = len(same) + len(state)
+    names = _HEADER + [f"state[{i}]" for i in range(len(state))]
+    for r, other in enumerate(rows):
+        bad = [f"{nm} ({x:g} on rank {r}, {y:g} here)" for nm, x, y in zip(names, other[:k], rows[rank][:k]) if x != y]
+        if bad:
+            raise ValueError(
+                f"tokenring extend (rank {rank}): rank {r} extends with a different {'; '.join(bad)}. Every "
+                f"rank must run the same step of the same model over caches from the same prefill"
+            )
+    shards = Shards(tuple(int(x[k + 1]) for x in rows), tuple((int(x[k + 2]), int(x[k + 3])) for x in rows))
+    bad_t = [r for r, x in enumerate(rows) if x[k] != x[k + 3] - x[k + 2]]
+    problem = f"rank(s) {bad_t} pass queries that are not their new tokens" if bad_t else shards.problem()
+    if problem:
+        raise ValueError(f"tokenring extend (rank {rank}): {problem}")
+    return shards, [(x[k + 4], x[k + 5]) for x in rows]
+
+
+def _wait(work, rank: int, what: str, group) -> None:
+    if nccl(group):
+        work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=get_timeout()))
+    except Exception as e:
+        raise RuntimeError(
+            f"tokenring extend (rank {rank}): exchanging {what} failed within {get_timeout():.0f} s ({e}); a "
+            f"rank died or is not extending this step"
+        ) from e
+
+
+class _Run:
+    """One call on one rank: the inputs, the shards, and the messages (through :class:`Comm`)."""
+
+    def __init__(self, q, k, v, kpos, shards, ranges, mask, scale, rank, group, log):
+        self.q, self.k, self.v, self.kpos = q, k, v, kpos
+        self.shards, self.ranges, self.mask, self.scale = shards, ranges, mask, scale
+        self.rank, self.P = rank, shards.P
+        self.comm = Comm(group, what="extend")
+        self.log = log
+
+    def attend(self, q, qa, k, v, kpos, kj):
+        ka, kb = self.shards.new[kj]
+        return _attend(q, qa, k, v, kpos, ka, kb, self.shards.start, self.mask, self.scale)
+
+    def meets(self, qj, kj) -> bool:
+        return _meets(self.shards, self.ranges, self.mask, qj, kj)
+
+    def post(self, step: int, sends=(), recvs=()):
+        """Post messages ``(Message, tensors)``: every message's tag comes from its (step, kind, owner)."""
+        tagged = lambda items: [(m, ts, (m.ready if m.ready >= 0 else step, m.owner)) for m, ts in items]  # noqa: E731
+        return self.comm.start(step, tagged(sends), tagged(recvs))
+
+    def done(self):
+        if self.log is not None:
+            self.log.append({"bytes": sum(x["bytes"] for x in self.comm.log if x["direction"] == "recv")})
+
+    def q_like(self, j):
+        B, _, H, d = self.q.shape
+        return [torch.empty(B, self.shards.t(j), H, d, dtype=self.q.dtype, device=self.q.device)]
+
+    def out_like(self, j):
+        B, _, H, d = self.q.shape
+        t, acc = self.shards.t(j), acc_dtype(self.q.dtype)
+        return buffers([((B, t, H, d), acc), ((B, H, t), acc)], self.q.device)
+
+    def kv_like(self, j):
+        B, _, Hkv, d = self.k.shape
+        n, dev = self.shards.rows[j], self.k.device
+        specs = [((B, n, Hkv, d), self.k.dtype)] * 2
+        if not self.mask.plain:
+            specs.append(((self.shards.cached(j),), torch.int64))
+        return buffers(specs, dev)
+
+    def kv_mine(self):
+        return [self.k, self.v] + ([self.kpos] if not self.mask.plain else [])
+
+
+def _wait_all(pending) -> None:
+    for p in pending:
+        p.wait()
+
+
+def _pass_q(run: _Run) -> torch.Tensor:
+    """Direct: queries straight to every rank at once, partials straight home, merged in rank order."""
+    r, P, sh = run.rank, run.P, run.shards
+    a = sh.new[r][0]
+    peers = [(r + i) % P for i in range(1, P)]
+    visitors = [j for j in peers if run.meets(j, r)]  # whose queries I attend, in this order (step i)
+    helpers = [j for j in peers if run.meets(r, j)]  # who attends mine
+    step_of = {j: 1 + (r - j) % P for j in peers}  # the step at which rank j attends my queries (its order)
+    got = {j: run.q_like(j) for j in visitors}
+    partials = {j: run.out_like(r) for j in helpers}
+    out_recvs = [(Message(j, r, "out", r, due=P + 1, ready=step_of[j]), partials[j]) for j in helpers]
+    pend = run.post(
+        0,
+        sends=[(Message(r, j, "q", r), [run.q]) for j in helpers],
+        recvs=[(Message(j, r, "q", j, due=1 + (j - r) % P), got[j]) for j in visitors]
+        + (out_recvs if run.comm.early_receives else []),
+    )
+    own = run.attend(run.q, a, run.k, run.v, run.kpos, r) if run.meets(r, r) else None
+    waits = {p.due: p for p in pend}
+    sent = []
+    for j in visitors:
+        i = 1 + (j - r) % P
+        waits.pop(i).wait()
+        o, lse = run.attend(got.pop(j)[0], sh.new[j][0], run.k, run.v, run.kpos, r)
+        sent += run.post(i, sends=[(Message(r, j, "out", j, ready=i), [o, lse])])
+    rest = list(waits.values()) + (run.post(P, recvs=out_recvs) if not run.comm.early_receives else [])
+    _wait_all(rest + sent)
+    out, out_lse = new_accumulator(*run.q.shape, run.q.dtype, run.q.device)
+    for j in range(P):  # rank order: a fixed rounding order whatever arrived first
+        if j == r and own is not None:
+            merge_(out, out_lse, *own)
+        elif j in partials:
+            merge_(out, out_lse, *partials[j])
+    return out
+
+
+def _pass_q_relay(run: _Run) -> torch.Tensor:
+    """The paper's schedule: at step i rank r holds the queries of rank r+i (they came from r+1), passes them on
+    to r-1 while it attends them, and sends the partial straight home."""
+    r, P, sh = run.rank, run.P, run.shards
+    nxt, prv = (r + 1) % P, (r - 1) % P
+    helpers = [j for j in range(P) if j != r and run.meets(r, j)]
+    partials = {j: run.out_like(r) for j in helpers}
+    out_recvs = [(Message(j, r, "out", r, due=P + 1, ready=(r - j) % P), partials[j]) for j in helpers]
+    pend = run.post(0, recvs=out_recvs) if run.comm.early_receives else []
+    held, sent = [run.q], []
+    out, out_lse = new_accumulator(*run.q.shape, run.q.dtype, run.q.device)
+    own = None
+    for i in range(P):
+        j = (r + i) % P
+        step = []
+        if i + 1 < P:  # the queries of r+i+1 arrive from r+1; those I hold go on to r-1 (not back to their owner)
+            incoming = run.q_like((j + 1) % P)
+            step = run.post(
+                i,
+                sends=[(Message(r, prv, "q", j), held)] if i + 1 < P and prv != j else [],
+                recvs=[(Message(nxt, r, "q", (j + 1) % P), incoming)],
+            )
+        if run.meets(j, r):
+            part = run.attend(held[0], sh.new[j][0], run.k, run.v, run.kpos, r)
+            if j == r:
+                own = part
+            else:
+                sent += run.post(i, sends=[(Message(r, j, "out", j, ready=i), list(part))])
+        _wait_all(step)
+        if i + 1 < P:
+            held = incoming
+    if not run.comm.early_receives:
+        pend = run.post(P, recvs=out_recvs)
+    _wait_all(pend + sent)
+    for j in range(P):
+        if j == r and own is not None:
+            merge_(out, out_lse, *own)
+        elif j in partials:
+            merge_(out, out_lse, *partials[j])
+    return out
+
+
+def _pass_kv(run: _Run) -> torch.Tensor:
+    """Ring attention: at step i rank r holds rank r-i's K/V rows (and their positions, when a mask needs
+    them), passes them on to r+1 while it attends its queries to them."""
+    r, P, sh = run.rank, run.P, run.shards
+    nxt, prv = (r + 1) % P, (r - 1) % P
+    a = sh.new[r][0]
+    out, out_lse = new_accumulator(*run.q.shape, run.q.dtype, run.q.device)
+    held = run.kv_mine()
+    for i in range(P):
+        j = (r - i) % P
+        step = []
+        if i + 1 < P:
+            incoming = run.kv_like((j - 1) % P)
+            step = run.post(
+                i,
+                sends=[(Message(r, nxt, "kv", j), held)] if nxt != j else [],
+                recvs=[(Message(prv, r, "kv", (j - 1) % P), incoming)],
+            )
+        if sh.t(r) and run.meets(r, j):
+            kpos = held[2] if len(held) > 2 else None
+            merge_(out, out_lse, *run.attend(run.q, a, held[0], held[1], kpos, j))
+        _wait_all(step)
+        if i + 1 < P:
+            held = list(incoming)
+    return out
+
+
+def _ulysses(run: _Run) -> torch.Tensor:
+    """All-to-all by heads: rank j gets every new token's queries and every row of K/V for its head group,
+    attends, and sends each rank its rows of the output."""
+    r, P, sh = run.rank, run.P, run.shards
+    B, t, H, d = run.q.shape
+    Hkv = run.k.shape[2]
+    h, hk = H // P, Hkv // P
+    qg = lambda x, j: x[:, :, j * h : (j + 1) * h].contiguous()  # noqa: E731
+    kg = lambda x, j: x[:, :, j * hk : (j + 1) * hk].contiguous()  # noqa: E731
+    extra = [run.kpos] if not run.mask.plain else []
+    pos_spec = lambda j: [((sh.cached(j),), torch.int64)] if extra else []  # noqa: E731
+    got = {
+        j: buffers(
+            [((B, sh.t(j), h, d), run.q.dtype)] + [((B, sh.rows[j], hk, d), run.k.dtype)] * 2 + pos_spec(j),
+            run.q.device,
+        )
+        for j in range(P)
+        if j != r
+    }
+    _wait_all(
+        run.post(
+            0,
+            sends=[(Message(r, j, "u_qkv", r), [qg(run.q, j), kg(run.k, j), kg(run.v, j), *extra]) for j in got],
+            recvs=[(Message(j, r, "u_qkv", j), got[j]) for j in got],
+        )
+    )
+    got[r] = [qg(run.q, r), kg(run.k, r), kg(run.v, r), *extra]
+    q_all = torch.empty(B, sh.T, h, d, dtype=run.q.dtype, device=run.q.device)
+    for j in range(P):
+        a, b = sh.new[j]
+        q_all[:, a:b] = got[j][0]
+    o, lse = new_accumulator(B, sh.T, h, d, run.q.dtype, run.q.device)
+    for j in range(P):
+        part = got[j]
+        merge_(o, lse, *run.attend(q_all, 0, part[1], part[2], part[3] if extra else None, j))
+    o = o.to(run.q.dtype)
+    back = {j: [torch.empty(B, t, h, d, dtype=run.q.dtype, device=run.q.device)] for j in range(P) if j != r}
+    _wait_all(
+        run.post(
+            1,
+            sends=[(Message(r, j, "u_out", j), [o[:, slice(*sh.new[j])]]) for j in back],
+            recvs=[(Message(j, r, "u_out", r), back[j]) for j in back],
+        )
+    )
+    back[r] = [o[:, slice(*sh.new[r])]]
+    return torch.cat([back[j][0] for j in range(P)], dim=2)
+
+
+_SCHEDULES = {"pass_q": _pass_q, "pass_q_relay": _pass_q_relay, "pass_kv": _pass_kv, "ulysses": _ulysses}
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    new: tuple[int, int],
+    strategy: str = "auto",
+    softmax_scale: float | None = None,
+    window: int | None = None,
+    cu_seqlens=None,
+    positions: torch.Tensor | None = None,
+    group=None,
+    shards: Shards | None = None,
+    state: tuple = (),
+    log: list | None = None,
+) -> torch.Tensor:
+    """Attention of this rank's share of ``T`` new tokens over a KV cache sharded over ``group``'s ranks.
+
+    ``q``: (B, t, H, d), the queries of new tokens ``new = (a, b)`` of the step (``t = b - a``; the ranks'
+    ranges tile ``0..T-1``, e.g. :func:`split_new`). ``k``, ``v``: (B, n, Hkv, d), every row this rank holds,
+    its cached rows first and the K/V of its own new tokens ``a..b-1`` last. Each query sees every cached row
+    and the new tokens up to itself; ``window``: only keys at most ``window`` positions back
+    (``window=W`` is ``tokenring.attention``'s ``window=(W, 0)``); ``cu_seqlens``: documents over global
+    positions (``[0, end_1, ..., total]``), only keys of the query's own document. Both need ``positions``: the
+    global positions of this rank's cached rows (the new tokens are at ``start + i``, ``start`` = the number
+    of cached rows on all ranks). Returns (B, t, H, d) in ``q.dtype``.
+
+    ``strategy``: one of :data:`STRATEGIES` or ``"auto"``. ``shards``: every rank's rows and ranges, when the
+    caller knows them (:class:`Shards`); without them (or with them) the ranks exchange and check their shapes
+    first, a ``ValueError`` on every rank when they disagree; with ``shards`` and ``state=None`` that check
+    is skipped (later layers of a step that an earlier one checked). ``log``: receives ``{"bytes": received}``.
+    """
+    rank, P = group_info(group)
+    B, t, H, d = q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or H % max(1, k.shape[2]):
+        raise ValueError(
+            f"rank {rank}: extend_attention takes q (B, t, H, d) and k, v (B, n, Hkv, d) with H % Hkv == 0; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    Hkv, n = k.shape[2], k.shape[1]
+    a, b = new
+    if b - a != t or t > n:
+        raise ValueError(
+            f"rank {rank}: new={new} must be the token indices of this rank's {t} queries, stored as the last "
+            f"{t} of its {n} rows"
+        )
+    mask = _Mask(-1 if window is None else int(window), tuple(int(x) for x in cu_seqlens) if cu_seqlens else ())
+    if not mask.plain and (positions is None or positions.shape != (n - t,)):
+        raise ValueError(
+            f"rank {rank}: a window or documents need positions=, the global positions of this rank's "
+            f"{n - t} cached rows (got {None if positions is None else tuple(positions.shape)})"
+        )
+    if strategy != "auto" and strategy not in STRATEGIES:
+        raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or 'auto'")
+    scale = softmax_scale_of(softmax_scale, d)
+    q, scale = fold_scale(q, scale)
+    if P == 1:
+        return _attend(q, a, k, v, positions, a, b, n - t, mask, scale)[0].to(q.dtype)
+    pos_range = (
+        (float(positions.min()), float(positions.max())) if positions is not None and len(positions) else (-1.0, -1.0)
+    )
+    ranges = None
+    if shards is None or state is not None:
+        shards, ranges = _exchange_header(
+            B, t, n, H, Hkv, d, q.dtype, new, strategy, mask, scale, pos_range, state or (), rank, P, group
+        )
+    elif mask.plain:
+        ranges = [pos_range] * P  # not used without a window
+    if ranges is None:  # a window needs every rank's cached positions: one small all-gather
+        mine = torch.tensor(pos_range, dtype=torch.float64, device=collective_device(group))
+        every = [torch.empty_like(mine) for _ in range(P)]
+        _wait(dist.all_gather(every, mine, group=group, async_op=True), rank, "the cached positions", group)
+        ranges = [tuple(e.tolist()) for e in every]
+    if strategy == "auto":
+        from .sim.extend import choose
+
+        strategy = choose(shards, B, H, Hkv, d, q.dtype, q.device.type)
+    if strategy == "ulysses" and (H % P or Hkv % P):
+        raise ValueError(
+            f"tokenring extend: ulysses splits the heads over the ranks and needs query heads ({H}) and key/value "
+            f"heads ({Hkv}) divisible by P={P}; use strategy='pass_q'"
+        )
+    run = _Run(q, k, v, positions, shards, ranges, mask, scale, rank, group, log)
+    out = _SCHEDULES[strategy](run)
+    run.done()
+    return out.to(q.dtype)
