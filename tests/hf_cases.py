@@ -249,6 +249,54 @@ def generate_matches(
     return res
 
 
+def multiturn_matches(
+    rank: int,
+    P: int,
+    turns: list[tuple[int, int]],
+    arch: str = "llama",
+    over: dict | None = None,
+    strategy: str | None = None,
+    B: int = 1,
+) -> dict:
+    """A chat of several turns over one ``ShardedCache``: ``turns[0] = (prompt, generated)`` goes through
+    ``prefill`` + ``generate``, every later ``(user, generated)`` through ``extend`` (the user's tokens appended
+    to the conversation) + ``generate``; rank 0 runs the same conversation in one process with transformers'
+    own attention, each turn's ``generate`` over the whole conversation so far. Greedy ids per turn (both),
+    the largest logits difference, and the shares of the cache every rank holds."""
+    model = build(arch, "tokenring", **(over or {})).eval()
+    V = model.config.vocab_size
+    kw = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    convo, cache, got, logits, log = None, None, [], [], []
+    for i, (user, n) in enumerate(turns):
+        said = tokens(user, V, B=B, seed=10 + i)
+        convo = said if convo is None else torch.cat([convo, said], dim=1)
+        if cache is None:
+            cache = thf.prefill(model, convo)
+            cache.log = log
+        else:
+            thf.extend(model, cache, convo, strategy=strategy)
+        with torch.no_grad():
+            out = model.generate(convo, attention_mask=torch.ones_like(convo), cache=cache, max_new_tokens=n, **kw)
+        got.append(out.sequences[:, convo.shape[1] :].tolist())
+        logits.append(out.logits)
+        convo = out.sequences
+    res = dict(tokens=got, held=cache.layers[0].counts, strategies=sorted({x.get("strategy", "") for x in log}))
+    if rank == 0:
+        ref = build(arch, "sdpa", **(over or {})).eval()
+        ref.load_state_dict(model.state_dict())
+        convo, want, diff = None, [], 0.0
+        for i, (user, n) in enumerate(turns):
+            said = tokens(user, V, B=B, seed=10 + i)
+            convo = said if convo is None else torch.cat([convo, said], dim=1)
+            with torch.no_grad():
+                out = ref.generate(convo, attention_mask=torch.ones_like(convo), max_new_tokens=n, **kw)
+            want.append(out.sequences[:, convo.shape[1] :].tolist())
+            diff = max(diff, max((a - b).abs().max().item() for a, b in zip(logits[i], out.logits)))
+            convo = out.sequences
+        res.update(want=want, logits=diff)
+    return res
+
+
 def generate_refusals(rank: int, P: int) -> dict:
     """Bad generation inputs raise ValueError on every rank: different prompts, a cache from another model."""
     model = build("llama", "tokenring", num_hidden_layers=1).eval()

@@ -274,9 +274,10 @@ class _Run:
         tagged = lambda items: [(m, ts, (m.ready if m.ready >= 0 else step, m.owner)) for m, ts in items]  # noqa: E731
         return self.comm.start(step, tagged(sends), tagged(recvs))
 
-    def done(self):
+    def done(self, strategy: str):
         if self.log is not None:
-            self.log.append({"bytes": sum(x["bytes"] for x in self.comm.log if x["direction"] == "recv")})
+            got = sum(x["bytes"] for x in self.comm.log if x["direction"] == "recv")
+            self.log.append({"bytes": got, "strategy": strategy})
 
     def q_like(self, j):
         B, _, H, d = self.q.shape
@@ -457,6 +458,20 @@ def _ulysses(run: _Run) -> torch.Tensor:
     return torch.cat([back[j][0] for j in range(P)], dim=2)
 
 
+def _choose(shards: Shards, B, H, Hkv, d, q, rank: int, P: int, group, agree: bool) -> str:
+    """``auto``: the schedule the simulator predicts fastest; with ``agree``, rank 0's choice on every rank (one
+    tiny all-gather: a rank with another topology or thread count must not run another schedule)."""
+    from .sim.extend import choose
+
+    mine = choose(shards, B, H, Hkv, d, q.dtype, q.device.type)
+    if not agree or not values_travel(group):
+        return mine
+    code = torch.tensor([float(STRATEGIES.index(mine))], dtype=torch.float64, device=collective_device(group))
+    every = [torch.empty_like(code) for _ in range(P)]
+    _wait(dist.all_gather(every, code, group=group, async_op=True), rank, "the chosen schedule", group)
+    return STRATEGIES[int(every[0].item())]
+
+
 _SCHEDULES = {"pass_q": _pass_q, "pass_q_relay": _pass_q_relay, "pass_kv": _pass_kv, "ulysses": _ulysses}
 
 
@@ -522,7 +537,8 @@ def extend_attention(
         (float(positions.min()), float(positions.max())) if positions is not None and len(positions) else (-1.0, -1.0)
     )
     ranges = None
-    if shards is None or state is not None:
+    checked = shards is None or state is not None
+    if checked:
         shards, ranges = _exchange_header(
             B, t, n, H, Hkv, d, q.dtype, new, strategy, mask, scale, pos_range, state or (), rank, P, group
         )
@@ -534,9 +550,7 @@ def extend_attention(
         _wait(dist.all_gather(every, mine, group=group, async_op=True), rank, "the cached positions", group)
         ranges = [tuple(e.tolist()) for e in every]
     if strategy == "auto":
-        from .sim.extend import choose
-
-        strategy = choose(shards, B, H, Hkv, d, q.dtype, q.device.type)
+        strategy = _choose(shards, B, H, Hkv, d, q, rank, P, group, agree=checked)
     if strategy == "ulysses" and (H % P or Hkv % P):
         raise ValueError(
             f"tokenring extend: ulysses splits the heads over the ranks and needs query heads ({H}) and key/value "
@@ -544,5 +558,5 @@ def extend_attention(
         )
     run = _Run(q, k, v, positions, shards, ranges, mask, scale, rank, group, log)
     out = _SCHEDULES[strategy](run)
-    run.done()
+    run.done(strategy)
     return out.to(q.dtype)

@@ -72,7 +72,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("tokenring.hf needs transformers: pip install 'tokenring-attn[hf]'") from e
 
-from .hf_cache import ShardedCache, decode_step, take_step  # noqa: E402  (needs transformers)
+from .hf_cache import ShardedCache, decode_step, extend_step, take_step  # noqa: E402  (needs transformers)
 
 __all__ = [
     "NAME",
@@ -86,6 +86,7 @@ __all__ = [
     "all_reduce_grads",
     "shift_labels",
     "prefill",
+    "extend",
     "ShardedCache",
     "causal_lm_loss",
     "SequenceParallelTrainer",  # noqa: F822 (module __getattr__, imports transformers.Trainer when asked)
@@ -303,7 +304,7 @@ def attention_forward(
     if not torch.compiler.is_compiling():
         check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD)
     step = take_step(module)  # set when the layer's cache is a tokenring ShardedCache
-    if step is not None and "new" in step[1]:  # a decode step over the sharded cache
+    if step is not None and ("new" in step[1] or "extend" in step[1]):  # a step over the sharded cache
         problem = _mask_problem(attention_mask)
         if problem is not None:
             raise _refuse(module, problem)
@@ -314,6 +315,8 @@ def attention_forward(
                 f"decoding a sliding-window layer (window {window}) over a sharded cache of "
                 f"{step[0].total} tokens is not supported; use a model without sliding layers",
             )
+        if "extend" in step[1]:
+            return extend_step(*step, query, key, value, scaling), None
         return decode_step(*step, query, key, value, scaling), None
     if key.shape[2] != s:
         raise _refuse(
@@ -670,18 +673,7 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
             f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
             f"(batch, seq) prompt, the same on every rank"
         )
-    if P > 1:  # the same prompt everywhere, or a ValueError on every rank
-        mine = torch.tensor(
-            [float(zlib.crc32(input_ids.cpu().numpy().tobytes())), *input_ids.shape], dtype=torch.float64
-        )
-        every = [torch.empty_like(mine) for _ in range(P)]
-        dist.all_gather(every, mine, group=group)
-        bad = [r for r, e in enumerate(every) if not torch.equal(e, every[0])]
-        if bad:
-            raise ValueError(
-                f"tokenring.hf.prefill (rank {rank}): rank(s) {bad} pass a different prompt than rank "
-                f"0 (shape or tokens); every rank must prefill the same full prompt"
-            )
+    _same_everywhere(input_ids, group, rank, P, "prefill", "prompt")  # the same prompt everywhere
     cache = ShardedCache(group)
     layout = layout or _settings.layout
     S = input_ids.shape[1]
@@ -700,4 +692,78 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
             model(input_ids=input_ids[:, split:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
     for layer in cache.layers:
         layer.skip = 1  # model.generate feeds the prompt's last token again: that step stores nothing
+    return cache
+
+
+def _same_everywhere(input_ids: torch.Tensor, group, rank: int, P: int, who: str, what: str) -> None:
+    """The same tokens on every rank, or a ValueError on every rank."""
+    if P == 1:
+        return
+    mine = torch.tensor([float(zlib.crc32(input_ids.cpu().numpy().tobytes())), *input_ids.shape], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(P)]
+    dist.all_gather(every, mine, group=group)
+    bad = [r for r, e in enumerate(every) if not torch.equal(e, every[0])]
+    if bad:
+        raise ValueError(
+            f"tokenring.hf.{who} (rank {rank}): rank(s) {bad} pass a different {what} than rank 0 (shape or "
+            f"tokens); every rank must pass the same full {what}"
+        )
+
+
+def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | None = None) -> ShardedCache:
+    """Prefill the tokens of ``input_ids`` (B, L) -- the whole conversation so far, the same on every rank --
+    that ``cache`` does not hold yet, sharded over the ranks: each rank runs the model on its share of the
+    ``T`` new tokens only (:func:`tokenring.extend.split_new`, which keeps the shards balanced) and stores their
+    K/V; attention runs through :func:`tokenring.extend.extend_attention` (``strategy``: one of
+    ``tokenring.extend.STRATEGIES``, default ``"auto"``). Returns ``cache``, ready for
+    ``model.generate(input_ids, cache=cache)`` as after :func:`prefill`; a loop of ``extend`` and ``generate``
+    over the turns of a chat gives the tokens of one process. With fewer new tokens than ranks they go in as
+    one decode step (every rank runs them). An empty :class:`ShardedCache` works too (chunked prefill)."""
+    group = cache.group
+    rank, P = cache.rank, cache.P
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"tokenring.hf.extend: input_ids has shape {tuple(input_ids.shape)}; expected the full (batch, "
+            f"seq) conversation so far, the same on every rank"
+        )
+    _same_everywhere(input_ids, group, rank, P, "extend", "conversation")
+    held = cache.layers[0].total if cache.layers else 0
+    counts = list(cache.layers[0].counts) if cache.layers else [0] * P
+    T = input_ids.shape[1] - held
+    if T <= 0:
+        raise ValueError(
+            f"tokenring.hf.extend: the cache already holds {held} tokens and input_ids has "
+            f"{input_ids.shape[1]}: pass the whole conversation so far, ending with the new tokens"
+        )
+    if strategy is not None and strategy != "auto":
+        from .extend import STRATEGIES
+
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or 'auto'")
+    for layer in cache.layers:
+        layer.skip = 0  # the new tokens start right after the cached ones
+    B = input_ids.shape[0]
+    with torch.no_grad():
+        if T < P:  # too few to share: every rank runs them, as a decode step
+            pos = torch.arange(held, held + T, device=input_ids.device).expand(B, -1)
+            model(input_ids=input_ids[:, held:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        else:
+            from .extend import split_new
+
+            ranges = split_new(counts, T)
+            a, b = ranges[rank]
+            pos = torch.arange(held + a, held + b, device=input_ids.device).expand(B, -1)
+            cache.extending, cache.strategy, cache._chosen = ranges, strategy or "auto", None
+            try:
+                model(
+                    input_ids=input_ids[:, held + a : held + b],
+                    position_ids=pos,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            finally:
+                cache.extending = None
+    for layer in cache.layers:
+        layer.skip = 1  # model.generate feeds the last token again: that step stores nothing
     return cache

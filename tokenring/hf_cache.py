@@ -23,9 +23,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .decode import decode_attention, place_new
+from .extend import Shards, extend_attention
 from .layouts import group_info
 
-__all__ = ["ShardedCache", "ShardedLayer", "take_step", "decode_step"]
+__all__ = ["ShardedCache", "ShardedLayer", "take_step", "decode_step", "extend_step"]
 
 # layer index -> (the layer, what its last update did), set by ShardedLayer.update and read by the attention
 # function of the same layer right after (transformers calls them back to back inside one attention module)
@@ -65,6 +66,20 @@ class ShardedLayer(DynamicLayer):
             self.keys, self.values = key_states, value_states
             self.counts, self.total = [t] * o.P, t * o.P
             info = {"prefill": True}
+        elif o.extending is not None:  # tokenring.hf.extend: this rank's share of the step's new tokens
+            ranges = o.extending
+            a, b = ranges[o.rank]
+            if t != b - a:
+                raise ValueError(
+                    f"tokenring ShardedCache (layer {self.layer_idx}): extend gave this rank new tokens {a}..{b - 1} "
+                    f"but the model stores {t}"
+                )
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            for r, (x, y) in enumerate(ranges):
+                self.counts[r] += y - x
+            self.total += ranges[-1][1] if ranges else 0
+            info = {"extend": (a, b), "shards": Shards(tuple(self.counts), tuple(ranges))}
         elif self.skip:
             if t != 1:
                 raise ValueError(
@@ -111,6 +126,9 @@ class ShardedCache(Cache):
         self.group = group
         self.rank, self.P = group_info(group)
         self.prefilling = False
+        self.extending: list[tuple[int, int]] | None = None  # set by tokenring.hf.extend: every rank's new tokens
+        self.strategy = "auto"  # the extend schedule (tokenring.extend.STRATEGIES or "auto")
+        self._chosen: str | None = None  # what auto chose at the first layer of the current extend step
         self.log: list | None = None  # set to a list to receive each decode attention's {"bytes": received}
         super().__init__(layer_class_to_replicate=self._new_layer)
 
@@ -146,3 +164,32 @@ def decode_step(
         check=layer.layer_idx == 0,
         log=layer.owner.log,
     )
+
+
+def extend_step(
+    layer: ShardedLayer, info: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """The attention of this rank's share of an extend step's new tokens, queries (B, H, t, d), over the
+    shards (:func:`tokenring.extend.extend_attention`); returns (B, t, H, d). The first layer checks that every
+    rank runs the same step and, under ``auto``, settles the schedule the other layers then use."""
+    owner = layer.owner
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    first = layer.layer_idx == 0 or owner._chosen is None
+    rec: list = []
+    out = extend_attention(
+        q,
+        k,
+        v,
+        new=info["extend"],
+        strategy=owner.strategy if first else owner._chosen,
+        softmax_scale=scaling,
+        group=owner.group,
+        shards=info["shards"],
+        state=(layer.total,) if first else None,
+        log=rec,
+    )
+    if first and rec:
+        owner._chosen = rec[-1]["strategy"]
+    if owner.log is not None:
+        owner.log.extend(rec)
+    return out
