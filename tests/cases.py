@@ -648,3 +648,57 @@ def extend_case(rank: int, P: int, case: dict) -> float:
     s = torch.einsum("bqhd,bkhd->bhqk", q_all.double(), kk) * case.get("scale", d**-0.5)
     ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~ok, float("-inf")), -1), vv)
     return rel_err(out, ref[:, a:b]) if b > a else 0.0
+
+
+def extend_mismatch(rank: int, P: int, what: str) -> str:
+    """One rank passes other shapes (``what``: "heads", or "ranges" that overlap): every rank raises."""
+    from tokenring.extend import extend_attention
+
+    H = 8 if (what == "heads" and rank == 0) else 4
+    a, b = (0, 2) if (what == "ranges" and rank == 1) else (2 * rank, 2 * rank + 2)
+    q, k = torch.randn(1, 2, H, 8), torch.randn(1, 5, 2, 8)
+    try:
+        extend_attention(q, k, k.clone(), new=(a, b), strategy="pass_q")
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"rank {rank}: no ValueError")
+
+
+def extend_bytes_case(rank: int, P: int, strategy: str) -> tuple[int, int]:
+    """Bytes this rank received in one call (Comm's log) and the formula's figure."""
+    from tokenring.extend import Shards, extend_attention, extend_bytes, split_new
+
+    B, H, Hkv, d, T = 2, 4 * P, 2 * P, 8, 5 * P + 1
+    counts = [30 + (r % 2) for r in range(P)]
+    ranges = split_new(counts, T)
+    a, b = ranges[rank]
+    q = torch.randn(B, b - a, H, d)
+    k = torch.randn(B, counts[rank] + b - a, Hkv, d)
+    log: list = []
+    extend_attention(q, k, k.clone(), new=(a, b), strategy=strategy, log=log)
+    sh = Shards(tuple(c + y - x for c, (x, y) in zip(counts, ranges)), tuple(ranges))
+    return log[0]["bytes"], extend_bytes(strategy, sh, B, H, Hkv, d, 4, rank)
+
+
+def extend_silent_case(rank: int, P: int, strategy: str, victim: int, timeout: float):
+    """Every rank makes one checked extend call, then rank ``victim`` exits before the next layer's call (no
+    shape check there: its messages go first). The others return (seconds to their RuntimeError, message)."""
+    import os
+    import time
+
+    from tokenring.extend import Shards, extend_attention, split_new
+
+    tokenring.set_timeout(timeout)
+    ranges = split_new([6] * P, 2 * P)
+    a, b = ranges[rank]
+    q, k = torch.randn(1, b - a, 4, 8), torch.randn(1, 6 + b - a, 4, 8)
+    shards = Shards(tuple(6 + y - x for x, y in ranges), tuple(ranges))
+    extend_attention(q, k, k, new=(a, b), strategy=strategy)
+    if rank == victim:
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        extend_attention(q, k, k, new=(a, b), strategy=strategy, shards=shards, state=None)
+    except RuntimeError as e:
+        return time.monotonic() - t0, str(e)
+    raise AssertionError(f"rank {rank}: no RuntimeError although rank {victim} died")
