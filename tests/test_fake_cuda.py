@@ -364,3 +364,21 @@ def test_gpu_facts_by_name():
         with Ops() as ops:
             kernels.block_forward(q, k, v, False, 0.1)
         assert ops.attention_ops() == ["_scaled_dot_product_flash_attention"]
+
+
+@pytest.mark.parametrize("strategy", ["pass_q", "pass_q_relay", "pass_kv", "ulysses"])
+def test_extend_on_cuda(strategy):
+    """Rank 2 of 4 runs each extend schedule on pretended CUDA tensors over NCCL semantics: every message buffer
+    on the device, the output shaped and placed like the queries."""
+    from tokenring.extend import Shards, extend_attention, split_new
+
+    ranges = split_new([100, 100, 99, 99], 30)
+    shards = Shards(tuple(c + b - a for c, (a, b) in zip([100, 100, 99, 99], ranges)), tuple(ranges))
+    a, b = ranges[2]
+    with pretend_cuda(*H100), fake_rank(2, 4):
+        q = meta_like(1, b - a, 8, 128)
+        k, v = meta_like(1, shards.rows[2], 4, 128), meta_like(1, shards.rows[2], 4, 128)
+        log: list = []
+        out = extend_attention(q, k, v, new=(a, b), strategy=strategy, shards=shards, state=None, log=log)
+        assert out.shape == q.shape and out.device.type == "meta" and out.dtype == q.dtype
+        assert log[0]["strategy"] == strategy and log[0]["devices"] == ["meta"], log

@@ -5,6 +5,7 @@
     x_full = tokenring.gather(x_local, dim=1, layout="zigzag")
     out = tokenring.attention(q, k, v, causal=True, cu_seqlens=cu, window=(4095, 0))   # packed docs, a window
     out = tokenring.decode_attention(q_new, k_rows, v_rows)   # new tokens over a sequence-sharded KV cache
+    out = tokenring.extend_attention(q_mine, k_rows, v_rows, new=(a, b))   # a turn's new tokens, sharded too
 
 The cost model behind ``strategy="auto"`` (``tokenring.sim``) is imported on first use only.
 """
@@ -12,6 +13,7 @@ The cost model behind ``strategy="auto"`` (``tokenring.sim``) is imported on fir
 from .api import STRATEGY_NAMES, attention, choose_strategy
 from .comm import get_timeout, set_timeout
 from .decode import decode_attention
+from .extend import extend_attention
 from .instrument import instrument
 from .layouts import gather, local_positions, shard
 from .settings import configure, options
@@ -20,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "decode_attention",
+    "extend_attention",
     "shard",
     "gather",
     "local_positions",

@@ -46,6 +46,7 @@ from .schedules import Message
 __all__ = ["STRATEGIES", "Shards", "split_new", "extend_attention", "extend_bytes"]
 
 STRATEGIES = ("pass_q", "pass_q_relay", "pass_kv", "ulysses")
+BATCH_ROWS = 512  # pass_q attends visitors' queries together until a kernel call has this many query rows
 
 
 @dataclass(frozen=True)
@@ -211,16 +212,17 @@ _HEADER = ["batch", "query heads", "key/value heads", "head dim", "dtype", "stra
 
 def _exchange_header(
     B, t, n, H, Hkv, d, dtype, new, strategy, mask, scale, pos_range, state, rank, P, group
-) -> tuple[Shards, list]:
-    """All ranks' shapes, agreed or refused together: a ``ValueError`` on every rank when they disagree."""
+) -> tuple[Shards, list] | None:
+    """All ranks' shapes, agreed or refused together: a ``ValueError`` on every rank when they disagree
+    (``None`` on the fake process group, whose collectives move no values)."""
     same = [B, H, Hkv, d, _code(dtype), _code(strategy), mask.left, _code(mask.bounds), _code(scale)]
     mine = torch.tensor(
         [*same, *map(float, state), t, n, *new, *pos_range], dtype=torch.float64, device=collective_device(group)
     )
     every = [torch.empty_like(mine) for _ in range(P)]
     _wait(dist.all_gather(every, mine, group=group, async_op=True), rank, "the step's shapes", group)
-    if not values_travel(group):  # the fake process group moves no values: trust this rank's
-        every = [mine] * P
+    if not values_travel(group):  # the fake process group moves no values: nothing to agree on
+        return None
     rows = [e.tolist() for e in every]
     k = len(same) + len(state)
     names = _HEADER + [f"state[{i}]" for i in range(len(state))]
@@ -266,6 +268,29 @@ class _Run:
         ka, kb = self.shards.new[kj]
         return _attend(q, qa, k, v, kpos, ka, kb, self.shards.start, self.mask, self.scale)
 
+    def attend_many(self, qs: list, qas: list[int]) -> list[tuple]:
+        """This rank's rows attended by several ranks' queries: the cached block in one kernel call for all of
+        them (larger blocks run faster, ``bench/results/extend.md``), the new rows per rank."""
+        r = self.rank
+        if len(qs) == 1 or not self.mask.plain:
+            return [self.attend(q, qa, self.k, self.v, self.kpos, r) for q, qa in zip(qs, qas)]
+        ka, kb = self.shards.new[r]
+        old = self.k.shape[1] - (kb - ka)
+        B, _, H, d = qs[0].shape
+        rows = [q.shape[1] for q in qs]
+        o, lse = new_accumulator(B, sum(rows), H, d, qs[0].dtype, qs[0].device)
+        if old:
+            merge_(o, lse, *block_forward(torch.cat(qs, 1), self.k[:, :old], self.v[:, :old], False, self.scale))
+        out, at = [], 0
+        for q, qa, n in zip(qs, qas, rows):
+            part = (o[:, at : at + n], lse[:, :, at : at + n])
+            if kb > ka:  # the new rows, as a shard of no cached rows
+                new = _attend(q, qa, self.k[:, old:], self.v[:, old:], None, ka, kb, 0, self.mask, self.scale)
+                merge_(*part, *new)
+            out.append(part)
+            at += n
+        return out
+
     def meets(self, qj, kj) -> bool:
         return _meets(self.shards, self.ranges, self.mask, qj, kj)
 
@@ -277,7 +302,8 @@ class _Run:
     def done(self, strategy: str):
         if self.log is not None:
             got = sum(x["bytes"] for x in self.comm.log if x["direction"] == "recv")
-            self.log.append({"bytes": got, "strategy": strategy})
+            devices = sorted({x["device"] for x in self.comm.log})  # where the message buffers were
+            self.log.append({"bytes": got, "strategy": strategy, "devices": devices})
 
     def q_like(self, j):
         B, _, H, d = self.q.shape
@@ -300,6 +326,19 @@ class _Run:
         return [self.k, self.v] + ([self.kpos] if not self.mask.plain else [])
 
 
+def _batches(order: list[int], sh: Shards) -> list[list[int]]:
+    """Consecutive ranks of ``order`` whose queries are attended together, at least :data:`BATCH_ROWS` query rows
+    per group: one kernel call over the cached rows for the group instead of one per rank."""
+    groups, cur, rows = [], [], 0
+    for j in order:
+        cur.append(j)
+        rows += sh.t(j)
+        if rows >= BATCH_ROWS:
+            groups.append(cur)
+            cur, rows = [], 0
+    return groups + [cur] if cur else groups
+
+
 def _wait_all(pending) -> None:
     for p in pending:
         p.wait()
@@ -308,7 +347,6 @@ def _wait_all(pending) -> None:
 def _pass_q(run: _Run) -> torch.Tensor:
     """Direct: queries straight to every rank at once, partials straight home, merged in rank order."""
     r, P, sh = run.rank, run.P, run.shards
-    a = sh.new[r][0]
     peers = [(r + i) % P for i in range(1, P)]
     visitors = [j for j in peers if run.meets(j, r)]  # whose queries I attend, in this order (step i)
     helpers = [j for j in peers if run.meets(r, j)]  # who attends mine
@@ -322,14 +360,19 @@ def _pass_q(run: _Run) -> torch.Tensor:
         recvs=[(Message(j, r, "q", j, due=1 + (j - r) % P), got[j]) for j in visitors]
         + (out_recvs if run.comm.early_receives else []),
     )
-    own = run.attend(run.q, a, run.k, run.v, run.kpos, r) if run.meets(r, r) else None
     waits = {p.due: p for p in pend}
-    sent = []
-    for j in visitors:
-        i = 1 + (j - r) % P
-        waits.pop(i).wait()
-        o, lse = run.attend(got.pop(j)[0], sh.new[j][0], run.k, run.v, run.kpos, r)
-        sent += run.post(i, sends=[(Message(r, j, "out", j, ready=i), [o, lse])])
+    sent, own = [], None
+    for group in _batches([r] * run.meets(r, r) + visitors, sh):  # own rows first, while queries arrive
+        for j in group:
+            if j != r:
+                waits.pop(1 + (j - r) % P).wait()
+        qs = [run.q if j == r else got.pop(j)[0] for j in group]
+        for j, part in zip(group, run.attend_many(qs, [sh.new[j][0] for j in group])):
+            if j == r:
+                own = part
+            else:
+                i = 1 + (j - r) % P
+                sent += run.post(i, sends=[(Message(r, j, "out", j, ready=i), list(part))])
     rest = list(waits.values()) + (run.post(P, recvs=out_recvs) if not run.comm.early_receives else [])
     _wait_all(rest + sent)
     out, out_lse = new_accumulator(*run.q.shape, run.q.dtype, run.q.device)
@@ -538,10 +581,15 @@ def extend_attention(
     )
     ranges = None
     checked = shards is None or state is not None
+    got = None
     if checked:
-        shards, ranges = _exchange_header(
+        got = _exchange_header(
             B, t, n, H, Hkv, d, q.dtype, new, strategy, mask, scale, pos_range, state or (), rank, P, group
         )
+    if got is not None:
+        shards, ranges = got
+    elif shards is None:
+        raise ValueError(f"rank {rank}: on PyTorch's fake process group extend_attention needs shards=")
     elif mask.plain:
         ranges = [pos_range] * P  # not used without a window
     if ranges is None:  # a window needs every rank's cached positions: one small all-gather

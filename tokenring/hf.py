@@ -715,7 +715,8 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
     that ``cache`` does not hold yet, sharded over the ranks: each rank runs the model on its share of the
     ``T`` new tokens only (:func:`tokenring.extend.split_new`, which keeps the shards balanced) and stores their
     K/V; attention runs through :func:`tokenring.extend.extend_attention` (``strategy``: one of
-    ``tokenring.extend.STRATEGIES``, default ``"auto"``). Returns ``cache``, ready for
+    ``tokenring.extend.STRATEGIES``, default ``"auto"``; ``"replicated"``: every rank runs the model on all
+    ``T`` tokens, as a decode step, which is what short steps get anyway). Returns ``cache``, ready for
     ``model.generate(input_ids, cache=cache)`` as after :func:`prefill`; a loop of ``extend`` and ``generate``
     over the turns of a chat gives the tokens of one process. With fewer new tokens than ranks they go in as
     one decode step (every rank runs them). An empty :class:`ShardedCache` works too (chunked prefill)."""
@@ -735,16 +736,18 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
             f"tokenring.hf.extend: the cache already holds {held} tokens and input_ids has "
             f"{input_ids.shape[1]}: pass the whole conversation so far, ending with the new tokens"
         )
-    if strategy is not None and strategy != "auto":
+    if strategy not in (None, "auto", "replicated"):
         from .extend import STRATEGIES
 
         if strategy not in STRATEGIES:
-            raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or 'auto'")
+            raise ValueError(
+                f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}, 'auto' or 'replicated'"
+            )
     for layer in cache.layers:
         layer.skip = 0  # the new tokens start right after the cached ones
     B = input_ids.shape[0]
     with torch.no_grad():
-        if T < P:  # too few to share: every rank runs them, as a decode step
+        if T < P or strategy == "replicated":  # too few to share: every rank runs them, as a decode step
             pos = torch.arange(held, held + T, device=input_ids.device).expand(B, -1)
             model(input_ids=input_ids[:, held:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
         else:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..extend import STRATEGIES, Shards, extend_bytes
+from ..extend import STRATEGIES, Shards, _batches, extend_bytes
 from .kernel_model import KernelModel
 from .topology import Topology
 
@@ -73,13 +73,24 @@ def _steps(strategy: str, sh: Shards, B, H, Hkv, d, elem, km):
         return _attend_time(km, B, tq, qa, sh.rows[kj], *sh.new[kj], heads, kv_heads, d, elem)
 
     steps = []
-    if strategy == "pass_q":
-        steps.append(([att(r, r) for r in range(P)], [(r, j, qbytes[r]) for r in range(P) for j in range(P) if j != r]))
-        for i in range(1, P):
-            comp = [att((r + i) % P, r) for r in range(P)]
-            back = [(r, (r + i - 1) % P, obytes[(r + i - 1) % P]) for r in range(P)] if i > 1 else []
-            steps.append((comp, back))
-        steps.append(([0.0] * P, [(r, (r + P - 1) % P, obytes[(r + P - 1) % P]) for r in range(P)]))
+    if strategy == "pass_q":  # groups of at least BATCH_ROWS query rows, own rows first (extend._batches)
+        groups = [_batches([(r + i) % P for i in range(P)], sh) for r in range(P)]
+
+        def group_time(r: int, g: list[int]) -> float:
+            rows, cached = sum(sh.t(j) for j in g), sh.cached(r)
+            t = km.block_time(B * rows, cached, H, Hkv, d, False, False, elem) if rows and cached else 0.0
+            new = sh.rows[r] - cached  # then each rank's queries against my new rows
+            return t + sum(_attend_time(km, B, sh.t(j), sh.new[j][0], new, *sh.new[r], H, Hkv, d, elem) for j in g)
+
+        last = max(len(g) for g in groups)
+        for x in range(last + 1):
+            comp = [group_time(r, groups[r][x]) if x < len(groups[r]) else 0.0 for r in range(P)]
+            msgs = [(r, j, qbytes[r]) for r in range(P) for j in range(P) if j != r] if x == 0 else []
+            if x:  # the previous group's partials go home
+                msgs += [
+                    (r, j, obytes[j]) for r in range(P) if x - 1 < len(groups[r]) for j in groups[r][x - 1] if j != r
+                ]
+            steps.append((comp, msgs))
     elif strategy == "pass_q_relay":
         for i in range(P):
             comp = [att((r + i) % P, r) for r in range(P)]
@@ -114,6 +125,8 @@ def simulate_extend(
 ) -> ExtendResult:
     """Seconds per call of ``strategy`` on ``topo`` with kernels ``km`` (see the module docstring)."""
     P = sh.P
+    if strategy == "ulysses" and (H % P or Hkv % P):
+        raise ValueError(f"ulysses needs query heads ({H}) and key/value heads ({Hkv}) divisible by P={P}")
     topo = topo.with_P(P) if topo.P != P else topo
     T = np.zeros(P)
     busy = np.zeros(P)
