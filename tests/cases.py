@@ -632,17 +632,23 @@ def extend_case(rank: int, P: int, case: dict) -> float:
     mine = order[bounds[rank] : bounds[rank + 1]]
     rows = mine.tolist() + list(range(n + a, n + b))
     window, cu = case.get("window"), case.get("cu_seqlens")
-    out = extend_attention(
-        q_all[:, a:b],
-        k_all[:, rows],
-        v_all[:, rows],
-        new=(a, b),
-        strategy=case["strategy"],
-        softmax_scale=case.get("scale"),
-        window=window,
-        cu_seqlens=cu,
-        positions=mine if (window is not None or cu) else None,
-    )
+    import tokenring.extend as ext
+
+    old_rows, ext.BATCH_ROWS = ext.BATCH_ROWS, case.get("batch_rows", ext.BATCH_ROWS)  # groups of query rows
+    try:
+        out = extend_attention(
+            q_all[:, a:b],
+            k_all[:, rows],
+            v_all[:, rows],
+            new=(a, b),
+            strategy=case["strategy"],
+            softmax_scale=case.get("scale"),
+            window=window,
+            cu_seqlens=cu,
+            positions=mine if (window is not None or cu) else None,
+        )
+    finally:
+        ext.BATCH_ROWS = old_rows
     ok = allowed(n + T, True, cu, None if window is None else (window, 0))[n:]
     kk, vv = (x.double().repeat_interleave(H // Hkv, 2) for x in (k_all, v_all))
     s = torch.einsum("bqhd,bkhd->bhqk", q_all.double(), kk) * case.get("scale", d**-0.5)

@@ -25,6 +25,7 @@ CASES = [
     dict(B=1, n=20, T=2, H=4, Hkv=4, d=8, dtype="float64", seed=6),  # fewer new tokens than ranks
     dict(B=1, n=0, T=15, H=6, Hkv=3, d=5, dtype="float64", seed=7),  # an empty cache: chunked prefill
     dict(B=1, n=64, T=7, H=4, Hkv=1, d=16, dtype="bfloat16", seed=8, scale=-0.3),
+    dict(B=2, n=45, T=17, H=4, Hkv=2, d=8, dtype="float64", seed=9, batch_rows=3),  # pass_q: several groups
 ]
 
 

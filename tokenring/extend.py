@@ -46,7 +46,7 @@ from .schedules import Message
 __all__ = ["STRATEGIES", "Shards", "split_new", "extend_attention", "extend_bytes"]
 
 STRATEGIES = ("pass_q", "pass_q_relay", "pass_kv", "ulysses")
-BATCH_ROWS = 512  # pass_q attends visitors' queries together until a kernel call has this many query rows
+BATCH_ROWS = 2048  # pass_q attends visitors' queries together until a kernel call has this many query rows
 
 
 @dataclass(frozen=True)
@@ -281,14 +281,23 @@ class _Run:
         o, lse = new_accumulator(B, sum(rows), H, d, qs[0].dtype, qs[0].device)
         if old:
             merge_(o, lse, *block_forward(torch.cat(qs, 1), self.k[:, :old], self.v[:, :old], False, self.scale))
-        out, at = [], 0
+        out, at, after = [], 0, []
+        kn, vn = self.k[:, old:], self.v[:, old:]
         for q, qa, n in zip(qs, qas, rows):
             part = (o[:, at : at + n], lse[:, :, at : at + n])
-            if kb > ka:  # the new rows, as a shard of no cached rows
-                new = _attend(q, qa, self.k[:, old:], self.v[:, old:], None, ka, kb, 0, self.mask, self.scale)
-                merge_(*part, *new)
+            if kb > ka and qa >= kb:  # after every new row here: one full block for all such ranks, below
+                after.append((q, part))
+            elif kb > ka:  # the new rows, as a shard of no cached rows
+                merge_(*part, *_attend(q, qa, kn, vn, None, ka, kb, 0, self.mask, self.scale))
             out.append(part)
             at += n
+        if after:
+            o2, lse2 = block_forward(torch.cat([q for q, _ in after], 1), kn, vn, False, self.scale)
+            at = 0
+            for q, part in after:
+                n = q.shape[1]
+                merge_(*part, o2[:, at : at + n], lse2[:, :, at : at + n])
+                at += n
         return out
 
     def meets(self, qj, kj) -> bool:
