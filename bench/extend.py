@@ -199,6 +199,41 @@ def predictions() -> list[dict]:
     return out
 
 
+def kernel_rows(out: str) -> int:
+    """Seconds per query row of one block kernel call against 8192 cached rows (8/2 heads, d=64, fp32, 1 thread),
+    by the number of query rows: why pass_q attends visitors' queries together (``tokenring.extend.BATCH_ROWS``)."""
+    from tokenring.kernels import block_forward
+    from tokenring.tools import bench
+
+    torch.set_num_threads(1)
+    k, v = torch.randn(1, 8192, 2, 64), torch.randn(1, 8192, 2, 64)
+    rows = []
+    for nq in (64, 128, 256, 512, 1024, 2048):
+        q = torch.randn(1, nq, 8, 64)
+        block_forward(q, k, v, False, 0.125)
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            block_forward(q, k, v, False, 0.125)
+            times.append(time.perf_counter() - t0)
+        rows.append(dict(rows=nq, seconds=times, us_per_row=median(times) / nq * 1e6))
+    m = bench.machine()
+    lines = [
+        "# One block kernel call: time per query row by rows per call",
+        "",
+        f"Machine: {m['cpu']}, 1 thread, torch {torch.__version__}. 8192 key rows, 8 query / 2 K/V heads, d=64, "
+        f"float32, non-causal; median of 7 calls. Command: `.venv/bin/python bench/extend.py --kernel-rows`.",
+        "",
+        "| query rows | µs per row (median) | min-max ms per call |",
+        "|---|---|---|",
+    ] + [
+        f"| {r['rows']} | {r['us_per_row']:.0f} | {min(r['seconds']) * 1e3:.1f}-{max(r['seconds']) * 1e3:.1f} |"
+        for r in rows
+    ]
+    _results.write(out, dict(machine=m, rows=rows), lines)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
@@ -206,7 +241,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one small grid (a smoke run)")
     ap.add_argument("--grid", nargs="+", default=None, help="rows to run instead, as model:N:T[,T...]")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "extend"))
+    ap.add_argument("--kernel-rows", action="store_true", help="only time the kernel by query rows per call")
     a = ap.parse_args(argv)
+    if a.kernel_rows:
+        return kernel_rows(os.path.join(HERE, "results", "extend_kernel_rows"))
     from tokenring.tools import bench
 
     grid = (
