@@ -632,6 +632,7 @@ def extend_case(rank: int, P: int, case: dict) -> float:
     mine = order[bounds[rank] : bounds[rank + 1]]
     rows = mine.tolist() + list(range(n + a, n + b))
     window, cu = case.get("window"), case.get("cu_seqlens")
+    sinks = torch.linspace(-1.5, 2.0, H, dtype=torch.float64).to(dtype) if case.get("sinks") else None
     import tokenring.extend as ext
 
     old_rows, ext.BATCH_ROWS = ext.BATCH_ROWS, case.get("batch_rows", ext.BATCH_ROWS)  # groups of query rows
@@ -646,13 +647,17 @@ def extend_case(rank: int, P: int, case: dict) -> float:
             window=window,
             cu_seqlens=cu,
             positions=mine if (window is not None or cu) else None,
+            sinks=sinks,
         )
     finally:
         ext.BATCH_ROWS = old_rows
     ok = allowed(n + T, True, cu, None if window is None else (window, 0))[n:]
     kk, vv = (x.double().repeat_interleave(H // Hkv, 2) for x in (k_all, v_all))
     s = torch.einsum("bqhd,bkhd->bhqk", q_all.double(), kk) * case.get("scale", d**-0.5)
-    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~ok, float("-inf")), -1), vv)
+    s = s.masked_fill(~ok, float("-inf"))
+    if sinks is not None:  # one more logit per head in every row's softmax, with no value
+        s = torch.cat([s, sinks.double()[None, :, None, None].expand(B, H, T, 1)], dim=-1)
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1)[..., : n + T], vv)
     return rel_err(out, ref[:, a:b]) if b > a else 0.0
 
 

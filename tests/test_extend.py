@@ -26,6 +26,7 @@ CASES = [
     dict(B=1, n=0, T=15, H=6, Hkv=3, d=5, dtype="float64", seed=7),  # an empty cache: chunked prefill
     dict(B=1, n=64, T=7, H=4, Hkv=1, d=16, dtype="bfloat16", seed=8, scale=-0.3),
     dict(B=2, n=45, T=17, H=4, Hkv=2, d=8, dtype="float64", seed=9, batch_rows=3),  # pass_q: several groups
+    dict(B=1, n=33, T=10, H=8, Hkv=4, d=8, dtype="float32", seed=10, sinks=True),  # gpt-oss' attention sinks
 ]
 
 
@@ -106,13 +107,17 @@ def test_simulator_prefers_pass_q_for_few_new_tokens_and_not_for_many():
         (4, [(64, 3), (33, 4), (19, 3)], {"num_key_value_heads": 4}, "ulysses"),
         (4, [(64, 3), (35, 4), (21, 3)], {}, "pass_q"),
         (3, [(30, 3), (25, 3), (11, 2)], {}, "pass_q_relay"),
+        (2, [(30, 3), (21, 3), (9, 2)], {"arch": "gpt_oss", "sliding_window": 4096}, None),  # sinks
+        (4, [(48, 2), (29, 3), (13, 2)], {"arch": "qwen2", "attention_bias": True, "B": 2}, "pass_q"),
     ],
 )
 def test_multiturn_chat_matches_single_process(pools, P, turns, over, strategy):
     """prefill, generate, then (extend, generate) for each later turn over one ShardedCache (4-layer Llama,
     GQA 8/2 unless said, float32, odd turn lengths): the same greedy ids as one process generating over the
     whole conversation each turn, logits within 1e-4, shards balanced."""
-    res = pools(P).run(hf_cases.multiturn_matches, turns, "llama", over, strategy)
+    over = dict(over)
+    arch, B = over.pop("arch", "llama"), over.pop("B", 1)
+    res = pools(P).run(hf_cases.multiturn_matches, turns, arch, over, strategy, B)
     r0 = res[0]
     for r in res:
         assert r["tokens"] == r0["want"], (r["tokens"], r0["want"])

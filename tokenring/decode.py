@@ -30,7 +30,7 @@ from .comm import get_timeout
 from .device import collective_device, nccl, values_travel
 from .kernels import block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
-from .merge import merge_, new_accumulator
+from .merge import merge_, merge_sink_, new_accumulator
 
 __all__ = ["decode_attention", "place_new", "step_bytes"]
 
@@ -72,6 +72,7 @@ def decode_attention(
     state: tuple = (),
     check: bool = True,
     log: list | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``t`` new tokens' queries to a KV cache sharded over the ranks of ``group``.
 
@@ -82,7 +83,8 @@ def decode_attention(
     (e.g. the cache's global length and layer), checked with the shapes before any partial travels: a
     mismatch is a ``ValueError`` on every rank. ``check=False`` skips that exchange (one collective instead of
     two) when an earlier call of the same step already checked, e.g. every layer after the first.
-    ``log``: receives ``{"bytes": received}`` per call."""
+    ``log``: receives ``{"bytes": received}`` per call. ``sinks``: (H,) attention-sink logits (gpt-oss), merged
+    into the finished rows."""
     rank, P = group_info(group)
     B, t, H, d = q.shape
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or H % max(1, k.shape[2]):
@@ -108,6 +110,8 @@ def decode_attention(
         if b < t:
             merge_(o[:, b:], lse[:, :, b:], *block_forward(q[:, b:], kn, vn, False, scale))
     if P == 1:
+        if sinks is not None:
+            merge_sink_(o, lse, sinks)
         return o.to(q.dtype)
     device = collective_device(group)
     if check:
@@ -125,6 +129,8 @@ def decode_attention(
     for part in parts:  # rank order: the same bits on every rank
         part = part.to(q.device)
         merge_(out, out_lse, part[: o.numel()].view_as(o), part[o.numel() :].view_as(lse))
+    if sinks is not None:
+        merge_sink_(out, out_lse, sinks)
     return out.to(q.dtype)
 
 

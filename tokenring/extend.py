@@ -40,7 +40,7 @@ from .device import collective_device, nccl, values_travel
 from .kernels import block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .masks import TILE_ROWS
-from .merge import acc_dtype, merge_, new_accumulator
+from .merge import acc_dtype, merge_, merge_sink_, new_accumulator
 from .schedules import Message
 
 __all__ = ["STRATEGIES", "Shards", "split_new", "extend_attention", "extend_bytes"]
@@ -390,7 +390,7 @@ def _pass_q(run: _Run) -> torch.Tensor:
             merge_(out, out_lse, *own)
         elif j in partials:
             merge_(out, out_lse, *partials[j])
-    return out
+    return out, out_lse
 
 
 def _pass_q_relay(run: _Run) -> torch.Tensor:
@@ -432,7 +432,7 @@ def _pass_q_relay(run: _Run) -> torch.Tensor:
             merge_(out, out_lse, *own)
         elif j in partials:
             merge_(out, out_lse, *partials[j])
-    return out
+    return out, out_lse
 
 
 def _pass_kv(run: _Run) -> torch.Tensor:
@@ -459,7 +459,7 @@ def _pass_kv(run: _Run) -> torch.Tensor:
         _wait_all(step)
         if i + 1 < P:
             held = list(incoming)
-    return out
+    return out, out_lse
 
 
 def _ulysses(run: _Run) -> torch.Tensor:
@@ -497,6 +497,8 @@ def _ulysses(run: _Run) -> torch.Tensor:
     for j in range(P):
         part = got[j]
         merge_(o, lse, *run.attend(q_all, 0, part[1], part[2], part[3] if extra else None, j))
+    if run.sinks is not None:  # this head group's sinks, on finished rows
+        merge_sink_(o, lse, run.sinks[r * h : (r + 1) * h])
     o = o.to(run.q.dtype)
     back = {j: [torch.empty(B, t, h, d, dtype=run.q.dtype, device=run.q.device)] for j in range(P) if j != r}
     _wait_all(
@@ -507,7 +509,7 @@ def _ulysses(run: _Run) -> torch.Tensor:
         )
     )
     back[r] = [o[:, slice(*sh.new[r])]]
-    return torch.cat([back[j][0] for j in range(P)], dim=2)
+    return torch.cat([back[j][0] for j in range(P)], dim=2), None
 
 
 def _choose(shards: Shards, B, H, Hkv, d, q, rank: int, P: int, group, agree: bool) -> str:
@@ -538,6 +540,7 @@ def extend_attention(
     window: int | None = None,
     cu_seqlens=None,
     positions: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     group=None,
     shards: Shards | None = None,
     state: tuple = (),
@@ -552,7 +555,8 @@ def extend_attention(
     (``window=W`` is ``tokenring.attention``'s ``window=(W, 0)``); ``cu_seqlens``: documents over global
     positions (``[0, end_1, ..., total]``), only keys of the query's own document. Both need ``positions``: the
     global positions of this rank's cached rows (the new tokens are at ``start + i``, ``start`` = the number
-    of cached rows on all ranks). Returns (B, t, H, d) in ``q.dtype``.
+    of cached rows on all ranks). ``sinks``: (H,) attention-sink logits (gpt-oss), one more term in every
+    row's softmax. Returns (B, t, H, d) in ``q.dtype``.
 
     ``strategy``: one of :data:`STRATEGIES` or ``"auto"``. ``shards``: every rank's rows and ranges, when the
     caller knows them (:class:`Shards`); without them (or with them) the ranks exchange and check their shapes
@@ -584,7 +588,10 @@ def extend_attention(
     scale = softmax_scale_of(softmax_scale, d)
     q, scale = fold_scale(q, scale)
     if P == 1:
-        return _attend(q, a, k, v, positions, a, b, n - t, mask, scale)[0].to(q.dtype)
+        out, lse = _attend(q, a, k, v, positions, a, b, n - t, mask, scale)
+        if sinks is not None:
+            merge_sink_(out, lse, sinks)
+        return out.to(q.dtype)
     pos_range = (
         (float(positions.min()), float(positions.max())) if positions is not None and len(positions) else (-1.0, -1.0)
     )
@@ -614,6 +621,9 @@ def extend_attention(
             f"heads ({Hkv}) divisible by P={P}; use strategy='pass_q'"
         )
     run = _Run(q, k, v, positions, shards, ranges, mask, scale, rank, group, log)
-    out = _SCHEDULES[strategy](run)
+    run.sinks = sinks
+    out, lse = _SCHEDULES[strategy](run)
+    if lse is not None and sinks is not None:
+        merge_sink_(out, lse, sinks)
     run.done(strategy)
     return out.to(q.dtype)

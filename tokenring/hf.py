@@ -316,8 +316,8 @@ def attention_forward(
                 f"{step[0].total} tokens is not supported; use a model without sliding layers",
             )
         if "extend" in step[1]:
-            return extend_step(*step, query, key, value, scaling), None
-        return decode_step(*step, query, key, value, scaling), None
+            return extend_step(*step, query, key, value, scaling, sinks), None
+        return decode_step(*step, query, key, value, scaling, sinks), None
     if key.shape[2] != s:
         raise _refuse(
             module,

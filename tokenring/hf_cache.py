@@ -147,7 +147,13 @@ def take_step(module) -> tuple[ShardedLayer, dict] | None:
 
 
 def decode_step(
-    layer: ShardedLayer, info: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    layer: ShardedLayer,
+    info: dict,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention of a decode step's queries (B, H, t, d) over the shards; returns (B, t, H, d)."""
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
@@ -163,11 +169,18 @@ def decode_step(
         state=(layer.total, len(layer.owner.layers)),
         check=layer.layer_idx == 0,
         log=layer.owner.log,
+        sinks=sinks,
     )
 
 
 def extend_step(
-    layer: ShardedLayer, info: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    layer: ShardedLayer,
+    info: dict,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention of this rank's share of an extend step's new tokens, queries (B, H, t, d), over the
     shards (:func:`tokenring.extend.extend_attention`); returns (B, t, H, d). The first layer checks that every
@@ -187,6 +200,7 @@ def extend_step(
         shards=info["shards"],
         state=(layer.total,) if first else None,
         log=rec,
+        sinks=sinks,
     )
     if first and rec:
         owner._chosen = rec[-1]["strategy"]
