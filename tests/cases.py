@@ -564,10 +564,23 @@ def decode_case(rank: int, P: int, case: dict) -> tuple[list, float]:
     rows = list(range(bounds[rank], bounds[rank + 1])) + list(range(n + a, n + b))
     k, v = k_all[:, rows], v_all[:, rows]
     scale = case.get("scale", d**-0.5)
-    out = decode_attention(q, k, v, new=(a, b), state=(n,), softmax_scale=case.get("scale"))
+    window = case.get("window")  # query n + i sees keys at most `window` positions back
+    out = decode_attention(
+        q,
+        k,
+        v,
+        new=(a, b),
+        state=(n,),
+        softmax_scale=case.get("scale"),
+        window=window,
+        positions=torch.arange(bounds[rank], bounds[rank + 1]) if window is not None else None,
+        start=n,
+    )
     # reference: query i (global position n + i) sees every cached row and new rows j <= i
     ok = torch.ones(t, n + t, dtype=torch.bool)
     ok[:, n:] = torch.ones(t, t, dtype=torch.bool).tril()
+    if window is not None:
+        ok &= torch.arange(n + t)[None, :] >= torch.arange(n, n + t)[:, None] - window
     kk, vv = (x.double().repeat_interleave(H // Hkv, 2) for x in (k_all, v_all))
     s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
     ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~ok, float("-inf")), -1), vv)

@@ -35,6 +35,8 @@ def test_decode_matches_reference_and_is_identical_on_every_rank(pools, P):
         case = dict(B=B, n=7 * P + 3, t=t, H=H, Hkv=Hkv, d=8 + 4 * i, dtype=dtype, seed=i)
         if i >= 4:  # a zero and a negative softmax_scale (new tokens attend each other causally)
             case["scale"] = (0.0, -0.4)[i - 4]
+        if i in (1, 2):  # a sliding window shorter than the cache
+            case["window"] = (5, 2 * P + 1)[i - 1]
         got = pools(P).run(cases.decode_case, case) if P > 1 else [cases.decode_case(0, 1, case)]
         tol = 1e-9 if dtype == "float64" else 1e-5
         for out, err in got:

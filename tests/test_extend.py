@@ -108,6 +108,8 @@ def test_simulator_prefers_pass_q_for_few_new_tokens_and_not_for_many():
         (4, [(64, 3), (35, 4), (21, 3)], {}, "pass_q"),
         (3, [(30, 3), (25, 3), (11, 2)], {}, "pass_q_relay"),
         (2, [(30, 3), (21, 3), (9, 2)], {"arch": "gpt_oss", "sliding_window": 4096}, None),  # sinks
+        (3, [(40, 4), (27, 3), (2, 4)], {"arch": "gpt_oss"}, "pass_q"),  # sinks, sliding layers (window 32)
+        (4, [(56, 3), (31, 3), (17, 3)], {"arch": "mistral", "sliding_window": 24}, "pass_kv"),
         (4, [(48, 2), (29, 3), (13, 2)], {"arch": "qwen2", "attention_bias": True, "B": 2}, "pass_q"),
     ],
 )

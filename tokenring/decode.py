@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from .comm import get_timeout
 from .device import collective_device, nccl, values_travel
-from .kernels import block_forward, fold_scale, softmax_scale_of
+from .extend import RowMask, attend_rows
+from .kernels import fold_scale, softmax_scale_of
 from .layouts import group_info
 from .merge import merge_, merge_sink_, new_accumulator
 
@@ -73,6 +74,9 @@ def decode_attention(
     check: bool = True,
     log: list | None = None,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
+    positions: torch.Tensor | None = None,
+    start: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``t`` new tokens' queries to a KV cache sharded over the ranks of ``group``.
 
@@ -84,7 +88,9 @@ def decode_attention(
     mismatch is a ``ValueError`` on every rank. ``check=False`` skips that exchange (one collective instead of
     two) when an earlier call of the same step already checked, e.g. every layer after the first.
     ``log``: receives ``{"bytes": received}`` per call. ``sinks``: (H,) attention-sink logits (gpt-oss), merged
-    into the finished rows."""
+    into the finished rows. ``window``: a query sees keys at most ``window`` positions back (transformers'
+    sliding window ``W`` is ``window=W - 1``); it needs ``positions``, the global positions of this rank's
+    cached rows, and ``start``, the global position of the step's first query."""
     rank, P = group_info(group)
     B, t, H, d = q.shape
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or H % max(1, k.shape[2]):
@@ -100,15 +106,17 @@ def decode_attention(
             f"last {b - a} of this rank's {n} rows"
         )
     q, scale = fold_scale(q, softmax_scale_of(softmax_scale, d))
-    o, lse = new_accumulator(B, t, H, d, q.dtype, q.device)
     old = n - (b - a)
-    if old:  # every cached row precedes every new token
-        merge_(o, lse, *block_forward(q, k[:, :old], v[:, :old], False, scale))
-    if b > a:  # new tokens a..b-1 stored here: queries a..b-1 see them causally, later queries in full
-        kn, vn = k[:, old:], v[:, old:]
-        merge_(o[:, a:b], lse[:, :, a:b], *block_forward(q[:, a:b], kn, vn, True, scale))
-        if b < t:
-            merge_(o[:, b:], lse[:, :, b:], *block_forward(q[:, b:], kn, vn, False, scale))
+    mask = RowMask(-1 if window is None else int(window))
+    if window is not None and (positions is None or positions.shape != (old,) or start is None):
+        raise ValueError(
+            f"rank {rank}: a window needs positions=, the global positions of this rank's {old} cached rows, and "
+            f"start=, the position of the step's first new token (got positions "
+            f"{None if positions is None else tuple(positions.shape)}, start={start})"
+        )
+    # every cached row precedes every new token; new tokens a..b-1 stored here: queries a..b-1 see them
+    # causally, later queries in full
+    o, lse = attend_rows(q, 0, k, v, positions, a, b, start or 0, mask, scale)
     if P == 1:
         if sinks is not None:
             merge_sink_(o, lse, sinks)

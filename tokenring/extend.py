@@ -43,7 +43,7 @@ from .masks import TILE_ROWS
 from .merge import acc_dtype, merge_, merge_sink_, new_accumulator
 from .schedules import Message
 
-__all__ = ["STRATEGIES", "Shards", "split_new", "extend_attention", "extend_bytes"]
+__all__ = ["STRATEGIES", "Shards", "RowMask", "split_new", "attend_rows", "extend_attention", "extend_bytes"]
 
 STRATEGIES = ("pass_q", "pass_q_relay", "pass_kv", "ulysses")
 BATCH_ROWS = 2048  # pass_q attends visitors' queries together until a kernel call has this many query rows
@@ -130,9 +130,10 @@ def extend_bytes(strategy: str, shards: Shards, B: int, H: int, Hkv: int, d: int
 
 
 @dataclass(frozen=True)
-class _Mask:
+class RowMask:
     """A window (query at position p sees keys at positions >= p - left) and documents (``bounds``, global
-    cu_seqlens: keys of the query's document only) on top of causal attention."""
+    cu_seqlens: keys of the query's document only) on top of causal attention, over global positions (what
+    :func:`attend_rows` takes; decoding uses it too)."""
 
     left: int = -1
     bounds: tuple[int, ...] = ()
@@ -152,7 +153,7 @@ class _Mask:
         return ok
 
 
-def _attend(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: _Mask, scale: float):
+def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowMask, scale: float):
     """Queries of new tokens ``qa..`` (``q`` (B, tq, H, d)) against one rank's rows: ``k``/``v`` (B, n, Hkv, d)
     whose last ``kb - ka`` rows are new tokens ``ka..kb-1`` and the rest cached rows at global positions
     ``kpos`` (needed only with a window or documents). Returns the partial ``(out, lse)`` in accumulator
@@ -188,7 +189,7 @@ def _attend(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: _Mask, s
     return o, lse
 
 
-def _meets(shards: Shards, ranges, mask: _Mask, qj: int, kj: int) -> bool:
+def _meets(shards: Shards, ranges, mask: RowMask, qj: int, kj: int) -> bool:
     """Whether rank ``qj``'s queries see any row of rank ``kj`` (the same answer on every rank): nothing is
     computed or sent for pairs that do not meet. ``ranges[j]``: (lowest, highest) cached position of rank j."""
     a, b = shards.new[qj]
@@ -266,7 +267,7 @@ class _Run:
 
     def attend(self, q, qa, k, v, kpos, kj):
         ka, kb = self.shards.new[kj]
-        return _attend(q, qa, k, v, kpos, ka, kb, self.shards.start, self.mask, self.scale)
+        return attend_rows(q, qa, k, v, kpos, ka, kb, self.shards.start, self.mask, self.scale)
 
     def attend_many(self, qs: list, qas: list[int]) -> list[tuple]:
         """This rank's rows attended by several ranks' queries: the cached block in one kernel call for all of
@@ -288,7 +289,7 @@ class _Run:
             if kb > ka and qa >= kb:  # after every new row here: one full block for all such ranks, below
                 after.append((q, part))
             elif kb > ka:  # the new rows, as a shard of no cached rows
-                merge_(*part, *_attend(q, qa, kn, vn, None, ka, kb, 0, self.mask, self.scale))
+                merge_(*part, *attend_rows(q, qa, kn, vn, None, ka, kb, 0, self.mask, self.scale))
             out.append(part)
             at += n
         if after:
@@ -577,7 +578,7 @@ def extend_attention(
             f"rank {rank}: new={new} must be the token indices of this rank's {t} queries, stored as the last "
             f"{t} of its {n} rows"
         )
-    mask = _Mask(-1 if window is None else int(window), tuple(int(x) for x in cu_seqlens) if cu_seqlens else ())
+    mask = RowMask(-1 if window is None else int(window), tuple(int(x) for x in cu_seqlens) if cu_seqlens else ())
     if not mask.plain and (positions is None or positions.shape != (n - t,)):
         raise ValueError(
             f"rank {rank}: a window or documents need positions=, the global positions of this rank's "
@@ -588,7 +589,7 @@ def extend_attention(
     scale = softmax_scale_of(softmax_scale, d)
     q, scale = fold_scale(q, scale)
     if P == 1:
-        out, lse = _attend(q, a, k, v, positions, a, b, n - t, mask, scale)
+        out, lse = attend_rows(q, a, k, v, positions, a, b, n - t, mask, scale)
         if sinks is not None:
             merge_sink_(out, lse, sinks)
         return out.to(q.dtype)

@@ -308,16 +308,11 @@ def attention_forward(
         problem = _mask_problem(attention_mask)
         if problem is not None:
             raise _refuse(module, problem)
-        window = kwargs.get("sliding_window")
-        if window is not None and step[0].total > window:
-            raise _refuse(
-                module,
-                f"decoding a sliding-window layer (window {window}) over a sharded cache of "
-                f"{step[0].total} tokens is not supported; use a model without sliding layers",
-            )
+        window = kwargs.get("sliding_window")  # transformers: query i sees keys j with i - W < j <= i
+        window = window - 1 if window is not None and step[0].total > window else None
         if "extend" in step[1]:
-            return extend_step(*step, query, key, value, scaling, sinks), None
-        return decode_step(*step, query, key, value, scaling, sinks), None
+            return extend_step(*step, query, key, value, scaling, sinks, window), None
+        return decode_step(*step, query, key, value, scaling, sinks, window), None
     if key.shape[2] != s:
         raise _refuse(
             module,
@@ -683,6 +678,7 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
             batch = shard_batch(input_ids[:, :split], layout=layout, group=group)
             batch["use_cache"] = True
             cache.prefilling = True
+            cache.prefill_positions = local_positions(split, P, rank, layout)
             try:  # no logits needed: only the last local token's (not S/P x vocab of them)
                 model(**batch, cache=cache, logits_to_keep=1)
             finally:

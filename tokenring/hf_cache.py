@@ -45,6 +45,7 @@ class ShardedLayer(DynamicLayer):
         self.counts = [0] * owner.P
         self.total = 0
         self.skip = 0
+        self.positions = torch.zeros(0, dtype=torch.int64)  # global position of each row this rank holds
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -65,6 +66,7 @@ class ShardedLayer(DynamicLayer):
                 )
             self.keys, self.values = key_states, value_states
             self.counts, self.total = [t] * o.P, t * o.P
+            self.positions = o.prefill_positions
             info = {"prefill": True}
         elif o.extending is not None:  # tokenring.hf.extend: this rank's share of the step's new tokens
             ranges = o.extending
@@ -76,10 +78,12 @@ class ShardedLayer(DynamicLayer):
                 )
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
+            start = self.total
+            self.positions = torch.cat([self.positions, torch.arange(start + a, start + b)])
             for r, (x, y) in enumerate(ranges):
                 self.counts[r] += y - x
             self.total += ranges[-1][1] if ranges else 0
-            info = {"extend": (a, b), "shards": Shards(tuple(self.counts), tuple(ranges))}
+            info = {"extend": (a, b), "shards": Shards(tuple(self.counts), tuple(ranges)), "start": start}
         elif self.skip:
             if t != 1:
                 raise ValueError(
@@ -87,17 +91,19 @@ class ShardedLayer(DynamicLayer):
                     f"token again (as model.generate does), got {t} tokens"
                 )
             self.skip = 0
-            info = {"new": None}
+            info = {"new": None, "start": self.total - 1}  # the query is the cached last token
         else:
             placed = place_new(self.counts, t)
             a, b = placed[o.rank]
+            start = self.total
             if b > a:
                 self.keys = torch.cat([self.keys, key_states[:, :, a:b]], dim=-2)
                 self.values = torch.cat([self.values, value_states[:, :, a:b]], dim=-2)
+                self.positions = torch.cat([self.positions, torch.arange(start + a, start + b)])
             for r, (x, y) in enumerate(placed):
                 self.counts[r] += y - x
             self.total += t
-            info = {"new": (a, b) if b > a else None}
+            info = {"new": (a, b) if b > a else None, "start": start}
         _steps[self.layer_idx] = (self, info)
         return self.keys, self.values
 
@@ -126,6 +132,7 @@ class ShardedCache(Cache):
         self.group = group
         self.rank, self.P = group_info(group)
         self.prefilling = False
+        self.prefill_positions: torch.Tensor | None = None  # set by tokenring.hf.prefill: this rank's positions
         self.extending: list[tuple[int, int]] | None = None  # set by tokenring.hf.extend: every rank's new tokens
         self.strategy = "auto"  # the extend schedule (tokenring.extend.STRATEGIES or "auto")
         self._chosen: str | None = None  # what auto chose at the first layer of the current extend step
@@ -154,9 +161,13 @@ def decode_step(
     value: torch.Tensor,
     scaling: float | None,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """The attention of a decode step's queries (B, H, t, d) over the shards; returns (B, t, H, d)."""
+    """The attention of a decode step's queries (B, H, t, d) over the shards; returns (B, t, H, d).
+    ``window``: a query sees keys at most that many positions back (a sliding-window layer)."""
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    new = info["new"]
+    cached = layer.positions[: k.shape[1] - (new[1] - new[0] if new else 0)]
     # The first layer of a step checks that every rank decodes the same step (shapes, cache length); the
     # others run the same model on the same tokens, so one collective per layer suffices after it.
     return decode_attention(
@@ -170,6 +181,9 @@ def decode_step(
         check=layer.layer_idx == 0,
         log=layer.owner.log,
         sinks=sinks,
+        window=window,
+        positions=cached if window is not None else None,
+        start=info["start"],
     )
 
 
@@ -181,6 +195,7 @@ def extend_step(
     value: torch.Tensor,
     scaling: float | None,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The attention of this rank's share of an extend step's new tokens, queries (B, H, t, d), over the
     shards (:func:`tokenring.extend.extend_attention`); returns (B, t, H, d). The first layer checks that every
@@ -201,6 +216,8 @@ def extend_step(
         state=(layer.total,) if first else None,
         log=rec,
         sinks=sinks,
+        window=window,
+        positions=layer.positions[: k.shape[1] - q.shape[1]] if window is not None else None,
     )
     if first and rec:
         owner._chosen = rec[-1]["strategy"]

@@ -39,8 +39,8 @@ def candidates(P: int, H: int, Hkv: int) -> list[str]:
     return [s for s in STRATEGIES if s != "ulysses" or (H % P == 0 and Hkv % P == 0)]
 
 
-def _attend_time(km: KernelModel, B, tq, qa, n, ka, kb, H, Hkv, d, elem) -> float:
-    """Time of :func:`tokenring.extend._attend` without a mask: the cached block, the causal square, the rest."""
+def _rows_time(km: KernelModel, B, tq, qa, n, ka, kb, H, Hkv, d, elem) -> float:
+    """Time of :func:`tokenring.extend.attend_rows` without a mask: the cached block, the causal square, the rest."""
     old, qb = n - (kb - ka), qa + tq
     pieces = []
     if old:
@@ -70,7 +70,7 @@ def _steps(strategy: str, sh: Shards, B, H, Hkv, d, elem, km):
         tq, qa = (b - a, a) if tq is None else (tq, qa)
         if not tq:
             return 0.0
-        return _attend_time(km, B, tq, qa, sh.rows[kj], *sh.new[kj], heads, kv_heads, d, elem)
+        return _rows_time(km, B, tq, qa, sh.rows[kj], *sh.new[kj], heads, kv_heads, d, elem)
 
     steps = []
     if strategy == "pass_q":  # groups of at least BATCH_ROWS query rows, own rows first (extend._batches)
@@ -80,7 +80,7 @@ def _steps(strategy: str, sh: Shards, B, H, Hkv, d, elem, km):
             rows, cached = sum(sh.t(j) for j in g), sh.cached(r)
             t = km.block_time(B * rows, cached, H, Hkv, d, False, False, elem) if rows and cached else 0.0
             new = sh.rows[r] - cached  # then each rank's queries against my new rows
-            return t + sum(_attend_time(km, B, sh.t(j), sh.new[j][0], new, *sh.new[r], H, Hkv, d, elem) for j in g)
+            return t + sum(_rows_time(km, B, sh.t(j), sh.new[j][0], new, *sh.new[r], H, Hkv, d, elem) for j in g)
 
         last = max(len(g) for g in groups)
         for x in range(last + 1):
@@ -109,11 +109,11 @@ def _steps(strategy: str, sh: Shards, B, H, Hkv, d, elem, km):
         h, hk = H // P, Hkv // P
         a2a = [(r, j, B * (sh.t(r) * h + 2 * sh.rows[r] * hk) * d * elem) for r in range(P) for j in range(P) if j != r]
         steps.append(([0.0] * P, a2a))
-        comp = sum(_attend_time(km, B, sh.T, 0, sh.rows[j], *sh.new[j], h, hk, d, elem) for j in range(P))
+        comp = sum(_rows_time(km, B, sh.T, 0, sh.rows[j], *sh.new[j], h, hk, d, elem) for j in range(P))
         steps.append(([comp] * P, []))
         steps.append(([0.0] * P, [(r, j, B * sh.t(j) * h * d * elem) for r in range(P) for j in range(P) if j != r]))
     elif strategy == "replicated":
-        comp = [_attend_time(km, B, sh.T, 0, sh.rows[r], *sh.new[r], H, Hkv, d, elem) for r in range(P)]
+        comp = [_rows_time(km, B, sh.T, 0, sh.rows[r], *sh.new[r], H, Hkv, d, elem) for r in range(P)]
         steps.append((comp, [(r, j, B * sh.T * H * (d + 1) * acc) for r in range(P) for j in range(P) if j != r]))
     else:
         raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
