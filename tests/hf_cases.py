@@ -365,3 +365,27 @@ def autocast_matches(rank: int, P: int, S: int, strategy: str) -> dict:
         res["loss"] = abs(loss.item() - want.loss.float().item()) / abs(want.loss.float().item())
         res["logits"] = rel(logits, want.logits.float())
     return res
+
+
+def extend_refusals(rank: int, P: int) -> dict:
+    """Bad extend inputs raise ValueError on every rank: an edited earlier turn, nothing new, other tokens on
+    one rank, another batch size."""
+    model = build("llama", "tokenring", num_hidden_layers=1).eval()
+    V = model.config.vocab_size
+    ids = tokens(8 * P, V)
+    cache = thf.prefill(model, ids)
+    msgs = {}
+    cases = {
+        "edited": torch.cat([tokens(8 * P, V, seed=5), tokens(5, V)], dim=1),
+        "nothing": ids,
+        "ranks": torch.cat([ids, tokens(5, V, seed=rank)], dim=1),
+        "batch": torch.cat([ids, tokens(5, V)], dim=1).expand(2, -1),
+    }
+    for name, convo in cases.items():
+        try:
+            thf.extend(model, cache, convo)
+        except ValueError as e:
+            msgs[name] = str(e)
+    thf.extend(model, cache, torch.cat([ids, tokens(5, V)], dim=1))  # and the cache still works
+    msgs["held"] = cache.layers[0].total
+    return msgs

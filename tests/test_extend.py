@@ -139,3 +139,12 @@ def test_dead_rank_is_named(strategy):
         elapsed, msg = results[rank]
         assert elapsed < timeout + 2, (rank, elapsed, msg)
         assert "Rank 2 is the one that stopped" in msg, (rank, msg)
+
+
+def test_extend_refusals(pools):
+    for msgs in pools(3).run(hf_cases.extend_refusals):
+        assert "differ from the ones this cache was filled with" in msgs["edited"], msgs
+        assert "already holds" in msgs["nothing"], msgs
+        assert "different conversation" in msgs["ranks"], msgs
+        assert "batch of 1" in msgs["batch"], msgs
+        assert msgs["held"] == 24 + 5

@@ -688,6 +688,7 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
             model(input_ids=input_ids[:, split:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
     for layer in cache.layers:
         layer.skip = 1  # model.generate feeds the prompt's last token again: that step stores nothing
+    cache.spans.append((0, S, _crc(input_ids)))
     return cache
 
 
@@ -725,6 +726,18 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
         )
     _same_everywhere(input_ids, group, rank, P, "extend", "conversation")
     held = cache.layers[0].total if cache.layers else 0
+    if cache.layers and cache.layers[0].is_initialized and cache.layers[0].keys.shape[0] != input_ids.shape[0]:
+        raise ValueError(
+            f"tokenring.hf.extend: the cache holds a batch of {cache.layers[0].keys.shape[0]}, input_ids has "
+            f"{input_ids.shape[0]} rows"
+        )
+    for a, b, crc in cache.spans:  # the tokens this cache was filled with must still be there
+        if b > input_ids.shape[1] or _crc(input_ids[:, a:b]) != crc:
+            raise ValueError(
+                f"tokenring.hf.extend: tokens {a}..{b - 1} of input_ids differ from the ones this cache was "
+                f"filled with (prefill / an earlier extend); pass the same conversation with the new turn "
+                f"appended (a chat template that renders earlier turns differently needs a new prefill)"
+            )
     counts = list(cache.layers[0].counts) if cache.layers else [0] * P
     T = input_ids.shape[1] - held
     if T <= 0:
@@ -765,4 +778,9 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
                 cache.extending = None
     for layer in cache.layers:
         layer.skip = 1  # model.generate feeds the last token again: that step stores nothing
+    cache.spans.append((held, input_ids.shape[1], _crc(input_ids[:, held:])))
     return cache
+
+
+def _crc(ids: torch.Tensor) -> int:
+    return zlib.crc32(ids.contiguous().cpu().numpy().tobytes())

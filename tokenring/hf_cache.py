@@ -133,6 +133,7 @@ class ShardedCache(Cache):
         self.rank, self.P = group_info(group)
         self.prefilling = False
         self.prefill_positions: torch.Tensor | None = None  # set by tokenring.hf.prefill: this rank's positions
+        self.spans: list[tuple[int, int, int]] = []  # (start, end, crc32) of the token ids prefill / extend stored
         self.extending: list[tuple[int, int]] | None = None  # set by tokenring.hf.extend: every rank's new tokens
         self.strategy = "auto"  # the extend schedule (tokenring.extend.STRATEGIES or "auto")
         self._chosen: str | None = None  # what auto chose at the first layer of the current extend step
