@@ -35,7 +35,17 @@ from .messages import KINDS
 from .messages import kind as message_kind
 from .schedules import HEADS, Message
 
-__all__ = ["Comm", "Trace", "Packed", "buffers", "pack", "get_timeout", "set_timeout", "collective_device"]
+__all__ = [
+    "Comm",
+    "Trace",
+    "Packed",
+    "buffers",
+    "pack",
+    "get_timeout",
+    "set_timeout",
+    "collective_device",
+    "wait_collective",
+]
 
 _PAIR_SLOTS = 256  # most messages one step may carry between the same two ranks (distinct tags)
 _ALIGN = 16  # byte alignment of each tensor in a packed buffer (any dtype's view stays aligned)
@@ -56,6 +66,18 @@ def get_timeout() -> float:
 
 
 collective_device = device.collective_device
+
+
+def wait_collective(work, group, what: str, why: str) -> None:
+    """Wait for an asynchronous collective: on gloo within the timeout, else a ``RuntimeError`` "``what`` failed
+    within ... s (...); ``why``"; on NCCL the process group's own timeout and watchdog apply (no host block)."""
+    if device.nccl(group):
+        work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=get_timeout()))
+    except Exception as e:
+        raise RuntimeError(f"{what} failed within {get_timeout():.0f} s ({e}); {why}") from e
 
 
 def group_store(group):

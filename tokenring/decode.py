@@ -20,14 +20,13 @@ step's new tokens, which the tiles keep.
 
 from __future__ import annotations
 
-import datetime
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from .comm import get_timeout
-from .device import collective_device, nccl, values_travel
+from .comm import wait_collective
+from .device import collective_device, values_travel
 from .extend import RowMask, attend_rows
 from .kernels import fold_scale, softmax_scale_of
 from .layouts import group_info
@@ -166,13 +165,6 @@ def _exchange_header(header: torch.Tensor, rank: int, P: int, group, state) -> N
 
 
 def _wait(work, rank: int, what: str, group) -> None:
-    if nccl(group):  # the process group's own timeout and watchdog apply; no host block
-        work.wait()
-        return
-    try:
-        work.wait(datetime.timedelta(seconds=get_timeout()))
-    except Exception as e:
-        raise RuntimeError(
-            f"tokenring decode (rank {rank}): exchanging {what} failed within {get_timeout():.0f} s "
-            f"({e}); a rank died or is not decoding this step"
-        ) from e
+    wait_collective(
+        work, group, f"tokenring decode (rank {rank}): exchanging {what}", "a rank died or is not decoding this step"
+    )

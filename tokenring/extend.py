@@ -28,15 +28,14 @@ while the new tokens are few next to the cache, the alternatives when they are n
 
 from __future__ import annotations
 
-import datetime
 import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .comm import Comm, buffers, get_timeout
-from .device import collective_device, nccl, values_travel
+from .comm import Comm, buffers, wait_collective
+from .device import collective_device, values_travel
 from .kernels import block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .masks import TILE_ROWS
@@ -243,16 +242,9 @@ def _exchange_header(
 
 
 def _wait(work, rank: int, what: str, group) -> None:
-    if nccl(group):
-        work.wait()
-        return
-    try:
-        work.wait(datetime.timedelta(seconds=get_timeout()))
-    except Exception as e:
-        raise RuntimeError(
-            f"tokenring extend (rank {rank}): exchanging {what} failed within {get_timeout():.0f} s ({e}); a "
-            f"rank died or is not extending this step"
-        ) from e
+    wait_collective(
+        work, group, f"tokenring extend (rank {rank}): exchanging {what}", "a rank died or is not extending this step"
+    )
 
 
 class _Run:
@@ -354,6 +346,18 @@ def _wait_all(pending) -> None:
         p.wait()
 
 
+def _merge_home(run: _Run, own, partials: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """My queries' partials, mine and those that came home, merged in rank order: a fixed rounding order
+    whatever arrived first."""
+    out, out_lse = new_accumulator(*run.q.shape, run.q.dtype, run.q.device)
+    for j in range(run.P):
+        if j == run.rank and own is not None:
+            merge_(out, out_lse, *own)
+        elif j in partials:
+            merge_(out, out_lse, *partials[j])
+    return out, out_lse
+
+
 def _pass_q(run: _Run) -> torch.Tensor:
     """Direct: queries straight to every rank at once, partials straight home, merged in rank order."""
     r, P, sh = run.rank, run.P, run.shards
@@ -385,13 +389,7 @@ def _pass_q(run: _Run) -> torch.Tensor:
                 sent += run.post(i, sends=[(Message(r, j, "out", j, ready=i), list(part))])
     rest = list(waits.values()) + (run.post(P, recvs=out_recvs) if not run.comm.early_receives else [])
     _wait_all(rest + sent)
-    out, out_lse = new_accumulator(*run.q.shape, run.q.dtype, run.q.device)
-    for j in range(P):  # rank order: a fixed rounding order whatever arrived first
-        if j == r and own is not None:
-            merge_(out, out_lse, *own)
-        elif j in partials:
-            merge_(out, out_lse, *partials[j])
-    return out, out_lse
+    return _merge_home(run, own, partials)
 
 
 def _pass_q_relay(run: _Run) -> torch.Tensor:
@@ -404,7 +402,6 @@ def _pass_q_relay(run: _Run) -> torch.Tensor:
     out_recvs = [(Message(j, r, "out", r, due=P + 1, ready=(r - j) % P), partials[j]) for j in helpers]
     pend = run.post(0, recvs=out_recvs) if run.comm.early_receives else []
     held, sent = [run.q], []
-    out, out_lse = new_accumulator(*run.q.shape, run.q.dtype, run.q.device)
     own = None
     for i in range(P):
         j = (r + i) % P
@@ -428,12 +425,7 @@ def _pass_q_relay(run: _Run) -> torch.Tensor:
     if not run.comm.early_receives:
         pend = run.post(P, recvs=out_recvs)
     _wait_all(pend + sent)
-    for j in range(P):
-        if j == r and own is not None:
-            merge_(out, out_lse, *own)
-        elif j in partials:
-            merge_(out, out_lse, *partials[j])
-    return out, out_lse
+    return _merge_home(run, own, partials)
 
 
 def _pass_kv(run: _Run) -> torch.Tensor:

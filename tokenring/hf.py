@@ -72,7 +72,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("tokenring.hf needs transformers: pip install 'tokenring-attn[hf]'") from e
 
-from .hf_cache import ShardedCache, decode_step, extend_step, take_step  # noqa: E402  (needs transformers)
+from .hf_cache import ShardedCache, step_attention, take_step  # noqa: E402  (needs transformers)
 
 __all__ = [
     "NAME",
@@ -310,9 +310,7 @@ def attention_forward(
             raise _refuse(module, problem)
         window = kwargs.get("sliding_window")  # transformers: query i sees keys j with i - W < j <= i
         window = window - 1 if window is not None and step[0].total > window else None
-        if "extend" in step[1]:
-            return extend_step(*step, query, key, value, scaling, sinks, window), None
-        return decode_step(*step, query, key, value, scaling, sinks, window), None
+        return step_attention(*step, query, key, value, scaling, sinks, window), None
     if key.shape[2] != s:
         raise _refuse(
             module,

@@ -26,7 +26,7 @@ from .decode import decode_attention, place_new
 from .extend import Shards, extend_attention
 from .layouts import group_info
 
-__all__ = ["ShardedCache", "ShardedLayer", "take_step", "decode_step", "extend_step"]
+__all__ = ["ShardedCache", "ShardedLayer", "take_step", "step_attention"]
 
 # layer index -> (the layer, what its last update did), set by ShardedLayer.update and read by the attention
 # function of the same layer right after (transformers calls them back to back inside one attention module)
@@ -154,7 +154,7 @@ def take_step(module) -> tuple[ShardedLayer, dict] | None:
     return _steps.pop(getattr(module, "layer_idx", None), None)
 
 
-def decode_step(
+def step_attention(
     layer: ShardedLayer,
     info: dict,
     query: torch.Tensor,
@@ -164,45 +164,33 @@ def decode_step(
     sinks: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """The attention of a decode step's queries (B, H, t, d) over the shards; returns (B, t, H, d).
-    ``window``: a query sees keys at most that many positions back (a sliding-window layer)."""
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    new = info["new"]
-    cached = layer.positions[: k.shape[1] - (new[1] - new[0] if new else 0)]
-    # The first layer of a step checks that every rank decodes the same step (shapes, cache length); the
-    # others run the same model on the same tokens, so one collective per layer suffices after it.
-    return decode_attention(
-        q,
-        k,
-        v,
-        new=info["new"],
-        softmax_scale=scaling,
-        group=layer.owner.group,
-        state=(layer.total, len(layer.owner.layers)),
-        check=layer.layer_idx == 0,
-        log=layer.owner.log,
-        sinks=sinks,
-        window=window,
-        positions=cached if window is not None else None,
-        start=info["start"],
-    )
-
-
-def extend_step(
-    layer: ShardedLayer,
-    info: dict,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float | None,
-    sinks: torch.Tensor | None = None,
-    window: int | None = None,
-) -> torch.Tensor:
-    """The attention of this rank's share of an extend step's new tokens, queries (B, H, t, d), over the
-    shards (:func:`tokenring.extend.extend_attention`); returns (B, t, H, d). The first layer checks that every
-    rank runs the same step and, under ``auto``, settles the schedule the other layers then use."""
+    """The attention of a step's queries (B, H, t, d) over the shards, as :meth:`ShardedLayer.update` recorded
+    it in ``info``: a decode step (:func:`tokenring.decode.decode_attention`; every rank has the same queries)
+    or this rank's share of an extend step (:func:`tokenring.extend.extend_attention`). Returns (B, t, H, d).
+    ``window``: a query sees keys at most that many positions back (a sliding-window layer). The first layer
+    of a step checks that every rank runs the same step (shapes, cache length) and, for an extend step under
+    ``auto``, settles the schedule the other layers then use: one collective per layer after it."""
     owner = layer.owner
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    extending = "extend" in info
+    mine = q.shape[1] if extending else (info["new"][1] - info["new"][0] if info["new"] else 0)
+    cached = layer.positions[: k.shape[1] - mine] if window is not None else None  # rows before this step
+    if not extending:
+        return decode_attention(
+            q,
+            k,
+            v,
+            new=info["new"],
+            softmax_scale=scaling,
+            group=owner.group,
+            state=(layer.total, len(owner.layers)),
+            check=layer.layer_idx == 0,
+            log=owner.log,
+            sinks=sinks,
+            window=window,
+            positions=cached,
+            start=info["start"],
+        )
     first = layer.layer_idx == 0 or owner._chosen is None
     rec: list = []
     out = extend_attention(
@@ -218,7 +206,7 @@ def extend_step(
         log=rec,
         sinks=sinks,
         window=window,
-        positions=layer.positions[: k.shape[1] - q.shape[1]] if window is not None else None,
+        positions=cached,
     )
     if first and rec:
         owner._chosen = rec[-1]["strategy"]
