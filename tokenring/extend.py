@@ -11,8 +11,9 @@ so query and key/value shards have different lengths. Rank ``r``'s queries see e
 rows causally (plus a window and documents over global positions, if given). Four schedules, forward only:
 
 - ``"pass_q"`` (TokenRing, direct): every rank sends its queries straight to every other rank at once, attends
-  each visitor to its own rows, and sends the partial ``(out, lse)`` straight home, where the partials merge in
-  rank order. Bytes per rank do not depend on the cache: ``(P-1)·t·H·d`` query elements out and ``(P-1)·t·H·(d+1)``
+  its own and the visitors' queries to its rows (in groups of up to :data:`BATCH_ROWS` query rows, one kernel
+  call over the cached rows per group), and sends each partial ``(out, lse)`` straight home, where the partials
+  merge in rank order. Bytes per rank do not depend on the cache: ``(P-1)·t·H·d`` query elements out and ``(P-1)·t·H·(d+1)``
   accumulator numbers back.
 - ``"pass_q_relay"`` (the paper's TokenRing): queries travel around the ring ``r+1 -> r``, one hop per step;
   partials go straight home.
