@@ -11,7 +11,7 @@ checks). Each turn feeds ``T`` new tokens with ``tokenring.hf.extend(..., strate
 rewound, so every method of every round sees the same cache. Methods run interleaved in each round; every run
 is kept. Reported per (N, T, method): median seconds per turn (slowest rank) with min-max, bytes rank 0
 received (the extend / decode log, all layers), the ratio to the replicated path, pass-KV's bytes over
-pass-Q's, the best measured method, and ``auto``'s pick scored against it.
+pass-Q's, the best measured method, and what ``tokenring.hf.extend``'s ``auto`` runs, scored against it.
 
 Models (Llama architecture, random weights, float32):
 - ``demo``: the demo's model (hidden 512, 4 layers, 8/2 heads, d=64, MLP 1408, vocab 32000);
@@ -28,6 +28,7 @@ Writes ``bench/results/extend.{md,json}``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -150,7 +151,7 @@ def measure(P: int, model: str, N: int, Ts: list[int], rounds: int) -> list[dict
         best = min(times, key=lambda m: times[m]["median"])
         sharded = [m for m in methods if m != "replicated"]
         best_sharded = min(sharded, key=lambda m: times[m]["median"])
-        pick = res[0]["picks"][T]
+        pick = res[0]["picks"][T]  # extend_attention's auto (the sharded schedules)
         rows.append(
             dict(
                 model=model,
@@ -160,8 +161,7 @@ def measure(P: int, model: str, N: int, Ts: list[int], rounds: int) -> list[dict
                 methods=times,
                 best=best,
                 best_sharded=best_sharded,
-                auto=pick,
-                auto_score=times[pick]["median"] / times[best_sharded]["median"],
+                auto_sharded=pick,
                 speedup_vs_replicated=times["replicated"]["median"] / times[best_sharded]["median"],
                 pass_q_speedup_vs_replicated=times["replicated"]["median"] / times["pass_q"]["median"],
                 kv_over_q_bytes=times["pass_kv"]["bytes_rank0"] / max(1, times["pass_q"]["bytes_rank0"]),
@@ -171,11 +171,22 @@ def measure(P: int, model: str, N: int, Ts: list[int], rounds: int) -> list[dict
         print(
             f"{model} N={N} T={T}: "
             + ", ".join(f"{m} {v['median']:.2f}s {v['bytes_rank0'] / 1e6:.1f}MB" for m, v in times.items())
-            + f" | best {best}, auto {pick} ({r['auto_score']:.2f}), vs replicated x{r['speedup_vs_replicated']:.2f}",
+            + f" | best {best}, auto's schedule {pick}, vs replicated x{r['speedup_vs_replicated']:.2f}",
             flush=True,
         )
     print(f"  ({time.time() - t0:.0f} s)", flush=True)
     return rows
+
+
+def score(r: dict) -> None:
+    """What ``tokenring.hf.extend``'s ``auto`` runs (replicated for at most ``REPLICATE_PER_RANK`` new tokens
+    per rank, else ``extend_attention``'s pick) and its time over the best measured method."""
+    from tokenring.hf import REPLICATE_PER_RANK
+
+    times = r["methods"]
+    r.setdefault("auto_sharded", r.get("auto"))  # results files written before this split
+    r["auto"] = "replicated" if r["T"] <= REPLICATE_PER_RANK * r["P"] else r["auto_sharded"]
+    r["auto_score"] = times[r["auto"]]["median"] / times[r["best"]]["median"]
 
 
 def predictions() -> list[dict]:
@@ -242,6 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", nargs="+", default=None, help="rows to run instead, as model:N:T[,T...]")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "extend"))
     ap.add_argument("--kernel-rows", action="store_true", help="only time the kernel by query rows per call")
+    ap.add_argument("--from-json", default=None, help="score the rows of an earlier results file again")
     a = ap.parse_args(argv)
     if a.kernel_rows:
         return kernel_rows(os.path.join(HERE, "results", "extend_kernel_rows"))
@@ -259,11 +271,19 @@ def main(argv=None) -> int:
             ("wide", 16384, [512]),
         ]
     )
-    rows = []
-    for model, N, Ts in grid:
-        rows += measure(a.ranks, model, N, Ts, a.rounds)
+    if a.from_json:  # score and print earlier measurements again
+        with open(a.from_json) as f:
+            rows = json.load(f)["rows"]
+    else:
+        rows = []
+        for model, N, Ts in grid:
+            rows += measure(a.ranks, model, N, Ts, a.rounds)
+    for r in rows:
+        score(r)
     sims = predictions()
     cmd = f".venv/bin/python bench/extend.py --ranks {a.ranks} --rounds {a.rounds}" + (" --quick" if a.quick else "")
+    if a.from_json:
+        cmd += f" (scored again: --from-json {os.path.relpath(a.from_json, os.path.dirname(HERE))})"
     m = bench.machine()
     lines = [
         f"# Next-turn prefill over a sharded KV cache: P={a.ranks} local ranks",
@@ -275,7 +295,7 @@ def main(argv=None) -> int:
         f"tokens (the decode path). Models: see the script's docstring.",
         "",
         "| model | N | T | " + " | ".join(METHODS) + " | best sharded | vs replicated | pass-KV / pass-Q bytes | "
-        "auto (score) |",
+        "auto: what it runs (time / best) |",
         "|---|---|---|" + "---|" * len(METHODS) + "---|---|---|---|",
     ]
     for r in rows:

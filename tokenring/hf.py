@@ -94,6 +94,9 @@ __all__ = [
 
 NAME = "tokenring"
 IGNORE_INDEX = -100
+# extend with strategy "auto" runs at most this many new tokens per rank replicated, as a decode step: sharding
+# them cost 0.89x at T=16 on 4 ranks and won from T=128 (bench/results/extend.md)
+REPLICATE_PER_RANK = 4
 
 
 @dataclass
@@ -711,10 +714,11 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
     ``T`` new tokens only (:func:`tokenring.extend.split_new`, which keeps the shards balanced) and stores their
     K/V; attention runs through :func:`tokenring.extend.extend_attention` (``strategy``: one of
     ``tokenring.extend.STRATEGIES``, default ``"auto"``; ``"replicated"``: every rank runs the model on all
-    ``T`` tokens, as a decode step, which is what short steps get anyway). Returns ``cache``, ready for
+    ``T`` tokens, as a decode step, which is what ``auto`` does with at most :data:`REPLICATE_PER_RANK` new
+    tokens per rank, and every strategy with fewer than ``P``). Returns ``cache``, ready for
     ``model.generate(input_ids, cache=cache)`` as after :func:`prefill`; a loop of ``extend`` and ``generate``
-    over the turns of a chat gives the tokens of one process. With fewer new tokens than ranks they go in as
-    one decode step (every rank runs them). An empty :class:`ShardedCache` works too (chunked prefill)."""
+    over the turns of a chat gives the tokens of one process. An empty :class:`ShardedCache` works too
+    (chunked prefill)."""
     group = cache.group
     rank, P = cache.rank, cache.P
     if input_ids.dim() != 2:
@@ -754,7 +758,8 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
         layer.skip = 0  # the new tokens start right after the cached ones
     B = input_ids.shape[0]
     with torch.no_grad():
-        if T < P or strategy == "replicated":  # too few to share: every rank runs them, as a decode step
+        few = T <= REPLICATE_PER_RANK * P and strategy in (None, "auto")
+        if T < P or few or strategy == "replicated":  # too few to share: every rank runs them, as a decode step
             pos = torch.arange(held, held + T, device=input_ids.device).expand(B, -1)
             model(input_ids=input_ids[:, held:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
         else:
