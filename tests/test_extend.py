@@ -130,7 +130,7 @@ def test_multiturn_chat_matches_single_process(pools, P, turns, over, strategy):
         assert strategy in r0["strategies"], r0["strategies"]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ["pass_q", "pass_kv"])  # the relay and Ulysses wait through the same Comm
 def test_dead_rank_is_named(strategy):
     """P=4, rank 2 exits between two layers' calls: every other rank names it within the timeout + 2 s."""
     timeout = 1.5
