@@ -13,8 +13,8 @@ rows causally (plus a window and documents over global positions, if given). Fou
 - ``"pass_q"`` (TokenRing, direct): every rank sends its queries straight to every other rank at once, attends
   its own and the visitors' queries to its rows (in groups of up to :data:`BATCH_ROWS` query rows, one kernel
   call over the cached rows per group), and sends each partial ``(out, lse)`` straight home, where the partials
-  merge in rank order. Bytes per rank do not depend on the cache: ``(P-1)·t·H·d`` query elements out and ``(P-1)·t·H·(d+1)``
-  accumulator numbers back.
+  merge in rank order. Bytes per rank do not depend on the cache: ``(P-1)·t·H·d`` query elements out and
+  ``(P-1)·t·H·(d+1)`` accumulator numbers back.
 - ``"pass_q_relay"`` (the paper's TokenRing): queries travel around the ring ``r+1 -> r``, one hop per step;
   partials go straight home.
 - ``"pass_kv"`` (ring attention): every rank's K/V rows travel around the ring ``r -> r+1``; ``(P-1)/P`` of the
