@@ -449,7 +449,8 @@ def stop_case(rank: int, P: int, strategy: str, how: str, phase: str, timeout: f
     def stop():
         if how == "dead":
             os._exit(0)
-        time.sleep(timeout + 6)
+        # silent: back in the pool's loop after this, alive and not calling, until the others have answered
+        time.sleep(timeout + 1)
 
     victim = rank == P - 1
     try:
@@ -473,7 +474,7 @@ def absent_case(rank: int, P: int, timeout: float):
 
     tokenring.set_timeout(timeout)
     if rank == P - 1:
-        time.sleep(timeout + 4)
+        time.sleep(timeout + 1)  # then alive in the pool's loop, not calling, until the others have answered
         return None
     try:
         tokenring.attention(*(torch.randn(1, 8, 2, 8) for _ in range(3)))
@@ -615,7 +616,7 @@ def silent_case(rank: int, P: int, strategy: str, victim: int, when: str, timeou
     if rank == victim:
         if when == "dead":
             os._exit(0)
-        time.sleep(timeout + 3)
+        time.sleep(timeout + 1)  # then alive in the pool's loop, not calling, until the others have answered
         return None
     t0 = time.monotonic()
     try:
