@@ -93,9 +93,11 @@ def filled_cache(model, N: int, rank: int, P: int):
 
 
 def rewind(cache, state) -> None:
-    for layer, (n, counts, total, skip) in zip(cache.layers, state):
+    """Back to the cache as ``state`` (one (rows, counts, total, skip, positions) per layer) found it."""
+    for layer, (n, counts, total, skip, positions) in zip(cache.layers, state):
         layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
-        layer.counts, layer.total, layer.skip = list(counts), total, skip
+        layer.counts, layer.total, layer.skip, layer.positions = list(counts), total, skip, positions
+    cache.spans.clear()  # the random rows stand for no token ids
 
 
 def rank_fn(rank: int, P: int, model_name: str, N: int, Ts: list[int], methods: list[str], rounds: int) -> dict:
@@ -109,7 +111,7 @@ def rank_fn(rank: int, P: int, model_name: str, N: int, Ts: list[int], methods: 
     model = build(model_name)
     c = model.config
     cache = filled_cache(model, N, rank, P)
-    state = [(layer.keys.shape[2], list(layer.counts), layer.total, layer.skip) for layer in cache.layers]
+    state = [(x.keys.shape[2], list(x.counts), x.total, x.skip, x.positions) for x in cache.layers]
     runs, picks = [], {}
     for T in Ts:
         convo = torch.randint(0, c.vocab_size, (1, N + T), generator=torch.Generator().manual_seed(T))
