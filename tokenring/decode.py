@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .comm import wait_collective
 from .device import collective_device, values_travel
-from .extend import RowMask, attend_rows
+from .extend import RowMask, attend_rows, check_rows
 from .kernels import fold_scale, softmax_scale_of
 from .layouts import group_info
 from .merge import merge_, merge_sink_, new_accumulator
@@ -91,12 +91,8 @@ def decode_attention(
     sliding window ``W`` is ``window=W - 1``); it needs ``positions``, the global positions of this rank's
     cached rows, and ``start``, the global position of the step's first query."""
     rank, P = group_info(group)
+    check_rows(q, k, v, rank, "decode_attention")
     B, t, H, d = q.shape
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or H % max(1, k.shape[2]):
-        raise ValueError(
-            f"rank {rank}: decode_attention takes q (B, t, H, d) and k, v (B, n, Hkv, d) with "
-            f"H % Hkv == 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
     n = k.shape[1]
     a, b = new if new is not None else (0, 0)
     if not (0 <= a <= b <= t) or b - a > n:

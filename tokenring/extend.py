@@ -89,6 +89,17 @@ class Shards:
         return None
 
 
+def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, who: str) -> None:
+    """New tokens' queries (B, t, H, d) and a rank's K/V rows (B, n, Hkv, d) with H % Hkv == 0, or a ValueError
+    (decoding and extending alike)."""
+    B, _, H, d = q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or H % max(1, k.shape[2]):
+        raise ValueError(
+            f"rank {rank}: {who} takes q (B, t, H, d) and k, v (B, n, Hkv, d) with H % Hkv == 0; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+
+
 def split_new(counts: list[int], T: int) -> list[tuple[int, int]]:
     """Which of ``T`` new tokens each rank computes and stores, given the rows ``counts[r]`` it holds:
     contiguous ranges in rank order, ``T // P`` tokens each and the remainder to the ranks holding the fewest
@@ -558,12 +569,8 @@ def extend_attention(
     is skipped (later layers of a step that an earlier one checked). ``log``: receives ``{"bytes": received}``.
     """
     rank, P = group_info(group)
+    check_rows(q, k, v, rank, "extend_attention")
     B, t, H, d = q.shape
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or H % max(1, k.shape[2]):
-        raise ValueError(
-            f"rank {rank}: extend_attention takes q (B, t, H, d) and k, v (B, n, Hkv, d) with H % Hkv == 0; got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
     Hkv, n = k.shape[2], k.shape[1]
     a, b = new
     if b - a != t or t > n:

@@ -65,12 +65,9 @@ def _steps(strategy: str, sh: Shards, B, H, Hkv, d, elem, km):
     qbytes = [B * sh.t(j) * H * d * elem for j in range(P)]
     obytes = [B * sh.t(j) * H * (d + 1) * acc for j in range(P)]
 
-    def att(qj, kj, heads=H, kv_heads=Hkv, tq=None, qa=None):
+    def att(qj, kj):  # rank qj's queries against rank kj's rows
         a, b = sh.new[qj]
-        tq, qa = (b - a, a) if tq is None else (tq, qa)
-        if not tq:
-            return 0.0
-        return _rows_time(km, B, tq, qa, sh.rows[kj], *sh.new[kj], heads, kv_heads, d, elem)
+        return _rows_time(km, B, b - a, a, sh.rows[kj], *sh.new[kj], H, Hkv, d, elem) if b > a else 0.0
 
     steps = []
     if strategy == "pass_q":  # groups of at least BATCH_ROWS query rows, own rows first (extend._batches)
