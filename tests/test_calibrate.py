@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests import calibrate_cases as cases
-from tokenring.calibration import _fit_links, _patterns, refit
+from tokenring.calibration import STEP_PROBES, _fit_links, _fit_step, _patterns, _probe, refit, scaled_links
 from tokenring.sim.topology import MeshTopology, RingTopology, SwitchTopology, get_topology, topology_from_dict
 from tokenring.tools.launch import spawn
 
@@ -38,6 +38,34 @@ def test_link_fit_recovers_the_kind(kind, P):
     assert type(best) in same and err < 0.05, [(e, c.name) for e, c in scored]
     others = [e for e, c in scored if type(c) not in same]
     assert min(others) > 3 * err, [(e, c.name) for e, c in scored]
+
+
+@pytest.mark.parametrize("kind", [MeshTopology, RingTopology])
+def test_call_fit_recovers_link_factor_and_step(kind):
+    """Calls simulated on links 0.7x the pattern rate with 3 ms per step (3% noise) give back the factor, and
+    predictions within the noise (the step hides under the transfers on the ring, so only the mesh pins it)."""
+    import dataclasses
+
+    import torch
+
+    from tokenring.schedules import Shapes
+    from tokenring.sim.kernel_model import CPU_ANALYTIC
+    from tokenring.sim.simulator import simulate
+
+    P, sh = 4, Shapes(1, 1024, 8, 8, 64, torch.float32, 4)
+    links = kind("links", P, link_bw=20e6, latency=2e-4)
+    km = CPU_ANALYTIC
+    truth_links, truth_km = scaled_links(links, 0.7), dataclasses.replace(km, step=3e-3)
+    rng = np.random.default_rng(0)
+    keys = list(STEP_PROBES) + ["causal:ring", "causal:ulysses"]
+    calls = {
+        key: simulate(n, sh, truth_links, truth_km, causal=c, layout="zigzag" if c else "contiguous").time
+        * rng.uniform(0.97, 1.03)
+        for key, (n, c) in zip(keys, map(_probe, keys))
+    }
+    factor, fitted, predicted, err = _fit_step(links, km, sh, calls)
+    assert abs(factor - 0.7) < 0.05 and err < 0.03, (factor, fitted.step, err)
+    assert kind is RingTopology or abs(fitted.step - 3e-3) < 1.5e-3, fitted.step
 
 
 def test_calibrate_on_local_ranks_gives_one_profile_auto_uses(tmp_path):

@@ -12,15 +12,17 @@ not assumed. It measures, in this order:
    chunked and zigzag schedules run), with the caller's heads, head dim and dtype; the exact merge; a copy.
    Fitted into a :class:`~tokenring.sim.kernel_model.KernelModel` (its curve goes through the measured points).
 2. **Real calls**: a forward call of each strategy in ``STEP_PROBES`` at the caller's shapes, and causal
-   (zigzag) ones of ``CAUSAL_PROBES``. For the
-   link models (each kind's best, with and without a shared backplane; step 3), the host time per step that makes
-   the simulator predict these calls best is fitted (:func:`_fit_step`); the link model with the smallest sum of
-   its pattern and call errors is kept.
+   (zigzag) ones of ``CAUSAL_PROBES``. For the link models (each kind's best, with and without a shared
+   backplane; step 3), two figures are fitted so that the simulator predicts these calls best
+   (:func:`_fit_step`): the host time per schedule step, and a factor on every link rate (links carry less in a
+   call, where kernels share the cores with the network stack, than in the patterns timed alone). The link
+   model with the smallest sum of its pattern and call errors is kept.
 3. **Links**: each ordered pair alone (latency from a ping-pong, bandwidth from one message and an ack), then
    traffic patterns with many pairs busy at once (all-to-all, every shift ``r -> r+k``, one rank to all, all
-   to one rank). A full mesh keeps its pair rate in an all-to-all, a switch port divides it, a ring of links
-   slows the longer shifts. Each kind (mesh, switch, ring, with and without a shared backplane) predicts
-   every pattern; the kind that predicts them best is kept, with the pair rate and latency measured.
+   to one rank, every rank to both neighbours). A full mesh keeps its pair rate in an all-to-all, a switch
+   port divides it, a ring of links slows the longer shifts. Each kind (mesh, switch, ring, with and without
+   a shared backplane) predicts every pattern; the kind that predicts them best is kept, with the pair rate and
+   latency measured.
 4. **Compute slowdown while bytes move**: the block kernel runs while an all-to-all is in flight; the extra
    time per byte the rank moves is the topology's ``cpu_per_byte`` (on CPU hosts the network stack shares the
    cores; on GPUs it is the communication kernels' share of the SMs).
@@ -266,6 +268,9 @@ def _patterns(P: int) -> dict[str, list[tuple[int, int]]]:
     pats["all_to_one"] = [(s, 0) for s in range(1, P)]
     if P > 2:
         pats["exchange_0_1"] = [(0, 1), (1, 0)]
+        # every rank to both neighbours at once: each link of a ring busy both ways, a switch port twice, and
+        # what a shared backplane fitted to the multi-hop patterns would throttle (ring_bidir's traffic)
+        pats["neighbours"] = [(s, (s + k) % P) for s in range(P) for k in (1, P - 1)]
     return pats
 
 
@@ -441,10 +446,11 @@ def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
         if family in seen:
             continue
         seen.add(family)
-        fitted, predicted, call_err = _fit_step(cand, km, sh, probes)
-        fits.append((call_err + e, call_err, e, cand, fitted, predicted))
+        link, fitted, predicted, call_err = _fit_step(cand, km, sh, probes)
+        fits.append((call_err + e, call_err, e, cand, link, fitted, predicted))
         kinds[i]["calls_error"] = round(call_err, 4)
-    _, call_err, err, topo, km, predicted = min(fits, key=lambda f: f[0])
+    _, call_err, err, alone, link, km, predicted = min(fits, key=lambda f: f[0])
+    topo = scaled_links(alone, link)  # the patterns are predicted by the links alone, calls by the scaled ones
     lat = statistics.median(latency.values())
     label = topo.name
     kind = type(topo).__name__.replace("Topology", "").lower()
@@ -453,7 +459,7 @@ def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
         f"tokenring.calibrate on {machine.get('host', '?')} at {stamp}: {P} ranks, pair rate "
         f"{statistics.median(pairs.values()) / 1e6:.4g} MB/s (median of {len(pairs)}), latency {lat * 1e6:.0f} us; "
         f"{label}: mean |log error| {err:.3f} over {len(patterns)} traffic patterns, {call_err:.3f} over "
-        f"{len(probes)} real calls"
+        f"{len(probes)} real calls with the link rates x{link:.3g} and {km.step * 1e3:.3g} ms per step"
     )
     km = replace(km, source=f"{topo.source}; block kernels timed on every rank at once")
     topo.kernel = km
@@ -462,7 +468,7 @@ def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
     measured = dict(
         raw,
         patterns={
-            n: dict(measured_s=t, predicted_s=_predict(topo, flows[n], nbytes), flows=len(flows[n]))
+            n: dict(measured_s=t, predicted_s=_predict(alone, flows[n], nbytes), flows=len(flows[n]))
             for n, t in patterns.items()
         },
         kinds=kinds,
@@ -476,7 +482,7 @@ def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
         ],
         calls={n: dict(measured_s=probes[n], predicted_s=predicted[n]) for n in probes},
         step_s=km.step,
-        compute_factor=1.0 / km.speed,
+        link_factor=link,
     )
     topo.measured = dict(measured, machine=machine)
     return Profile(topo, km, machine, measured)
@@ -584,8 +590,9 @@ STEP_PROBES = (
     "token_ring:direct,c=4,k=1",
 )
 MAX_STEP = 0.02  # seconds: a host time per step beyond this means the link model is off, not the host
-COMPUTE_RANGE = (0.8, 1.5)  # the kernel-time factor the real calls may fit
-COMPUTE_FACTOR = False  # fitted on the testbed it traded off against the step (0.8-1.5, at its bounds): off
+# The factor on every link rate the real calls may fit: pairs and patterns are timed with idle cores, while in a
+# call the kernels share them with the network stack, and messages are posted between kernels.
+LINK_RANGE = (0.5, 1.2)
 
 
 CAUSAL_PROBES = ("ring", "token_ring:direct,c=2,k=1", "ulysses")  # also timed causal (zigzag): "causal:<name>"
@@ -616,51 +623,52 @@ def _measure_calls(g: _Group, sh, repeats: int) -> dict:
     return out
 
 
-def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict, compute: bool | None = None):
-    """Host time per step (``0 .. MAX_STEP``) and, with ``compute``, a factor on every kernel time
-    (``COMPUTE_RANGE``: kernels inside a real call, beside the others' traffic and the executor, against the
-    same kernel timed alone) with which the simulator, on the measured kernels and ``topo``, predicts the real
-    calls best: least squares of relative error on the predictions linearised around (1, 0), solved twice. It
-    takes in what a tiny call does not show: posting large messages, the loop between kernels of real size.
-    ``(kernel model with both, {strategy: predicted seconds}, mean |log error|)``."""
+def scaled_links(topo: Topology, factor: float) -> Topology:
+    """``topo`` with every finite rate (links, ports, uplinks, backplane, per flow) times ``factor``."""
+    from dataclasses import fields, replace
+
+    kw = {f.name: getattr(topo, f.name) * factor for f in fields(topo) if f.name.endswith("_bw")}
+    out = replace(topo, **{k: v for k, v in kw.items() if v < INF})
+    out.kernel, out.measured = topo.kernel, topo.measured
+    return out
+
+
+def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict):
+    """Host time per step (``0 .. MAX_STEP``) and a factor on every link rate (``LINK_RANGE``) with which the
+    simulator, on the measured kernels and ``topo``, predicts the real calls best: least squares of relative
+    error on the predictions linearised around the current point, solved three times. They take in what pairs
+    and patterns timed alone do not show: posting large messages and the loop between kernels of real size
+    (the step), and links slowed by kernels sharing the cores with the network stack (the factor).
+    ``(link factor, kernel model with the step, {key: predicted seconds}, mean |log error|)``."""
     from dataclasses import replace
 
     import numpy as np
 
     from .sim.simulator import simulate
 
-    compute = COMPUTE_FACTOR if compute is None else compute
     names = list(measured)
     m = np.array([measured[n] for n in names])
 
-    def model(factor, step):
-        k = replace(km, step=step)
-        return k if factor == 1.0 else k.scaled(k.name, 1.0 / factor, 1.0, k.source)
-
-    def predict(factor, step):
-        k = model(factor, step)
+    def predict(link, step):
+        k, t = replace(km, step=step), scaled_links(topo, link)
         return np.array(
             [
-                simulate(n, sh, topo, k, causal=c, layout="zigzag" if c else "contiguous").time
+                simulate(n, sh, t, k, causal=c, layout="zigzag" if c else "contiguous").time
                 for n, c in map(_probe, names)
             ]
         )
 
-    factor, step = 1.0, 0.0
-    for _ in range(2):
-        base = predict(factor, step)
-        cols = [(predict(factor, step + 1e-3) - base) / 1e-3]
-        if compute:
-            cols.append((predict(factor * 1.1, step) - base) / (0.1 * factor))
+    link, step = 1.0, 0.0
+    for _ in range(3):
+        base = predict(link, step)
+        cols = [(predict(link, step + 1e-3) - base) / 1e-3, (predict(0.9 * link, step) - base) / (-0.1 * link)]
         A = np.stack(cols, axis=1) / m[:, None]
-        rhs = (m - base) / m
-        delta, *_ = np.linalg.lstsq(A, rhs, rcond=None)
+        delta, *_ = np.linalg.lstsq(A, (m - base) / m, rcond=None)
         step = float(min(MAX_STEP, max(0.0, step + delta[0])))
-        if compute:
-            factor = float(min(COMPUTE_RANGE[1], max(COMPUTE_RANGE[0], factor + delta[1])))
-    after = predict(factor, step)
+        link = float(min(LINK_RANGE[1], max(LINK_RANGE[0], link + delta[1])))
+    after = predict(link, step)
     err = float(np.mean(np.abs(np.log(after / m))))
-    return model(factor, step), dict(zip(names, after.tolist())), err
+    return link, replace(km, step=step), dict(zip(names, after.tolist())), err
 
 
 def profile_summary(topo: Topology) -> str:
