@@ -658,13 +658,14 @@ def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict):
             ]
         )
 
-    link, step = 1.0, 0.0
+    floor = min(km.step, MAX_STEP)  # a real step costs at least what a tiny call's step does
+    link, step = 1.0, floor
     for _ in range(3):
         base = predict(link, step)
         cols = [(predict(link, step + 1e-3) - base) / 1e-3, (predict(0.9 * link, step) - base) / (-0.1 * link)]
         A = np.stack(cols, axis=1) / m[:, None]
         delta, *_ = np.linalg.lstsq(A, (m - base) / m, rcond=None)
-        step = float(min(MAX_STEP, max(0.0, step + delta[0])))
+        step = float(min(MAX_STEP, max(floor, step + delta[0])))
         link = float(min(LINK_RANGE[1], max(LINK_RANGE[0], link + delta[1])))
     after = predict(link, step)
     err = float(np.mean(np.abs(np.log(after / m))))
@@ -689,6 +690,7 @@ def profile_summary(topo: Topology) -> str:
             f"  links: pair rate {statistics.median(pairs) / 1e6:.4g} MB/s median ({min(pairs) / 1e6:.4g}-"
             f"{max(pairs) / 1e6:.4g}), latency {statistics.median(lats) * 1e6:.0f} us; compute per byte moved "
             f"{m.get('compute_per_byte_s', 0) * 1e9:.3g} ns; host time per step {m.get('step_s', 0) * 1e3:.3g} ms"
+            + (f"; link rates in calls x{m['link_factor']:.3g}" if "link_factor" in m else "")
         )
         lines.append(
             "  link models, mean |log error| over the patterns (and the real calls): "
