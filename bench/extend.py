@@ -284,6 +284,9 @@ def main(argv=None) -> int:
         score(r)
     sims = predictions()
     cmd = f".venv/bin/python bench/extend.py --ranks {a.ranks} --rounds {a.rounds}" + (" --quick" if a.quick else "")
+    cmd += (" --grid " + " ".join(a.grid) if a.grid else "") + (
+        f" --out {os.path.relpath(a.out, os.path.dirname(HERE))}" if a.out != ap.get_default("out") else ""
+    )
     if a.from_json:
         cmd += f" (scored again: --from-json {os.path.relpath(a.from_json, os.path.dirname(HERE))})"
     m = bench.machine()
