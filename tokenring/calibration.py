@@ -634,11 +634,12 @@ def scaled_links(topo: Topology, factor: float) -> Topology:
 
 
 def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict):
-    """Host time per step (``0 .. MAX_STEP``) and a factor on every link rate (``LINK_RANGE``) with which the
-    simulator, on the measured kernels and ``topo``, predicts the real calls best: least squares of relative
-    error on the predictions linearised around the current point, solved three times. They take in what pairs
-    and patterns timed alone do not show: posting large messages and the loop between kernels of real size
-    (the step), and links slowed by kernels sharing the cores with the network stack (the factor).
+    """Host time per step (from a tiny call's, ``km.step``, up to ``MAX_STEP``) and a factor on every link rate
+    (``LINK_RANGE``) with which the simulator, on the measured kernels and ``topo``, predicts the real calls best:
+    least squares of relative error on the predictions linearised around the current point, solved three times.
+    They take in what pairs and patterns timed alone do not show: posting large messages and the loop between
+    kernels of real size (the step), and links slowed by kernels sharing the cores with the network stack (the
+    factor).
     ``(link factor, kernel model with the step, {key: predicted seconds}, mean |log error|)``."""
     from dataclasses import replace
 
