@@ -92,6 +92,11 @@ def filled_cache(model, N: int, rank: int, P: int):
     return cache
 
 
+def snapshot(cache) -> list:
+    """What :func:`rewind` restores: (rows, counts, total, skip, positions) per layer."""
+    return [(x.keys.shape[2], list(x.counts), x.total, x.skip, x.positions) for x in cache.layers]
+
+
 def rewind(cache, state) -> None:
     """Back to the cache as ``state`` (one (rows, counts, total, skip, positions) per layer) found it."""
     for layer, (n, counts, total, skip, positions) in zip(cache.layers, state):
@@ -111,7 +116,7 @@ def rank_fn(rank: int, P: int, model_name: str, N: int, Ts: list[int], methods: 
     model = build(model_name)
     c = model.config
     cache = filled_cache(model, N, rank, P)
-    state = [(x.keys.shape[2], list(x.counts), x.total, x.skip, x.positions) for x in cache.layers]
+    state = snapshot(cache)
     runs, picks = [], {}
     for T in Ts:
         convo = torch.randint(0, c.vocab_size, (1, N + T), generator=torch.Generator().manual_seed(T))

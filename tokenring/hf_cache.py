@@ -76,13 +76,7 @@ class ShardedLayer(DynamicLayer):
                     f"tokenring ShardedCache (layer {self.layer_idx}): extend gave this rank new tokens {a}..{b - 1} "
                     f"but the model stores {t}"
                 )
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-            start = self.total
-            self.positions = torch.cat([self.positions, torch.arange(start + a, start + b)])
-            for r, (x, y) in enumerate(ranges):
-                self.counts[r] += y - x
-            self.total += ranges[-1][1] if ranges else 0
+            start = self._store(key_states, value_states, a, b, ranges, ranges[-1][1] if ranges else 0)
             info = {"extend": (a, b), "shards": Shards(tuple(self.counts), tuple(ranges)), "start": start}
         elif self.skip:
             if t != 1:
@@ -95,17 +89,23 @@ class ShardedLayer(DynamicLayer):
         else:
             placed = place_new(self.counts, t)
             a, b = placed[o.rank]
-            start = self.total
-            if b > a:
-                self.keys = torch.cat([self.keys, key_states[:, :, a:b]], dim=-2)
-                self.values = torch.cat([self.values, value_states[:, :, a:b]], dim=-2)
-                self.positions = torch.cat([self.positions, torch.arange(start + a, start + b)])
-            for r, (x, y) in enumerate(placed):
-                self.counts[r] += y - x
-            self.total += t
+            start = self._store(key_states[:, :, a:b], value_states[:, :, a:b], a, b, placed, t)
             info = {"new": (a, b) if b > a else None, "start": start}
         _steps[self.layer_idx] = (self, info)
         return self.keys, self.values
+
+    def _store(self, keys, values, a: int, b: int, ranges, step: int) -> int:
+        """Append this rank's new tokens ``a..b-1`` of a step of ``step`` tokens (``keys`` / ``values``: their
+        rows) and count every rank's share (``ranges``); returns the step's first global position."""
+        start = self.total
+        if b > a:
+            self.keys = torch.cat([self.keys, keys], dim=-2)
+            self.values = torch.cat([self.values, values], dim=-2)
+            self.positions = torch.cat([self.positions, torch.arange(start + a, start + b)])
+        for r, (x, y) in enumerate(ranges):
+            self.counts[r] += y - x
+        self.total += step
+        return start
 
     def get_seq_length(self) -> int:
         return self.total - self.skip
