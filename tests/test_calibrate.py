@@ -12,7 +12,17 @@ import numpy as np
 import pytest
 
 from tests import calibrate_cases as cases
-from tokenring.calibration import STEP_PROBES, _fit_links, _fit_step, _patterns, _probe, refit, scaled_links
+from tokenring.calibration import (
+    CALL_RANGE,
+    STEP_PROBES,
+    _fit_links,
+    _fit_step,
+    _patterns,
+    _probe,
+    call_factors,
+    refit,
+    scaled_links,
+)
 from tokenring.sim.topology import MeshTopology, RingTopology, SwitchTopology, get_topology, topology_from_dict
 from tokenring.tools.launch import spawn
 
@@ -66,6 +76,38 @@ def test_call_fit_recovers_link_factor_and_step(kind):
     factor, fitted, predicted, err = _fit_step(links, km, sh, calls)
     assert abs(factor - 0.7) < 0.05 and err < 0.03, (factor, fitted.step, err)
     assert kind is RingTopology or abs(fitted.step - 3e-3) < 1.5e-3, fitted.step
+
+
+def test_call_factors_are_looked_up_by_schedule_and_scale_the_prediction():
+    """A probe's correction (root of measured / predicted, bounded) goes to calls with its schedule: a direct
+    variant's chunks, else the family's plain schedule, the causal probe first for causal calls; never to a
+    hierarchical strategy; it survives a profile's JSON and multiplies the simulated time."""
+    import dataclasses
+
+    import torch
+
+    from tokenring.schedules import Shapes
+    from tokenring.sim.kernel_model import CPU_ANALYTIC, model_from_dict, model_to_dict
+    from tokenring.sim.simulator import simulate
+
+    measured = {"ring": 1.21, "causal:ring": 0.81, "token_ring:direct,c=2,k=1": 1.44, "ulysses": 9.0}
+    predicted = {"ring": 1.0, "causal:ring": 1.0, "token_ring:direct,c=2,k=1": 1.0, "ulysses": 1.0}
+    factors = dict(call_factors(measured, predicted))
+    assert factors["ring"] == pytest.approx(1.1) and factors["causal:ring"] == pytest.approx(0.9)
+    assert factors["ulysses"] == CALL_RANGE[1]  # a probe gone wrong stays bounded
+    km = dataclasses.replace(CPU_ANALYTIC, call_factors=tuple(factors.items()))
+    km = model_from_dict(json.loads(json.dumps(model_to_dict(km))))
+    assert km.call_factor("ring", False) == pytest.approx(1.1)
+    assert km.call_factor("ring:direct,c=4,k=2", False) == pytest.approx(1.1)  # the family's
+    assert km.call_factor("ring:direct,c=4,k=2", True) == pytest.approx(0.9)  # its causal probe
+    assert km.call_factor("token_ring:direct,c=2,k=3", True) == pytest.approx(1.2)  # the c=2 probe
+    assert km.call_factor("token_ring:direct,c=4,k=1", False) == 1.0  # neither probed nor a plain family probe
+    assert km.call_factor("two_level:n=2", False) == 1.0
+    assert CPU_ANALYTIC.call_factor("ring", False) == 1.0
+    sh, topo = Shapes(1, 512, 4, 4, 32, torch.float32, 4), get_topology("mesh:300mbit", 4)
+    plain = simulate("ring:direct,c=2,k=1", sh, topo, CPU_ANALYTIC, causal=True)
+    fixed = simulate("ring:direct,c=2,k=1", sh, topo, km, causal=True)
+    assert fixed.factor == pytest.approx(0.9) and fixed.time == pytest.approx(0.9 * plain.time, rel=1e-12)
 
 
 def test_calibrate_on_local_ranks_gives_one_profile_auto_uses(tmp_path):

@@ -234,16 +234,18 @@ def explain(
         if device_type == "cuda":
             print(f"block kernel: {_kernel_choice(dtype, d)}", file=out)
         w = max(12, *(len(r.strategy) + 1 for r in results))
+        factors = any(r.factor != 1.0 for r in results)  # a calibrated profile's per-schedule corrections
         print(
             f"{'strategy':<{w}}{'predicted':>12}{'vs best':>9}{'compute':>12}{'exposed comm':>14}"
-            f"{'MB sent/rank':>14}  regime",
+            f"{'MB sent/rank':>14}  regime" + ("         measured factor" if factors else ""),
             file=out,
         )
         for r in sorted(results, key=lambda r: r.time):
             mb = sum(p.bytes_per_rank for p in r.passes) / 1e6
             print(
                 f"{r.strategy:<{w}}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
-                f"{fmt_time(r.exposed_comm):>14}{mb:>14.2f}  {r.regime}",
+                f"{fmt_time(r.exposed_comm):>14}{mb:>14.2f}  {r.regime:<13}"
+                + (f"x{r.factor:.3f}".rjust(18) if factors else ""),
                 file=out,
             )
         from ..strategies import why_not

@@ -64,6 +64,29 @@ class KernelModel:
     # their range the fitted line holds. Empty for analytic models.
     curves: tuple = ()
     speed: float = 1.0  # divides interpolated times (a device scaled from another's measurements)
+    # Per schedule: measured / predicted time of real calls on this host (``tokenring.calibrate``'s probes),
+    # ``((key, factor), ...)`` with keys as ``call_factor`` looks them up. Empty: no correction.
+    call_factors: tuple = ()
+
+    def call_factor(self, strategy: str, causal: bool) -> float:
+        """The measured correction for a call of ``strategy``: that of the probe with the same schedule (a
+        ``direct`` variant's chunks, lookahead 1), else of its family's plain schedule (``ring:direct,c=2,k=3``
+        takes ``ring``'s); a causal probe's where there is one. Hierarchical strategies (``n=``) and
+        unprobed families: 1."""
+        if not self.call_factors:
+            return 1.0
+        from ..strategies.spec import Spec
+
+        spec = Spec.parse(strategy)
+        if spec.inner:
+            return 1.0
+        factors = dict(self.call_factors)
+        same = Spec(spec.family, spec.mode, spec.chunks, 1).text() if spec.mode == "direct" else strategy
+        for key in (same, spec.family):
+            for k in ([f"causal:{key}"] if causal else []) + [key]:
+                if k in factors:
+                    return factors[k]
+        return 1.0
 
     def _curve(self, backward: bool, causal: bool, F: float) -> float | None:
         for b, c, lf, lt in self.curves:
@@ -113,6 +136,7 @@ def model_to_dict(m: KernelModel) -> dict:
     """JSON-ready form of ``m`` (a calibration profile's kernel), read back by :func:`model_from_dict`."""
     d = {f.name: getattr(m, f.name) for f in fields(m)}
     d["curves"] = [[bool(b), bool(c), list(map(float, lf)), list(map(float, lt))] for b, c, lf, lt in m.curves]
+    d["call_factors"] = [[k, float(f)] for k, f in m.call_factors]
     return d
 
 
@@ -120,7 +144,8 @@ def model_from_dict(d: dict) -> KernelModel:
     d = dict(d)
     curves = tuple((bool(b), bool(c), np.array(lf), np.array(lt)) for b, c, lf, lt in d.pop("curves", ()))
     pairs = {k: tuple(map(float, d[k])) for k in ("fwd", "fwd_causal", "bwd", "bwd_causal", "merge", "add") if k in d}
-    return KernelModel(**{**d, **pairs}, curves=curves)
+    factors = tuple((str(k), float(f)) for k, f in d.pop("call_factors", ()))
+    return KernelModel(**{**d, **pairs}, curves=curves, call_factors=factors)
 
 
 def _fit_line(F: np.ndarray, t: np.ndarray) -> tuple[float, float]:
@@ -181,7 +206,6 @@ def fit_table(
     )
 
 
-@lru_cache(maxsize=None)
 @lru_cache(maxsize=None)
 def _h200(backend: str = "flash") -> KernelModel:
     d = h200_table()

@@ -140,10 +140,13 @@ class SimResult:
     causal: bool
     layout: str
     passes: list  # PassResult, forward then backward (if simulated)
+    # measured / simulated time of this schedule's real calls on the host (KernelModel.call_factor); the
+    # passes and their steps are the simulator's, ``time`` is corrected
+    factor: float = 1.0
 
     @property
     def time(self) -> float:
-        return sum(p.time for p in self.passes)
+        return self.factor * sum(p.time for p in self.passes)
 
     @property
     def exposed_comm(self) -> float:
@@ -174,6 +177,7 @@ class SimResult:
                 P=self.shapes.P,
             ),
             time_s=self.time,
+            call_factor=self.factor,
             compute_s=self.compute,
             exposed_comm_s=self.exposed_comm,
             regime=self.regime,
@@ -518,7 +522,7 @@ def simulate(
         )
         for bwd in ((False, True) if backward else (False,))
     ]
-    return SimResult(strategy, topology.name, shapes, causal, layout, passes)
+    return SimResult(strategy, topology.name, shapes, causal, layout, passes, km.call_factor(strategy, causal))
 
 
 def shapes_for(
