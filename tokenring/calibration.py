@@ -16,7 +16,8 @@ not assumed. It measures, in this order:
    backplane; step 3), two figures are fitted so that the simulator predicts these calls best
    (:func:`_fit_step`): the host time per schedule step, and a factor on every link rate (links carry less in a
    call, where kernels share the cores with the network stack, than in the patterns timed alone). The link
-   model with the smallest sum of its pattern and call errors is kept.
+   model with the smallest sum of its pattern and call errors is kept. What each probe still misses then
+   corrects, in part, every call of its schedule that ``auto`` weighs (:func:`call_factors`).
 3. **Links**: each ordered pair alone (latency from a ping-pong, bandwidth from one message and an ack), then
    traffic patterns with many pairs busy at once (all-to-all, every shift ``r -> r+k``, one rank to all, all
    to one rank, every rank to both neighbours). A full mesh keeps its pair rate in an all-to-all, a switch
@@ -29,8 +30,8 @@ not assumed. It measures, in this order:
 
 The decision is made on rank 0, with rank 0's profile (the all-gathered measurements, so the same on every
 rank). Time: bounded by the message size, chosen so that one pair transfer takes about ``pair_seconds``; with
-the defaults, about 10-40 s at P = 4-8 on the CPU testbed (``bench/results/calibration.json`` records each run's
-seconds). A rank that dies or stalls makes the others raise an error naming it within the
+the defaults 21-59 s at P = 4-5 on the CPU testbed (``bench/results/calibration_evidence_v4.md`` records each
+session's seconds). A rank that dies or stalls makes the others raise an error naming it within the
 ``tokenring.set_timeout`` bound.
 """
 
