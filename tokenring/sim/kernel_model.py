@@ -64,8 +64,9 @@ class KernelModel:
     # their range the fitted line holds. Empty for analytic models.
     curves: tuple = ()
     speed: float = 1.0  # divides interpolated times (a device scaled from another's measurements)
-    # Per schedule: measured / predicted time of real calls on this host (``tokenring.calibrate``'s probes),
-    # ``((key, factor), ...)`` with keys as ``call_factor`` looks them up. Empty: no correction.
+    # Per schedule: the correction from real calls on this host (``tokenring.calibrate``'s probes; the bounded
+    # root of measured / predicted, ``calibration.call_factors``), ``((key, factor), ...)`` with keys as
+    # ``call_factor`` looks them up. Empty: no correction.
     call_factors: tuple = ()
 
     def call_factor(self, strategy: str, causal: bool) -> float:

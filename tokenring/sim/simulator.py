@@ -140,8 +140,8 @@ class SimResult:
     causal: bool
     layout: str
     passes: list  # PassResult, forward then backward (if simulated)
-    # measured / simulated time of this schedule's real calls on the host (KernelModel.call_factor); the
-    # passes and their steps are the simulator's, ``time`` is corrected
+    # this schedule's correction from real calls on the host (KernelModel.call_factor); the passes and their
+    # steps are the simulator's, ``time`` is corrected
     factor: float = 1.0
 
     @property
@@ -159,7 +159,7 @@ class SimResult:
     @property
     def regime(self) -> str:
         comm = sum(s.time for p in self.passes for s in p.steps if s.bound == "comm")
-        return "comm-bound" if comm > 0.5 * self.time else "compute-bound"
+        return "comm-bound" if comm > 0.5 * sum(p.time for p in self.passes) else "compute-bound"
 
     def to_dict(self) -> dict:
         return dict(
