@@ -15,7 +15,7 @@ from .device import autocast_dtype, values_travel
 from .device import device_type as device_kind
 from .instrument import NONE as NO_HOOKS
 from .instrument import current as current_instruments
-from .kernels import fold_scale, softmax_scale_of
+from .kernels import fold_scale, softmax_scale_of, value_dim_apart
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
 from .masks import check_bounds_tensor, make_mask, whole_numbers, window_pair
 from .ops import IdentityCache, register_extras
@@ -92,7 +92,10 @@ def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -
                 f"head_dim), the flash-attn layout"
             )
     if k.shape != v.shape:
-        raise ValueError(f"{where}k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+        raise ValueError(
+            f"{where}k {tuple(k.shape)} and v {tuple(v.shape)} must have the same batch, length and heads (v's "
+            f"head dim may differ from q/k's, as in MLA)"
+        )
     B, s, H, d = q.shape
     for what, i, name in (
         ("batch", 0, "batch size"),
@@ -454,9 +457,10 @@ def attention(
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across the ranks of ``group``.
 
-    ``q``: (B, s, H, d), ``k``/``v``: (B, s, Hkv, d), this rank's shard (laid out by ``layout``; default
-    ``"zigzag"`` when causal, else ``"contiguous"``, and it must match how the caller sharded). Returns
-    (B, s, H, d) in ``q.dtype``: the same rows of single-device attention over the whole sequence.
+    ``q``: (B, s, H, d), ``k``: (B, s, Hkv, d), ``v``: (B, s, Hkv, dv), this rank's shard (laid out by
+    ``layout``; default ``"zigzag"`` when causal, else ``"contiguous"``, and it must match how the caller
+    sharded); ``dv`` may differ from ``d`` (MLA; zero columns fill the gap, so the shorter side's bytes grow).
+    Returns (B, s, H, dv) in ``q.dtype``: the same rows of single-device attention over the whole sequence.
     Differentiable in ``q``, ``k``, ``v`` (and ``sinks``). ``strategy``: ``"token_ring"`` (the TokenRing
     variant the cost model predicts fastest), ``"token_ring_paper"`` (= ``"token_ring:relay"``), an explicit
     variant such as ``"token_ring:direct,c=2,k=3"`` or ``"ring:direct,c=1,k=3"``, ``"ring"``, ``"ring:auto"``,
@@ -490,6 +494,12 @@ def attention(
     the group form node ``a``. With a node size known (or a multi-node topology set), ``"auto"`` considers
     them too.
     """
+    q, k, v, softmax_scale, dv = value_dim_apart(q, k, v, softmax_scale)
+    if dv is not None:  # MLA: the value head dim differs from q/k's; run with zero columns, keep dv of them
+        return attention(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, strategy=strategy, layout=layout,
+            cu_seqlens=cu_seqlens, window=window, sinks=sinks, group=group, inner_size=inner_size,
+        )[..., :dv]  # fmt: skip
     dt = autocast_dtype(q) if isinstance(q, torch.Tensor) else None
     if dt is not None:  # as scaled_dot_product_attention does
         q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .comm import wait_collective
 from .device import collective_device, values_travel
 from .extend import RowMask, attend_rows, check_rows
-from .kernels import fold_scale, softmax_scale_of
+from .kernels import fold_scale, softmax_scale_of, value_dim_apart
 from .layouts import group_info
 from .merge import merge_, merge_sink_, new_accumulator
 
@@ -90,6 +90,12 @@ def decode_attention(
     into the finished rows. ``window``: a query sees keys at most ``window`` positions back (transformers'
     sliding window ``W`` is ``window=W - 1``); it needs ``positions``, the global positions of this rank's
     cached rows, and ``start``, the global position of the step's first query."""
+    q, k, v, softmax_scale, dv = value_dim_apart(q, k, v, softmax_scale)
+    if dv is not None:  # MLA: zero columns make the head dims equal (see value_dim_apart)
+        return decode_attention(
+            q, k, v, new=new, softmax_scale=softmax_scale, group=group, state=state, check=check, log=log,
+            sinks=sinks, window=window, positions=positions, start=start,
+        )[..., :dv]  # fmt: skip
     rank, P = group_info(group)
     check_rows(q, k, v, rank, "decode_attention")
     B, t, H, d = q.shape

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .comm import Comm, buffers, wait_collective
 from .device import collective_device, values_travel
-from .kernels import block_forward, fold_scale, softmax_scale_of
+from .kernels import block_forward, fold_scale, softmax_scale_of, value_dim_apart
 from .layouts import group_info
 from .masks import TILE_ROWS
 from .merge import acc_dtype, merge_, merge_sink_, new_accumulator
@@ -568,6 +568,12 @@ def extend_attention(
     first, a ``ValueError`` on every rank when they disagree; with ``shards`` and ``state=None`` that check
     is skipped (later layers of a step that an earlier one checked). ``log``: receives ``{"bytes": received}``.
     """
+    q, k, v, softmax_scale, dv = value_dim_apart(q, k, v, softmax_scale)
+    if dv is not None:  # MLA: zero columns make the head dims equal (see value_dim_apart)
+        return extend_attention(
+            q, k, v, new=new, strategy=strategy, softmax_scale=softmax_scale, window=window, cu_seqlens=cu_seqlens,
+            positions=positions, sinks=sinks, group=group, shards=shards, state=state, log=log,
+        )[..., :dv]  # fmt: skip
     rank, P = group_info(group)
     check_rows(q, k, v, rank, "extend_attention")
     B, t, H, d = q.shape

@@ -61,6 +61,7 @@ from .api import _group_name, attention
 from .comm import collective_device
 from .instrument import instrument
 from .layouts import check_layout, gather, group_info, local_positions, shard
+from .mixers import check_from_stack, check_model
 from .ops import IdentityCache
 from .strategies import get as get_strategy
 from .strategies import node_size
@@ -306,6 +307,8 @@ def attention_forward(
     s = query.shape[2]
     if not torch.compiler.is_compiling():
         check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD)
+        # a linear-attention, SSM or convolution layer beside this one would see only this rank's shard
+        check_from_stack(module, group_info(_settings.group)[1], f"tokenring ({_where(module)})")
     step = take_step(module)  # set when the layer's cache is a tokenring ShardedCache
     if step is not None and ("new" in step[1] or "extend" in step[1]):  # a step over the sharded cache
         problem = _mask_problem(attention_mask)
@@ -386,6 +389,7 @@ def hf_documents(
 
     grp = resolve_group(group)
     rank, P = group_info(grp)
+    check_from_stack(None, P, f"tokenring ({where})")  # compiled models reach the check here, not in the layer
     device = collective_device(grp) if P > 1 else "cpu"
     cu = _check_inputs(where, attention_mask, position_ids, s, rank, P, layout, grp, device)
     if cu_q is not None:  # explicit documents (shard_batch, DataCollatorWithFlattening)
@@ -664,6 +668,7 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
     zigzag) is prefilled sharded with :func:`tokenring.attention`, the few tokens left as one decode step."""
     group = group if group is not None else _settings.group
     rank, P = group_info(group)
+    check_model(model, P, "tokenring.hf.prefill")
     if input_ids.dim() != 2:
         raise ValueError(
             f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
@@ -721,6 +726,7 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
     (chunked prefill)."""
     group = cache.group
     rank, P = cache.rank, cache.P
+    check_model(model, P, "tokenring.hf.extend")
     if input_ids.dim() != 2:
         raise ValueError(
             f"tokenring.hf.extend: input_ids has shape {tuple(input_ids.shape)}; expected the full (batch, "
