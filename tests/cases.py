@@ -74,7 +74,11 @@ def case_inputs(rank: int, P: int, case: dict) -> tuple[list[torch.Tensor], torc
     B, s, H, Hkv, d = case["B"], case["s"], case["H"], case["Hkv"], case["d"]
     dtype, S = getattr(torch, case["dtype"]), s * P
     gen = torch.Generator().manual_seed(case.get("seed", 0))
-    full = [torch.randn(B, S, h, d, generator=gen, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv, H)]
+    dv = case.get("dv", d)  # a value head dim of its own (MLA)
+    full = [
+        torch.randn(B, S, h, e, generator=gen, dtype=torch.float64).to(dtype)
+        for h, e in ((H, d), (Hkv, d), (Hkv, dv), (H, dv))
+    ]
     return full, local_positions(S, P, rank, case["layout"], cu_seqlens=case.get("cu_seqlens"))
 
 
@@ -125,13 +129,13 @@ def check_case(rank: int, P: int, case: dict) -> dict:
     out.backward(dout_full.index_select(1, idx))
     tol = TOL[dtype]
     errs = {}
-    for name, got, ref in (
-        ("out", out, ref_out),
-        ("dq", local[0].grad, ref_in[0].grad),
-        ("dk", local[1].grad, ref_in[1].grad),
-        ("dv", local[2].grad, ref_in[2].grad),
+    for name, got, ref, like in (
+        ("out", out, ref_out, dout_full),
+        ("dq", local[0].grad, ref_in[0].grad, local[0]),
+        ("dk", local[1].grad, ref_in[1].grad, local[1]),
+        ("dv", local[2].grad, ref_in[2].grad, local[2]),
     ):
-        assert got is not None and got.dtype == dtype and got.shape == local[0 if name in ("out", "dq") else 1].shape, (
+        assert got is not None and got.dtype == dtype and got.shape[2:] == like.shape[2:], (
             f"rank {rank} {strategy} {case}: {name} has dtype/shape {getattr(got, 'dtype', None)} "
             f"{None if got is None else tuple(got.shape)}"
         )

@@ -389,3 +389,23 @@ def extend_refusals(rank: int, P: int) -> dict:
     thf.extend(model, cache, torch.cat([ids, tokens(5, V)], dim=1))  # and the cache still works
     msgs["held"] = cache.layers[0].total
     return msgs
+
+
+def refused_generate_leaves_nothing(rank: int, P: int) -> float:
+    """A generate refused mid-step (attention dropout in training mode: the cache's layer 0 has taken its step
+    when the refusal comes), then a plain sharded forward of the same model in eval mode: max |logits - one
+    process|."""
+    model = build("llama", "tokenring", num_hidden_layers=2, attention_dropout=0.1).eval()
+    ids = tokens(8 * P, model.config.vocab_size)
+    cache = thf.prefill(model, ids)
+    model.train()
+    try:
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, pad_token_id=0)
+        raise AssertionError("generate with attention dropout in training mode was not refused")
+    except ValueError as e:
+        assert "dropout" in str(e), e
+    model.eval()
+    logits = thf.gather_logits(model(**thf.shard_batch(ids)).logits)
+    ref = build("llama", "sdpa", num_hidden_layers=2, attention_dropout=0.1).eval()
+    ref.load_state_dict(model.state_dict())
+    return (logits - ref(input_ids=ids, use_cache=False).logits).abs().max().item()

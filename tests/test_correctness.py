@@ -241,3 +241,19 @@ def test_sinks_match_reference(pools, P):
     logit per row."""
     todo = sink_grid(P)
     assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_value_head_dim_apart(pools, P):
+    """MLA (DeepSeek-V3): v's head dim (16, or 40) differs from q/k's (24), every strategy, causal and not,
+    GQA, packed documents and windows: out (B, s, H, dv) and every gradient equal float64 attention (1e-9)."""
+    strategies = ("token_ring", "ring", "ring_bidir", "ulysses", "token_ring:direct,c=2,k=1") if P > 1 else ("auto",)
+    todo = [
+        dict(B=1, s=4, H=2 * n, Hkv=n, d=24, dv=dv, dtype="float64", causal=c, layout=lay, strategy=st, seed=7, **extra)
+        for st in strategies
+        for n in [P if st == "ulysses" else 2]  # ulysses splits the heads
+        for dv in (16, 40)
+        for c, lay in LAYOUTS
+        for extra in ({}, {"cu_seqlens": [0, 3, 4 * P]}, {"window": (3, 0 if c else 2)})[: 3 if dv == 16 else 1]
+    ]
+    assert pools(P).run(cases.check_many, todo) == [len(todo)] * P

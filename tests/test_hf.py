@@ -195,3 +195,9 @@ def test_autocast_bf16(pools):
     res = pools(2).run(hf_cases.autocast_matches, 128, "token_ring")
     assert all(r["dtypes"] == ["torch.bfloat16"] for r in res), res
     assert res[0]["loss"] < 2e-2 and res[0]["logits"] < 2e-2, res[0]
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_refused_generate_leaves_nothing_behind(pools, P):
+    """A refusal after a cache layer stored its rows leaves no step behind for the next call's attention."""
+    assert max(pools(P).run(hf_cases.refused_generate_leaves_nothing)) < 1e-4

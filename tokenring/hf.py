@@ -57,11 +57,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import mixers
 from .api import _group_name, attention
 from .comm import collective_device
 from .instrument import instrument
 from .layouts import check_layout, gather, group_info, local_positions, shard
-from .mixers import check_from_stack, check_model
 from .ops import IdentityCache
 from .strategies import get as get_strategy
 from .strategies import node_size
@@ -73,7 +73,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("tokenring.hf needs transformers: pip install 'tokenring-attn[hf]'") from e
 
-from .hf_cache import ShardedCache, step_attention, take_step  # noqa: E402  (needs transformers)
+from .hf_cache import ShardedCache, forget_steps, step_attention, take_step  # noqa: E402  (needs transformers)
 
 __all__ = [
     "NAME",
@@ -88,6 +88,7 @@ __all__ = [
     "shift_labels",
     "prefill",
     "extend",
+    "prepare",
     "ShardedCache",
     "causal_lm_loss",
     "SequenceParallelTrainer",  # noqa: F822 (module __getattr__, imports transformers.Trainer when asked)
@@ -293,6 +294,7 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The function registered as ``attn_implementation="tokenring"``: ``query`` (B, H, s, d), ``key``/``value``
     (B, Hkv, s, d), this rank's shard; returns ``(out (B, s, H, d), None)``."""
+    step = take_step(module, key)  # set when the layer's cache is a tokenring ShardedCache; taken before any refusal
     if kwargs.get("softcap") is not None:
         raise _refuse(module, "logit soft-capping (softcap) is not supported; use a model without it")
     sinks = kwargs.get("s_aux")  # gpt-oss passes its per-head sink logits so
@@ -307,9 +309,7 @@ def attention_forward(
     s = query.shape[2]
     if not torch.compiler.is_compiling():
         check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD)
-        # a linear-attention, SSM or convolution layer beside this one would see only this rank's shard
-        check_from_stack(module, group_info(_settings.group)[1], f"tokenring ({_where(module)})")
-    step = take_step(module)  # set when the layer's cache is a tokenring ShardedCache
+        _check_mixers(module, f"tokenring ({_where(module)})")
     if step is not None and ("new" in step[1] or "extend" in step[1]):  # a step over the sharded cache
         problem = _mask_problem(attention_mask)
         if problem is not None:
@@ -389,7 +389,8 @@ def hf_documents(
 
     grp = resolve_group(group)
     rank, P = group_info(grp)
-    check_from_stack(None, P, f"tokenring ({where})")  # compiled models reach the check here, not in the layer
+    if P > 1:
+        _check_mixers(None, f"tokenring ({where})")  # compiled models reach the check here, not in the layer
     device = collective_device(grp) if P > 1 else "cpu"
     cu = _check_inputs(where, attention_mask, position_ids, s, rank, P, layout, grp, device)
     if cu_q is not None:  # explicit documents (shard_batch, DataCollatorWithFlattening)
@@ -411,12 +412,41 @@ def _(position_ids, attention_mask, cu_q, cu_k, s, layout, group, where):
     return torch.empty(s * group_info(resolve_group(group))[1] + 1, dtype=torch.int64)
 
 
+def _context():
+    """The group and layout of a sharded forward, for the sequence mixers' hooks (:mod:`tokenring.mixers`)."""
+    return _settings.group, _settings.layout
+
+
+def prepare(model: torch.nn.Module) -> None:
+    """Make ``model``'s layers that mix tokens outside attention (linear attention, Mamba, short convolutions:
+    :mod:`tokenring.mixers`) exact when sharded: each runs on the whole sequence, gathered from the ranks.
+    Done by the model's first forward on its own (its attention mask goes through :func:`mask_forward`);
+    call it before ``torch.compile`` or for a model that builds no mask. Every rank of the group calls it."""
+    mixers.prepare(model, _context, group_info(_settings.group)[1], "tokenring.hf.prepare")
+
+
+def _check_mixers(layer, who: str) -> None:
+    """At an attention layer or the documents op: the running model's sequence mixers were prepared."""
+    P = group_info(_settings.group)[1]
+    if P > 1:
+        model = mixers.model_on_stack(layer)
+        if model is not None:
+            mixers.check_prepared(model, P, who)
+
+
 def mask_forward(*, attention_mask=None, **kwargs):
     """The mask function registered for ``attn_implementation="tokenring"``: builds nothing (a causal mask
     built from local positions would be wrong for a sharded sequence, and an ``S x S`` one would cost memory
     for nothing) and hands the user's 2D padding mask (or ``None``) through to :func:`attention_forward`, which
     accepts an all-ones mask and refuses any other. Without a registered mask function transformers would
-    silently drop a padding mask."""
+    silently drop a padding mask. Called at the start of the model's forward, before any layer: the place to
+    prepare the model's sequence mixers (:func:`prepare`) and to drop cache steps a failed call left."""
+    if not torch.compiler.is_compiling():
+        forget_steps()
+        P = group_info(_settings.group)[1]
+        model = mixers.model_on_stack(config=kwargs.get("config")) if P > 1 else None
+        if model is not None:
+            mixers.prepare(model, _context, P, "tokenring")
     return attention_mask
 
 
@@ -668,7 +698,7 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
     zigzag) is prefilled sharded with :func:`tokenring.attention`, the few tokens left as one decode step."""
     group = group if group is not None else _settings.group
     rank, P = group_info(group)
-    check_model(model, P, "tokenring.hf.prefill")
+    mixers.refuse_generation(model, P, "tokenring.hf.prefill")
     if input_ids.dim() != 2:
         raise ValueError(
             f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
@@ -726,7 +756,7 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
     (chunked prefill)."""
     group = cache.group
     rank, P = cache.rank, cache.P
-    check_model(model, P, "tokenring.hf.extend")
+    mixers.refuse_generation(model, P, "tokenring.hf.extend")
     if input_ids.dim() != 2:
         raise ValueError(
             f"tokenring.hf.extend: input_ids has shape {tuple(input_ids.shape)}; expected the full (batch, "

@@ -26,7 +26,7 @@ from .decode import decode_attention, place_new
 from .extend import Shards, extend_attention
 from .layouts import group_info
 
-__all__ = ["ShardedCache", "ShardedLayer", "take_step", "step_attention"]
+__all__ = ["ShardedCache", "ShardedLayer", "take_step", "forget_steps", "step_attention"]
 
 # layer index -> (the layer, what its last update did), set by ShardedLayer.update and read by the attention
 # function of the same layer right after (transformers calls them back to back inside one attention module)
@@ -148,10 +148,18 @@ class ShardedCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
 
-def take_step(module) -> tuple[ShardedLayer, dict] | None:
-    """What the :class:`ShardedLayer` of ``module``'s layer did on its last update (``None``: not a sharded
-    cache, or already taken)."""
-    return _steps.pop(getattr(module, "layer_idx", None), None)
+def take_step(module, key: torch.Tensor) -> tuple[ShardedLayer, dict] | None:
+    """What the :class:`ShardedLayer` of ``module``'s layer did on its last update, if ``key`` holds that
+    layer's rows (``None``: not a sharded cache, or already taken). Taken first thing in the attention call, so
+    a refusal there leaves nothing for the next call; :func:`forget_steps` drops what a failed call left."""
+    step = _steps.pop(getattr(module, "layer_idx", None), None)
+    return step if step is not None and step[0].keys.shape[-2] == key.shape[-2] else None
+
+
+def forget_steps() -> None:
+    """Drop every layer's pending step (at the start of a model's forward: nothing carries over from a call that
+    failed between a cache update and its attention)."""
+    _steps.clear()
 
 
 def step_attention(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from .mixers import check_model
+from . import hf, mixers
 from .training import SequenceParallel
 
 __all__ = ["SequenceParallelTrainer"]
@@ -37,7 +37,7 @@ class SequenceParallelTrainer(Trainer):
     def __init__(self, sp: SequenceParallel, *args, tiled_loss: int | None = None, **kwargs):
         self.sp, self.tiled_loss = sp, tiled_loss
         super().__init__(*args, **kwargs)
-        check_model(self.model, sp.cp_size, "SequenceParallelTrainer")
+        mixers.prepare(self.model, hf._context, sp.cp_size, "SequenceParallelTrainer")  # before the first step
         if not self.args.average_tokens_across_devices:
             raise ValueError(
                 "SequenceParallelTrainer needs average_tokens_across_devices=True (the default): the "

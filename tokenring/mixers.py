@@ -1,9 +1,10 @@
-"""Layers that mix tokens along the sequence outside attention: found by what they are, refused when sharded.
+"""Layers that mix tokens along the sequence outside attention: found by what they are, made exact when sharded.
 
 TokenRing shards the sequence and makes each *attention* call exact. A layer that mixes tokens without going
 through attention (linear attention and the gated delta rule, Mamba/SSM scans, short causal convolutions, token
 shift, RWKV mixing) would run on each rank's shard as if it were the whole sequence: a silently wrong result.
-Until such a layer has an exact sharded form, a model holding one is refused at P > 1.
+:func:`prepare` hooks every such layer so that it runs on the whole sequence (:class:`Replicated`); generation
+over a sharded cache, which keeps attention K/V only, refuses such a model (:func:`refuse_generation`).
 
 A layer is recognised by its module (a ``torch.nn.Conv1d`` with a kernel longer than 1, the ``A_log`` /
 ``dt_bias`` parameters of a state-space or gated-delta recurrence, a class name naming a recurrent mixer) or by
@@ -20,8 +21,9 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Mixer", "find_mixers", "refusal", "check_model", "check_from_stack"]
+__all__ = ["Mixer", "Replicated", "find_mixers", "prepare", "check_prepared", "refuse_generation", "model_on_stack"]
 
 # a module class that names a sequence mixer other than softmax attention (the weakest of the signals)
 _MIXER_CLASS = re.compile(
@@ -120,36 +122,197 @@ def find_mixers(model: torch.nn.Module, config=None) -> list[Mixer]:
     return list(found.values())
 
 
-def refusal(model: torch.nn.Module, mixers: list[Mixer], P: int) -> str:
-    name = type(model).__name__
+def _describe(model: torch.nn.Module, mixers: list[Mixer]) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     listed = "; ".join(str(m) for m in mixers)
-    return (
-        f"{name}{f' (model_type {model_type!r})' if model_type else ''} has layers that mix tokens along the "
-        f"sequence outside attention: {listed}. tokenring shards the sequence over {P} ranks and makes only the "
-        f"attention layers exact; these layers would run on each rank's shard as if it were the whole sequence "
-        f"and give wrong results. Run this model on one rank per sequence (P = 1), or use a model whose "
-        f"sequence mixing is all attention"
+    return f"{type(model).__name__}{f' (model_type {model_type!r})' if model_type else ''} has layers that mix tokens along the sequence outside attention: {listed}"  # noqa: E501
+
+
+class _Gather(torch.autograd.Function):
+    """This rank's rows (B, s, ...) -> the whole sequence (B, S, ...) in natural order, on every rank. Backward:
+    every rank's gradient for the whole sequence summed, this rank's rows kept (each rank's rows feed every
+    rank's replicated layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group, order, mine):
+        parts = [torch.empty_like(x) for _ in range(len(order) // x.shape[1])]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.group, ctx.mine = group, mine
+        return torch.cat(parts, dim=1).index_select(1, order.to(x.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.index_select(1, ctx.mine.to(grad.device)), None, None, None
+
+
+@dataclass
+class _Sharding:
+    group: object
+    P: int
+    order: torch.Tensor  # gathered rows (rank order) -> natural order
+    mine: torch.Tensor  # this rank's rows in the natural order
+    B: int
+    s: int
+
+
+class Replicated:
+    """Hooks that run each sequence mixer of a model on the whole sequence, on every rank: its tensor inputs of
+    shape (B, s, ...) are gathered (natural order) before the layer, its outputs of shape (B, S, ...) cut back to
+    this rank's rows after. Exact for any mixer whatever it computes, since it sees what one process gives it;
+    the cost is the gather and the mixer's work on all S tokens on every rank (bench/results/hybrid_cost.md).
+
+    ``context()`` returns ``(group, layout)`` of the current sharded forward, or ``None`` when the model runs
+    unsharded (one rank, or a step that every rank runs on the same tokens)."""
+
+    def __init__(self, model: torch.nn.Module, mixers: list[Mixer], context):
+        self.context, self.mixers, self.description = context, mixers, _describe(model, mixers)
+        modules = dict(model.named_modules())
+        paths = sorted({p for m in mixers for p in m.where if p in modules})
+        outer = [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+        self.handles = []
+        for path in outer:
+            mod = modules[path]
+            self.handles.append(mod.register_forward_pre_hook(self._before, with_kwargs=True))
+            self.handles.append(mod.register_forward_hook(self._after, with_kwargs=True))
+        self.wrapped = len(outer)
+        self._stack: list[_Sharding | None] = []
+        self._plans: dict = {}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _sharding(self, hidden: torch.Tensor) -> _Sharding | None:
+        from .layouts import group_info, local_positions
+
+        ctx = self.context()
+        if ctx is None or not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+            return None
+        group, layout = ctx
+        rank, P = group_info(group)
+        if P == 1:
+            return None
+        B, s = hidden.shape[:2]
+        key = (s, P, rank, layout)
+        if key not in self._plans:
+            if layout == "zigzag_docs":
+                raise ValueError(
+                    f"{self.description}; these layers run on the whole sequence, which "
+                    f"layout='zigzag_docs' does not say how to assemble: use layout='zigzag' or 'contiguous'"
+                )
+            held = torch.cat([local_positions(s * P, P, r, layout) for r in range(P)])
+            self._plans[key] = (torch.argsort(held), local_positions(s * P, P, rank, layout))
+        order, mine = self._plans[key]
+        return _Sharding(group, P, order, mine, B, s)
+
+    def _before(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        sh = self._sharding(hidden)
+        self._stack.append(sh)
+        if sh is None:
+            return None
+
+        def full(t):
+            if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == (sh.B, sh.s)):
+                return t
+            if t.is_floating_point():
+                return _Gather.apply(t, sh.group, sh.order, sh.mine)
+            with torch.no_grad():
+                return _Gather.forward(_Ctx(), t, sh.group, sh.order, sh.mine)
+
+        return tuple(full(a) for a in args), {k: full(v) for k, v in kwargs.items()}
+
+    def _after(self, module, args, kwargs, output):
+        sh = self._stack.pop()
+        if sh is None:
+            return None
+        S = sh.s * sh.P
+
+        def cut(t):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == (sh.B, S):
+                return t.index_select(1, sh.mine.to(t.device))
+            return t
+
+        if isinstance(output, tuple):
+            return type(output)(cut(t) for t in output) if type(output) is tuple else output
+        return cut(output)
+
+
+class _Ctx:
+    """A stand-in autograd context for gathering integer tensors (masks, ids) without autograd."""
+
+
+_prepared: "weakref.WeakKeyDictionary[torch.nn.Module, Replicated | str | None]" = weakref.WeakKeyDictionary()
+
+
+def prepare(model: torch.nn.Module, context, P: int, who: str = "tokenring") -> Replicated | None:
+    """Make ``model``'s sequence mixers exact when sharded over ``P > 1`` ranks (:class:`Replicated` hooks),
+    once per model; a ValueError on every rank for mixers that no module can be found for (a config's layer
+    types only). Returns the hooks, or ``None`` for a model with no such layers."""
+    if P <= 1:
+        return None
+    model = getattr(model, "module", model)  # DDP and the like
+    if model not in _prepared:
+        mixers = find_mixers(model)
+        if not mixers:
+            _prepared[model] = None
+        else:
+            hooks = Replicated(model, mixers, context)
+            if not hooks.wrapped:
+                hooks.remove()
+                _prepared[model] = (
+                    f"{_describe(model, mixers)}. No module of these layers was found to run them on the whole "
+                    f"sequence; without that they would see only this rank's shard. Run this model on one rank "
+                    f"per sequence (P = 1)"
+                )
+            else:
+                _prepared[model] = hooks
+    got = _prepared[model]
+    if isinstance(got, str):
+        raise ValueError(f"{who}: {got}")
+    return got
+
+
+def check_prepared(model: torch.nn.Module, P: int, who: str = "tokenring") -> None:
+    """At an attention layer: the model's mixers were prepared before its forward began (by the mask function,
+    :func:`prepare`), else a ValueError on every rank: a mixer may have run on this rank's shard alone."""
+    if P <= 1:
+        return
+    model = getattr(model, "module", model)
+    if model in _prepared:
+        got = _prepared[model]
+        if isinstance(got, str):
+            raise ValueError(f"{who}: {got}")
+        return
+    mixers = find_mixers(model)
+    if not mixers:
+        _prepared[model] = None
+        return
+    raise ValueError(
+        f"{who}: {_describe(model, mixers)}, and they were not prepared before this forward began (the model "
+        f"built no attention mask through transformers' mask interface, or runs under torch.compile), so they "
+        f"may have seen only this rank's shard. Call tokenring.hf.prepare(model) once before the first forward"
     )
 
 
-_verdicts: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
-
-
-def check_model(model: torch.nn.Module, P: int, who: str = "tokenring") -> None:
-    """Raise a ValueError naming the layers if ``model`` mixes tokens outside attention and ``P > 1``. Every
-    rank holds the same model, so every rank raises the same error without a message."""
+def refuse_generation(model: torch.nn.Module, P: int, who: str) -> None:
+    """Generation over a sharded cache keeps K/V rows only: a model with sequence mixers (recurrent or
+    convolution state) is refused at ``P > 1``, on every rank alike."""
     if P <= 1:
         return
-    model = getattr(model, "module", model)  # DDP and the like
-    if model not in _verdicts:
-        mixers = find_mixers(model)
-        _verdicts[model] = refusal(model, mixers, P) if mixers else None
-    if _verdicts[model] is not None:
-        raise ValueError(f"{who}: {_verdicts[model]}")
+    model = getattr(model, "module", model)
+    mixers = find_mixers(model)
+    if mixers:
+        raise ValueError(
+            f"{who}: {_describe(model, mixers)}. Generation over a sequence-sharded cache holds attention K/V "
+            f"rows only, not these layers' recurrent or convolution state: generate in one process (P = 1); "
+            f"training and full-sequence forwards are exact when sharded"
+        )
 
 
-_by_layer: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module | None]" = weakref.WeakKeyDictionary()
+_by_layer: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
 
 
 def _outer_model(frame, config) -> torch.nn.Module | None:
@@ -169,17 +332,13 @@ def _outer_model(frame, config) -> torch.nn.Module | None:
     return found
 
 
-def check_from_stack(layer: torch.nn.Module | None, P: int, who: str = "tokenring") -> None:
-    """:func:`check_model` for the model whose forward called ``layer`` (found once per layer on the stack;
-    ``layer=None``: the outermost model on the stack, for calls that have no module at hand)."""
-    if P <= 1:
-        return
+def model_on_stack(layer: torch.nn.Module | None = None, config=None) -> torch.nn.Module | None:
+    """The model whose forward is running (found on the call stack; once per ``layer``): the outermost module
+    holding ``layer``'s config (or ``config``, or any config when neither is given)."""
     model = _by_layer.get(layer) if layer is not None else None
     if model is None:
-        config = getattr(layer, "config", None) if layer is not None else None
-        model = _outer_model(sys._getframe(1), config)
-        if model is None:
-            return  # called outside a model's forward: nothing to check
-        if layer is not None:
+        cfg = getattr(layer, "config", None) if layer is not None else config
+        model = _outer_model(sys._getframe(1), cfg)
+        if model is not None and layer is not None:
             _by_layer[layer] = model
-    check_model(model, P, who)
+    return model

@@ -1,0 +1,118 @@
+"""Every decoder family of the installed transformers (tests/family_cases.py), sharded at P = 2 and 3: one
+training step equals transformers' own attention in one process, or the model is refused on every rank with a
+ValueError naming its sequence-mixing layer and the model. Nothing silently in between. Also the detector of
+such layers on plain modules, MLA generation, and the refusal under torch.compile."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import family_cases  # noqa: E402
+import torch  # noqa: E402
+
+from tokenring.mixers import find_mixers  # noqa: E402
+
+# the families refused, with a word of the refusal; every other family must be exact
+REFUSED = {"gemma2": "soft-capping"}
+HYBRIDS = {
+    "qwen3_next": "Qwen3NextGatedDeltaNet",
+    "qwen3_5": "Qwen3_5GatedDeltaNet",
+    "qwen3_5_moe": "Qwen3_5MoeGatedDeltaNet",
+    "olmo_hybrid": "OlmoHybridGatedDeltaNet",
+    "falcon_h1": "FalconH1Mixer",
+    "bamba": "BambaMixer",
+    "granitemoehybrid": "GraniteMoeHybridMambaLayer",
+    "jamba": "JambaMambaMixer",
+    "nemotron_h": "NemotronHMamba2Mixer",
+    "lfm2": "Lfm2ShortConv",
+    "minimax": "MiniMaxLightningAttention",
+    "zamba": "ZambaMambaMixer",
+}
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_every_family_is_exact_or_refused_on_every_rank(pools, P):
+    """One training step in float64 (transformers' own loss upcasts to float32, so the loss is taken in float64
+    from the logits): logits and loss to 1e-9, every gradient to 1e-9 or 4x the one process's own floor."""
+    names = list(family_cases.FAMILIES)
+    assert len([n for n in names if "(" not in n]) >= 25 and set(HYBRIDS) <= set(names)
+    per_rank = pools(P).run(family_cases.sweep, names, 12 * P)
+    for i, name in enumerate(names):
+        got = [r[i] for r in per_rank]
+        first = got[0]
+        if name in REFUSED:
+            assert all(g["outcome"] == "refused" for g in got), (name, [g["outcome"] for g in got])
+            assert all(REFUSED[name] in g["error"] for g in got), (name, first["error"])
+        else:
+            assert first["outcome"] == "exact", (name, first)
+            assert all(g["outcome"] == "ran" for g in got[1:]), (name, [g["outcome"] for g in got])
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_hybrids_unprepared_would_differ(pools, P):
+    """The sweep's hybrids are a real test: left unprepared (their mixers on one shard), they differ."""
+    names = ["qwen3_5", "bamba", "lfm2"]
+    res = pools(P).run(family_cases.unprepared, names, 8 * P)[0]
+    for name, r in zip(names, res):
+        assert r["outcome"] == "differs" and r["logits"] > 1e-4, (name, r)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_mla_and_refused_hybrid_generate(pools, P):
+    """DeepSeek-V3 (q/k head dim 24, v 16): sharded prefill, greedy generate, a next turn by extend (sharded at
+    both P: 4P + 1 new tokens) and generate again give one process's tokens and logits. A hybrid is refused in
+    prefill on every rank."""
+    res = pools(P).run(family_cases.generate_family, "deepseek_v3", 16 * P + 1, 5, 4 * P + 1)
+    assert res[0]["outcome"] == "exact", res[0]
+    assert all(r["tokens"] == res[0]["tokens"] for r in res)
+    res = pools(P).run(family_cases.generate_family, "qwen3_5", 8 * P, 3)
+    assert all(r["outcome"] == "refused" and "Qwen3_5GatedDeltaNet" in r["error"] for r in res), res
+    assert all("recurrent or convolution state" in r["error"] for r in res), res
+
+
+def test_compiled_hybrid_is_refused(pools):
+    """Under torch.compile the layer's check does not run while tracing; the documents op at run time refuses."""
+    res = pools(2).run(family_cases.compiled_refusal, "lfm2")
+    assert all("Lfm2ShortConv" in r for r in res), res
+
+
+def test_detector_on_plain_modules():
+    """By what a layer is: a Conv1d with a kernel > 1, an A_log / dt_bias recurrence, a mixer's class name; not
+    GPT-2's Conv1D (a linear layer), a kernel-1 Conv1d, or a tower governed by another config."""
+    from transformers import GPT2Config, PretrainedConfig
+    from transformers.pytorch_utils import Conv1D
+
+    class Recurrence(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.A_log = torch.nn.Parameter(torch.zeros(2))
+            self.conv1d = torch.nn.Conv1d(4, 4, 4, groups=4)
+
+    class LightningAttention(torch.nn.Module):
+        pass
+
+    class Block(torch.nn.Module):
+        def __init__(self, mixer):
+            super().__init__()
+            self.mixer, self.proj = mixer, torch.nn.Linear(4, 4)
+
+    class Tower(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = PretrainedConfig()
+            self.patch = torch.nn.Conv1d(4, 4, 3)
+
+    class Model(torch.nn.Module):
+        def __init__(self, *layers):
+            super().__init__()
+            self.config = GPT2Config()
+            self.layers = torch.nn.ModuleList(layers)
+
+    kinds = {m.type_name: m.kind for m in find_mixers(Model(Block(Recurrence()), Block(torch.nn.Conv1d(4, 4, 3))))}
+    assert kinds == {"Recurrence": "state-space / gated-delta recurrence", "Block": "short causal convolution"}
+    assert [m.type_name for m in find_mixers(Model(Block(LightningAttention())))] == ["LightningAttention"]
+    plain = Model(Block(Conv1D(4, 4)), Block(torch.nn.Conv1d(4, 4, 1)), Tower())
+    assert find_mixers(plain) == []
+    by_config = Model(Block(torch.nn.Identity()))
+    by_config.config.layer_types = ["full_attention", "linear_attention"]
+    assert [m.where for m in find_mixers(by_config)] == [["layer 1"]]
