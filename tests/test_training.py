@@ -20,6 +20,14 @@ def test_trainer_matches_single_process(pools, P, dp, accumulate, tiled):
     assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "lfm2"])
+def test_trainer_step_of_a_hybrid(pools, family):
+    """Gated DeltaNet, Mamba2 and short-convolution layers beside attention (float64 weights; the Trainer's loss
+    is float32): one SequenceParallelTrainer step at dp=1 x cp=2 equals one process."""
+    r = pools(2).run(train_cases.trainer_step, 1, 32, 2, 1, None, family)[0]
+    assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
+
+
 def test_trainer_resumes_exactly(pools):
     """A checkpoint after step 1 and a resumed step 2 end where two uninterrupted steps do (dp=2 x cp=2)."""
     diffs = pools(4).run(train_cases.trainer_resume, 2, 32)

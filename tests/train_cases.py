@@ -41,9 +41,18 @@ def samples(n: int, S: int, vocab: int) -> list[dict]:
     return [dict(input_ids=ids[i], labels=ids[i]) for i in range(n)]
 
 
-def reference(model, data: list[dict]) -> tuple[float, dict]:
+def build(family: str | None, attn: str):
+    """The small Llama (float32), or a family of tests/family_cases.py (float64; attn "sdpa": its reference)."""
+    if family is None:
+        return hf_cases.build("llama", attn, **SMALL)
+    import family_cases
+
+    return family_cases.build(family, family_cases.FAMILIES[family][2] if attn == "sdpa" else attn, dtype=torch.float64)
+
+
+def reference(model, data: list[dict], family: str | None = None) -> tuple[float, dict]:
     """One process: the global batch's mean next-token loss and its gradients (transformers' sdpa)."""
-    ref = hf_cases.build("llama", "sdpa", **SMALL)
+    ref = build(family, "sdpa")
     ref.load_state_dict(model.state_dict())
     ids = torch.stack([d["input_ids"] for d in data])
     out = ref(input_ids=ids, labels=ids, use_cache=False)
@@ -63,18 +72,26 @@ def mesh_of(dp: int, P: int):
 
 
 def trainer_step(
-    rank: int, P: int, dp: int, S: int, per_device: int, accumulate: int = 1, tiled: int | None = None
+    rank: int,
+    P: int,
+    dp: int,
+    S: int,
+    per_device: int,
+    accumulate: int = 1,
+    tiled: int | None = None,
+    family: str | None = None,
 ) -> dict:
     """One optimizer step of SequenceParallelTrainer over a (dp, P/dp) mesh: the gradients before the
-    optimizer step and the logged loss vs one process on the whole global batch."""
+    optimizer step and the logged loss vs one process on the whole global batch (``family``: a model of
+    tests/family_cases.py instead of the small Llama)."""
     from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
     _env(rank, P)
     sp = SequenceParallel(mesh_of(dp, P))
     try:
-        model = hf_cases.build("llama", "tokenring", **SMALL)
+        model = build(family, "tokenring")
         data = samples(dp * per_device * accumulate, S, model.config.vocab_size)
-        want = reference(model, data) if rank == 0 else None
+        want = reference(model, data, family) if rank == 0 else None
         seen = {}
 
         class Grab(TrainerCallback):

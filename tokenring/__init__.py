@@ -6,12 +6,14 @@
     out = tokenring.attention(q, k, v, causal=True, cu_seqlens=cu, window=(4095, 0))   # packed docs, a window
     out = tokenring.decode_attention(q_new, k_rows, v_rows)   # new tokens over a sequence-sharded KV cache
     out = tokenring.extend_attention(q_mine, k_rows, v_rows, new=(a, b))   # a turn's new tokens, sharded too
+    with tokenring.context_parallel(buffers=[tokens], seq_dims=[1]): model(tokens)   # any model's SDPA calls
 
 The cost model behind ``strategy="auto"`` (``tokenring.sim``) is imported on first use only.
 """
 
 from .api import STRATEGY_NAMES, attention, choose_strategy
 from .comm import get_timeout, set_timeout
+from .context import context_parallel
 from .decode import decode_attention
 from .extend import extend_attention
 from .instrument import instrument
@@ -23,6 +25,7 @@ __all__ = [
     "attention",
     "decode_attention",
     "extend_attention",
+    "context_parallel",
     "shard",
     "gather",
     "local_positions",
