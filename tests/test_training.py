@@ -20,11 +20,11 @@ def test_trainer_matches_single_process(pools, P, dp, accumulate, tiled):
     assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "lfm2"])
-def test_trainer_step_of_a_hybrid(pools, family):
+@pytest.mark.parametrize("family,P", [("qwen3_next", 2), ("bamba", 3), ("lfm2", 4), ("olmo_hybrid", 4)])
+def test_trainer_step_of_a_hybrid(pools, family, P):
     """Gated DeltaNet, Mamba2 and short-convolution layers beside attention (float64 weights; the Trainer's loss
-    is float32): one SequenceParallelTrainer step at dp=1 x cp=2 equals one process."""
-    r = pools(2).run(train_cases.trainer_step, 1, 32, 2, 1, None, family)[0]
+    is float32): one SequenceParallelTrainer step at dp=1 x cp=P equals one process."""
+    r = pools(P).run(train_cases.trainer_step, 1, 24 * P, 2, 1, None, family)[0]
     assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
 
 
