@@ -203,10 +203,12 @@ def generate_matches(
     over: dict | None = None,
     sample: bool = False,
     B: int = 1,
+    seed_per_rank: bool = False,
 ) -> dict:
     """``tokenring.hf.prefill`` + ``model.generate`` over the sharded cache vs rank 0's single-process
     ``generate`` with transformers' own cache (same weights, same seed): generated ids, max |logits| difference
-    over every step, and the cache bytes this rank holds vs the single process's."""
+    over every step, and the cache bytes this rank holds vs the single process's. ``seed_per_rank``: each rank
+    seeds its sampling differently (rank 0 as the single process)."""
     over = over or {}
     model = build(arch, "tokenring", **over).eval()
     ids = tokens(S, model.config.vocab_size, B=B)
@@ -222,7 +224,7 @@ def generate_matches(
     t0 = time.perf_counter()
     cache = thf.prefill(model, ids)
     t1 = time.perf_counter()
-    torch.manual_seed(1234)
+    torch.manual_seed(1234 + (rank if seed_per_rank else 0))
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
     t2 = time.perf_counter()

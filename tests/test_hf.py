@@ -201,3 +201,11 @@ def test_autocast_bf16(pools):
 def test_refused_generate_leaves_nothing_behind(pools, P):
     """A refusal after a cache layer stored its rows leaves no step behind for the next call's attention."""
     assert max(pools(P).run(hf_cases.refused_generate_leaves_nothing)) < 1e-4
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_sampling_agrees_whatever_each_rank_seeded(pools, P):
+    """Sampling (top-k 20) with every rank seeded differently: every rank emits rank 0's tokens, and they equal
+    one process seeded as rank 0 (each decode step shares rank 0's random state before the token is drawn)."""
+    res = pools(P).run(hf_cases.generate_matches, 96 * P + 1, 24, "llama", {"num_hidden_layers": 2}, True, 1, True)
+    assert all(r["tokens"] == res[0]["want"] for r in res), [r["tokens"] for r in res] + [res[0]["want"]]

@@ -9,8 +9,9 @@ layer's
 K/V. ``model.generate`` then runs every decode step replicated on every rank (the new tokens are tiny); each
 layer's :meth:`ShardedLayer.update` stores the new tokens' K/V on the emptiest ranks
 (:func:`tokenring.decode.place_new`) and the attention is :func:`tokenring.decode.decode_attention` over the
-shards, whose merged output is bitwise the same on every rank, so every rank picks the same tokens (greedy,
-or sampling with the same seed).
+shards, whose merged output is bitwise the same on every rank, so every rank picks the same tokens: greedy, or
+sampled, since each decode step first gives every rank rank 0's random state (:meth:`ShardedCache.sync_rng`),
+whatever each rank was seeded with. Beam search and assisted decoding are refused.
 
 The cache reports one token fewer than it holds until the first decode step: ``generate`` then feeds the
 prompt's last token again (as it does after any prefill) and that step stores nothing, attending the cached
@@ -20,10 +21,13 @@ prompt, which already contains that token.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .decode import decode_attention, place_new
 from .extend import Shards, extend_attention
+from .comm import wait_collective
+from .device import collective_device
 from .layouts import group_info
 
 __all__ = ["ShardedCache", "ShardedLayer", "take_step", "forget_steps", "step_attention"]
@@ -79,6 +83,8 @@ class ShardedLayer(DynamicLayer):
             start = self._store(key_states, value_states, a, b, ranges, ranges[-1][1] if ranges else 0)
             info = {"extend": (a, b), "shards": Shards(tuple(self.counts), tuple(ranges)), "start": start}
         elif self.skip:
+            if self is o.layers[0]:
+                o.sync_rng(key_states.device)
             if t != 1:
                 raise ValueError(
                     f"tokenring ShardedCache: the first step after prefill must feed the prompt's last "
@@ -87,6 +93,8 @@ class ShardedLayer(DynamicLayer):
             self.skip = 0
             info = {"new": None, "start": self.total - 1}  # the query is the cached last token
         else:
+            if self is o.layers[0]:
+                o.sync_rng(key_states.device)
             placed = place_new(self.counts, t)
             a, b = placed[o.rank]
             start = self._store(key_states[:, :, a:b], value_states[:, :, a:b], a, b, placed, t)
@@ -139,6 +147,25 @@ class ShardedCache(Cache):
         self._chosen: str | None = None  # what auto chose at the first layer of the current extend step
         self.log: list | None = None  # set to a list to receive each decode attention's {"bytes": received}
         super().__init__(layer_class_to_replicate=self._new_layer)
+
+    def sync_rng(self, device: torch.device) -> None:
+        """Every rank takes rank 0's random state for ``device``, once per decode step, before ``generate``
+        samples the step's token (its logits are the same bits everywhere): sampled tokens agree on every rank
+        whatever each was seeded with, and equal one process seeded as rank 0 (whose state is only read)."""
+        if self.P == 1 or device.type not in ("cpu", "cuda"):
+            return
+        cuda = device.type == "cuda"
+        state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+        buf = state.to(collective_device(self.group))
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        wait_collective(
+            dist.broadcast(buf, src=src, group=self.group, async_op=True),
+            self.group,
+            f"tokenring generate (rank {self.rank}): sharing rank 0's random state",
+            "a rank died or is not generating this step",
+        )
+        if self.rank:
+            torch.cuda.set_rng_state(buf.cpu(), device) if cuda else torch.set_rng_state(buf.cpu())
 
     def _new_layer(self) -> ShardedLayer:
         return ShardedLayer(self, len(self.layers))
