@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .decode import decode_attention, place_new
-from .extend import Shards, extend_attention
 from .comm import wait_collective
+from .decode import decode_attention, place_new
 from .device import collective_device
+from .extend import Shards, extend_attention
 from .layouts import group_info
 
 __all__ = ["ShardedCache", "ShardedLayer", "take_step", "forget_steps", "step_attention"]
