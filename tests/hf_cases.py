@@ -411,3 +411,27 @@ def refused_generate_leaves_nothing(rank: int, P: int) -> float:
     ref = build("llama", "sdpa", num_hidden_layers=2, attention_dropout=0.1).eval()
     ref.load_state_dict(model.state_dict())
     return (logits - ref(input_ids=ids, use_cache=False).logits).abs().max().item()
+
+
+def generate_modes(rank: int, P: int, mode: str) -> dict:
+    """Greedy generation over a sharded cache in a mode that used to fail, vs one process in the same mode:
+    ``"contiguous"`` (prefill with layout="contiguous") or ``"autocast"`` (bf16 autocast on CPU). Returns the
+    tokens and the largest logit difference relative to the largest logit."""
+    import contextlib
+
+    model = build("llama", "tokenring", num_hidden_layers=2).eval()
+    ids = tokens(16 * P + 1, model.config.vocab_size)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+    layout = "contiguous" if mode == "contiguous" else None
+    with torch.no_grad(), amp:
+        cache = thf.prefill(model, ids, layout=layout)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
+        ref = build("llama", "sdpa", num_hidden_layers=2).eval()
+        ref.load_state_dict(model.state_dict())
+        want = ref.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    return dict(
+        tokens=out.sequences.tolist(),
+        want=want.sequences.tolist(),
+        logits=max(rel(a, b) for a, b in zip(out.logits, want.logits)),
+    )

@@ -209,3 +209,11 @@ def test_sampling_agrees_whatever_each_rank_seeded(pools, P):
     one process seeded as rank 0 (each decode step shares rank 0's random state before the token is drawn)."""
     res = pools(P).run(hf_cases.generate_matches, 96 * P + 1, 24, "llama", {"num_hidden_layers": 2}, True, 1, True)
     assert all(r["tokens"] == res[0]["want"] for r in res), [r["tokens"] for r in res] + [res[0]["want"]]
+
+
+@pytest.mark.parametrize("mode,tol", [("contiguous", 1e-5), ("autocast", 3e-2)])
+def test_generate_contiguous_prefill_and_autocast(pools, mode, tol):
+    """prefill(layout="contiguous") and generation under bf16 autocast: one process's tokens; logits within
+    float32 (1e-5) and bf16 (3e-2, relative to the largest logit) tolerances."""
+    res = pools(2).run(hf_cases.generate_modes, mode)
+    assert all(r["tokens"] == res[0]["want"] for r in res) and res[0]["logits"] < tol, res[0]

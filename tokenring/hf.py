@@ -709,7 +709,7 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
     layout = layout or _settings.layout
     S = input_ids.shape[1]
     split = S - S % (2 * P if layout == "zigzag" else P)  # the rest (< 2P tokens) goes in as one decode step
-    with torch.no_grad():
+    with torch.no_grad(), settings(layout=layout, group=group):  # the layers read the layout prefill shards with
         if split:
             batch = shard_batch(input_ids[:, :split], layout=layout, group=group)
             batch["use_cache"] = True
