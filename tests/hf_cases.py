@@ -159,7 +159,9 @@ def refusals(rank: int, P: int, S: int) -> dict:
         if rank == P - 1:
             mask[:, -3:] = 0
         expect("padding", lambda: model(**batch, attention_mask=mask))
-        expect("padding_full", lambda: thf.shard_batch(ids, attention_mask=torch.ones_like(ids).tril()[:1]))
+        left = torch.ones_like(ids)
+        left[:, :3] = 0  # left padding: real tokens would see the pads
+        expect("padding_full", lambda: thf.shard_batch(ids, attention_mask=left))
         # all-ones mask is fine
         model(**batch, attention_mask=torch.ones_like(batch["input_ids"]))
         # missing position_ids (transformers would number local tokens 0..s-1)
@@ -434,4 +436,44 @@ def generate_modes(rank: int, P: int, mode: str) -> dict:
         tokens=out.sequences.tolist(),
         want=want.sequences.tolist(),
         logits=max(rel(a, b) for a, b in zip(out.logits, want.logits)),
+    )
+
+
+def any_length_matches(rank: int, P: int, lengths: list[int], rows: int = 1, pad_right: bool = False) -> dict:
+    """A batch of any length through shard_batch, vs one process (float32, the small Llama): ``rows`` = 1 packs
+    documents of ``lengths`` into one row (position ids restarting, as DataCollatorWithFlattening makes it);
+    ``pad_right``: one row per length, right-padded to the longest with a 2D attention mask (pad labels -100).
+    Returns the max |logits| difference over real tokens, the loss difference and the worst relative gradient."""
+    model = build("llama", "tokenring", num_hidden_layers=2)
+    ref = build("llama", "sdpa", num_hidden_layers=2)
+    ref.load_state_dict(model.state_dict())
+    vocab = model.config.vocab_size
+    if pad_right:
+        S = max(lengths)
+        ids = torch.randint(1, vocab, (len(lengths), S), generator=torch.Generator().manual_seed(4))
+        mask = (torch.arange(S)[None] < torch.tensor(lengths)[:, None]).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        pos = None
+        want = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    else:
+        S = sum(lengths)
+        ids = tokens(S, vocab, seed=4)
+        pos = packed_positions(lengths)
+        mask = None
+        labels = ids.clone()
+        labels[0, torch.cumsum(torch.tensor([0] + lengths[:-1]), 0)] = -100  # no target across documents
+        want = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+    want.loss.backward()
+    batch = thf.shard_batch(ids, labels=labels, position_ids=pos, attention_mask=mask)
+    out = model(**batch)
+    out.loss.backward()
+    thf.all_reduce_grads(model)
+    loss = thf.reduce_loss(out.loss)
+    logits = thf.gather_logits(out.logits, length=S)
+    real = mask.bool() if mask is not None else torch.ones(1, S, dtype=torch.bool)
+    return dict(
+        logits=(logits - want.logits.detach())[real].abs().max().item(),
+        loss=abs(loss.item() - want.loss.item()),
+        grad=max(rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
+        local=batch["input_ids"].shape[1],
     )

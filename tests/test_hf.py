@@ -113,7 +113,7 @@ def test_refusals(pools):
     every = pools(4).run(hf_cases.refusals, 64)
     msgs = every[0]
     assert "padding" in msgs["padding"] or "refused its attention mask" in msgs["padding"]
-    assert "padding" in msgs["padding_full"]
+    assert "left padding" in msgs["padding_full"]
     assert "position_ids" in msgs["positions"] and "tokenring.shard" in msgs["positions"]
     assert "use_cache=False" in msgs["cache"]
     assert "share one packing" in msgs["packing"]
@@ -217,3 +217,13 @@ def test_generate_contiguous_prefill_and_autocast(pools, mode, tol):
     float32 (1e-5) and bf16 (3e-2, relative to the largest logit) tolerances."""
     res = pools(2).run(hf_cases.generate_modes, mode)
     assert all(r["tokens"] == res[0]["want"] for r in res) and res[0]["logits"] < tol, res[0]
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_any_length_and_right_padding(pools, P):
+    """Lengths that do not split over 2P (packed documents of 1, 3 and 7 tokens among others; one row) and a
+    right-padded batch of rows of different lengths: logits over real tokens, the loss and every gradient equal
+    one process (float32: 1e-4 relative for gradients)."""
+    for lengths, rows, pad in (([1, 3, 7, 120, 2, 50], 1, False), ([61], 1, False), ([37, 64, 5], 3, True)):
+        r = pools(P).run(hf_cases.any_length_matches, lengths, rows, pad)[0]
+        assert r["logits"] < 1e-4 and r["loss"] < 1e-5 and r["grad"] < 1e-4, (P, lengths, r)

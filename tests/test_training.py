@@ -63,3 +63,13 @@ def test_misuse_is_refused_on_every_rank(pools):
 def test_trainer_in_one_process():
     """The same script on one process (no process group) trains as plain transformers would."""
     assert train_cases.single_process_trainer()["loss"] < TOL
+
+
+@pytest.mark.parametrize("collator", ["flatten", "pad"])
+def test_stock_collators_any_length(pools, collator):
+    """transformers' DataCollatorWithFlattening (packing, no padding) and DataCollatorForLanguageModeling (right
+    padding) over samples of lengths that split over no 2P, at dp=2 x cp=2: the logged loss, the gradients and
+    the evaluation loss of one process running the same collator over the whole batch."""
+    lengths = [37, 1, 90, 13]
+    r = pools(4).run(train_cases.collator_step, 2, collator, lengths)[0]
+    assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r

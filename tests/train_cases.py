@@ -371,3 +371,82 @@ def single_process_trainer() -> dict:
         return dict(loss=abs(logged - want) / want)
     finally:
         sp.close()
+
+
+def _tokenizer():
+    """A word-level tokenizer over ids 0..127 with pad id 0 (for transformers' padding collators; no hub)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {str(i): i for i in range(SMALL["vocab_size"])}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="0")), pad_token="0")
+
+
+def collator_step(rank: int, P: int, dp: int, collator: str, lengths: list[int]) -> dict:
+    """One SequenceParallelTrainer step over a (dp, P/dp) mesh with a stock collator on samples of ``lengths``
+    (``"flatten"``: DataCollatorWithFlattening, padding-free packing; ``"pad"``: DataCollatorForLanguageModeling
+    padding each batch on the right), vs one process running the same collator over the whole global batch:
+    the logged loss, the gradients before the optimizer step and the evaluation loss (relative errors)."""
+    from transformers import (
+        DataCollatorForLanguageModeling,
+        DataCollatorWithFlattening,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    _env(rank, P)
+    sp = SequenceParallel(mesh_of(dp, P))
+    try:
+        model = hf_cases.build("llama", "tokenring", **SMALL)
+        gen = torch.Generator().manual_seed(7)
+        data = [{"input_ids": torch.randint(1, 128, (n,), generator=gen).tolist()} for n in lengths]
+        collate = (
+            DataCollatorWithFlattening()
+            if collator == "flatten"
+            else DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
+        )
+        want = None
+        if rank == 0:
+            ref = hf_cases.build("llama", "sdpa", **SMALL)
+            ref.load_state_dict(model.state_dict())
+            full = collate(data)
+            keep = ("input_ids", "labels", "position_ids", "attention_mask")
+            # use_cache=False: with a cache, transformers does not read packed documents from the position ids
+            out = ref(**{k: v for k, v in full.items() if k in keep}, use_cache=False)
+            out.loss.backward()
+            want = (out.loss.item(), {n: p.grad.clone() for n, p in ref.named_parameters()})
+        seen = {}
+
+        class Grab(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
+
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(
+                output_dir=tmp,
+                per_device_train_batch_size=len(lengths) // dp,
+                per_device_eval_batch_size=len(lengths) // dp,
+                max_steps=1,
+                logging_steps=1,
+                report_to=[],
+                use_cpu=True,
+                save_strategy="no",
+                learning_rate=1e-3,
+                disable_tqdm=True,
+                max_grad_norm=1e9,
+                remove_unused_columns=False,
+            )
+            trainer = thf.SequenceParallelTrainer(
+                sp, model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Grab()]
+            )
+            evaluated = trainer.evaluate(eval_dataset=data)["eval_loss"]
+            trainer.train()
+        logged = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+        if rank:
+            return {}
+        res = compare(logged, seen, want)
+        res["eval"] = abs(evaluated - want[0]) / want[0]
+        return res
+    finally:
+        sp.close()
+        thf.configure(group=dist.group.WORLD)

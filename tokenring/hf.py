@@ -165,7 +165,9 @@ def _refuse(module, why: str) -> ValueError:
     return ValueError(f"tokenring (attn_implementation='tokenring', {where}): {why}")
 
 
-def _mask_problem(attention_mask) -> str | None:
+def _mask_problem(attention_mask, allow_padding: bool = False) -> str | None:
+    """What cannot be sharded about ``attention_mask`` (``None``: nothing). ``allow_padding``: a 2D padding mask
+    passes here; whether it pads on the right, which causal layers never see, is checked on the whole batch."""
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor):
@@ -173,8 +175,8 @@ def _mask_problem(attention_mask) -> str | None:
             f"got an attention mask of type {type(attention_mask).__name__}; only full causal or full "
             f"bidirectional attention can be sharded (pass attention_mask=None)"
         )
-    if attention_mask.dim() == 2 and bool(attention_mask.to(torch.bool).all()):
-        return None  # an all-ones padding mask means no padding
+    if attention_mask.dim() == 2 and (allow_padding or bool(attention_mask.to(torch.bool).all())):
+        return None  # all ones means no padding
     return (
         f"got an attention mask of shape {tuple(attention_mask.shape)} that masks tokens (padding or a "
         f"custom mask). TokenRing computes exact full causal/bidirectional attention over the sharded sequence "
@@ -216,21 +218,47 @@ def _documents(full: torch.Tensor, local_default: bool, S: int, layout: str) -> 
     return [0] + cuts + [S], None
 
 
+def _padding_problem(full_mask: torch.Tensor, causal: bool) -> str | None:
+    """A whole batch's 2D mask (B, S): right padding under causal attention is fine (no real token sees a later
+    pad, and the pads carry no loss); anything else is refused."""
+    m = full_mask.to(torch.bool)
+    if bool(m.all()):
+        return None
+    if bool((m[:, 1:] & ~m[:, :-1]).any()):
+        return (
+            "the attention mask has padding before real tokens (left padding) or holes; only right padding can be "
+            "sharded: pad on the right (tokenizer.padding_side = 'right'), or pack the rows without padding "
+            "(DataCollatorWithFlattening)"
+        )
+    if not causal:
+        return (
+            "the attention mask pads rows on the right, but this layer attends bidirectionally, so real tokens "
+            "would see the pads; pack the rows without padding (DataCollatorWithFlattening) instead"
+        )
+    return None
+
+
 def _check_inputs(
-    module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group, device
+    module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group, device, causal: bool = True
 ) -> list[int] | None:
     """Mask and position checks, agreed on by all ranks (one small all-gather of the flags and position ids),
     so a problem on one rank's shard raises on every rank instead of leaving the others waiting in attention.
     Returns the documents (cu_seqlens over the global sequence) that the position ids pack, or ``None``."""
-    mask_problem = _mask_problem(attention_mask)
+    mask_problem = _mask_problem(attention_mask, allow_padding=True)
+    padded = mask_problem is None and attention_mask is not None and not bool(attention_mask.to(torch.bool).all())
     use_pos = position_ids is not None and position_ids.shape[-1] == s  # the caller drops unchecked ones
     # (some models pass positions of another shape, e.g. mrope: left alone)
     pos = position_ids.reshape(-1, s).to(torch.int64) if use_pos else None
+    if P == 1 and padded:
+        mask_problem = _padding_problem(attention_mask, causal)
     if P > 1 and (attention_mask is not None or position_ids is not None):
         B = pos.shape[0] if pos is not None else 0
         # A fixed-size exchange first, so that what differs is named (and the variable-size one below can
         # not mismatch: gloo aborts the process on unequal sizes).
-        head = torch.tensor([int(mask_problem is None), B, s, int(pos is not None)], dtype=torch.int64)
+        mask_rows = attention_mask.shape[0] if isinstance(attention_mask, torch.Tensor) else -1
+        head = torch.tensor(
+            [int(mask_problem is None), B, s, int(pos is not None), int(padded), mask_rows], dtype=torch.int64
+        )
         heads = [torch.empty_like(head, device=device) for _ in range(P)]
         dist.all_gather(heads, head.to(device), group=group)
         heads = [h.cpu().tolist() for h in heads]
@@ -245,6 +273,7 @@ def _check_inputs(
             (2, "local lengths (tokens per rank)"),
             (1, "batch sizes of their position ids"),
             (3, "position ids (given on some ranks only)"),
+            (5, "attention masks (batch size, or given on some ranks only)"),
         ):
             if len({h[i] for h in heads}) > 1:
                 raise _refuse(
@@ -253,6 +282,15 @@ def _check_inputs(
                     f"{ {r: h[i] for r, h in enumerate(heads)} }. Every rank must hold S/P tokens of "
                     f"the same sequences: shard them with tokenring.hf.shard_batch or tokenring.shard",
                 )
+        if any(h[4] for h in heads):  # a padding mask on some rank: is it right padding of the whole batch?
+            mine = attention_mask.to(torch.int64).reshape(-1).to(device)  # every rank has one of the same size
+            every = [torch.empty_like(mine) for _ in range(P)]
+            dist.all_gather(every, mine, group=group)
+            order = torch.argsort(torch.cat([local_positions(s * P, P, r, layout) for r in range(P)]))
+            full_mask = torch.cat([e.view(-1, s).cpu() for e in every], dim=1).index_select(1, order)
+            problem = _padding_problem(full_mask, causal)
+            if problem is not None:  # every rank derived the same from the same gathered mask
+                raise _refuse(module, f"rank {rank}: {problem}")
         if pos is not None:
             mine = pos.reshape(-1).to(device)
             every = [torch.empty_like(mine) for _ in range(P)]
@@ -331,11 +369,13 @@ def attention_forward(
     cu_q, cu_k = (_as_tensor(kwargs.get(name)) for name in ("cu_seq_lens_q", "cu_seq_lens_k"))
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise _refuse(module, _mask_problem(attention_mask))
-    cu = None
-    if attention_mask is not None or pos is not None or cu_q is not None:
-        cu = hf_documents(pos, attention_mask, cu_q, cu_k, s, _settings.layout, _group_name(group), _where(module))
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    cu = None
+    if attention_mask is not None or pos is not None or cu_q is not None:
+        cu = hf_documents(
+            pos, attention_mask, cu_q, cu_k, s, _settings.layout, _group_name(group), _where(module), causal
+        )
     window = kwargs.get("sliding_window")
     # transformers' sliding layers: key j is visible from query i when i - W < j (and j <= i when causal)
     window = (window - 1, 0 if causal else window - 1) if window is not None else None
@@ -376,6 +416,7 @@ def hf_documents(
     layout: str,
     group: str,
     where: str,
+    causal: bool = True,
 ) -> torch.Tensor:
     """The documents (``cu_seqlens`` over the global sequence, padded with ``S`` to ``S + 1`` entries: a fixed
     shape for ``torch.compile``) that a layer's mask, position ids or explicit ``cu_seq_lens_q`` give, checked
@@ -383,7 +424,7 @@ def hf_documents(
     tensors, so only the first gathers and reads values."""
     inputs = [position_ids, attention_mask, cu_q, cu_k]
     hit = _documents_cache.get(inputs)
-    if hit is not None and hit[0] == (s, layout, group):
+    if hit is not None and hit[0] == (s, layout, group, causal):
         return hit[1]
     from .ops import resolve_group
 
@@ -392,7 +433,7 @@ def hf_documents(
     if P > 1:
         _check_mixers(None, f"tokenring ({where})")  # compiled models reach the check here, not in the layer
     device = collective_device(grp) if P > 1 else "cpu"
-    cu = _check_inputs(where, attention_mask, position_ids, s, rank, P, layout, grp, device)
+    cu = _check_inputs(where, attention_mask, position_ids, s, rank, P, layout, grp, device, causal)
     if cu_q is not None:  # explicit documents (shard_batch, DataCollatorWithFlattening)
         if cu_k is not None and not torch.equal(cu_k.cpu(), cu_q.cpu()):
             raise _refuse(where, "cu_seq_lens_q and cu_seq_lens_k differ; packed self-attention needs one packing")
@@ -401,12 +442,12 @@ def hf_documents(
     cu = [0, S] if cu is None else list(cu)
     out = torch.full((S + 1,), S, dtype=torch.int64)
     out[: len(cu)] = torch.tensor(cu[: S + 1], dtype=torch.int64)
-    _documents_cache.put(inputs, ((s, layout, group), out))
+    _documents_cache.put(inputs, ((s, layout, group, causal), out))
     return out
 
 
 @hf_documents.register_fake
-def _(position_ids, attention_mask, cu_q, cu_k, s, layout, group, where):
+def _(position_ids, attention_mask, cu_q, cu_k, s, layout, group, where, causal=True):
     from .ops import resolve_group
 
     return torch.empty(s * group_info(resolve_group(group))[1] + 1, dtype=torch.int64)
@@ -506,11 +547,17 @@ def shard_batch(
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected the full (batch, seq) tensor")
     B, S = input_ids.shape
-    if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
-        raise ValueError(
-            "tokenring.hf.shard_batch: attention_mask masks tokens (padding); TokenRing cannot "
-            "express padding masks: use unpadded sequences of one length"
-        )
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (B, S):
+            raise ValueError(
+                f"tokenring.hf.shard_batch: attention_mask {tuple(attention_mask.shape)} and input_ids {(B, S)} "
+                f"differ in shape"
+            )
+        problem = _padding_problem(attention_mask, causal=True)
+        if problem is not None:
+            raise ValueError(f"tokenring.hf.shard_batch: {problem}")
+    if labels is not None and labels.shape != input_ids.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
     if verify:
         from .training import same_batch
 
@@ -520,14 +567,17 @@ def shard_batch(
         )
     if position_ids is None:
         position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
+    input_ids, labels, position_ids, attention_mask = _pad_length(
+        input_ids, labels, position_ids, attention_mask, layout, group, ignore_index
+    )
     out = dict(
         input_ids=shard(input_ids, dim=1, layout=layout, group=group),
         position_ids=shard(position_ids, dim=1, layout=layout, group=group),
         use_cache=False,
     )
+    if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
+        out["attention_mask"] = shard(attention_mask, dim=1, layout=layout, group=group)  # checked by the layers
     if labels is not None:
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
         targets = shift_labels(labels, ignore_index)
         local = shard(targets, dim=1, layout=layout, group=group).contiguous()
         out.update(
@@ -536,11 +586,37 @@ def shard_batch(
     return out
 
 
-def gather_logits(logits: torch.Tensor, layout: str | None = None, group=None) -> torch.Tensor:
-    """The full ``(B, S, V)`` logits on every rank from each rank's ``(B, s, V)`` (not differentiable)."""
-    return gather(
+def _pad_length(input_ids, labels, position_ids, attention_mask, layout: str, group, ignore_index: int):
+    """Any length: a batch whose length does not split over the layout (``2P`` chunks for zigzag) gets a few
+    pad tokens at the end, as a document of their own (position ids restarting at 0), with no targets. No real
+    token sees them: causal attention looks back only, and documents attend within themselves. The model's
+    outputs then have those few extra rows at the end (:func:`gather_logits` with ``length=`` drops them)."""
+    P = group_info(group)[1]
+    if layout == "zigzag_docs":
+        return input_ids, labels, position_ids, attention_mask  # its documents must split: local_positions says so
+    pad = -input_ids.shape[1] % (2 * P if layout.startswith("zigzag") else P)
+    if not pad:
+        return input_ids, labels, position_ids, attention_mask
+    B = input_ids.shape[0]
+    grow = lambda t, value: torch.nn.functional.pad(t, (0, pad), value=value)
+    extra = torch.arange(pad, device=position_ids.device, dtype=position_ids.dtype).expand(B, pad)
+    return (
+        grow(input_ids, 0),
+        grow(labels, ignore_index) if labels is not None else None,
+        torch.cat([position_ids.expand(B, -1), extra], dim=1),
+        grow(attention_mask, 0) if attention_mask is not None else None,
+    )
+
+
+def gather_logits(
+    logits: torch.Tensor, layout: str | None = None, group=None, length: int | None = None
+) -> torch.Tensor:
+    """The full ``(B, S, V)`` logits on every rank from each rank's ``(B, s, V)`` (not differentiable);
+    ``length``: the batch's length before :func:`shard_batch` padded it to split evenly (drops the pad rows)."""
+    full = gather(
         logits.detach(), dim=1, layout=layout or _settings.layout, group=group if group is not None else _settings.group
     )
+    return full if length is None else full[:, :length]
 
 
 def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
