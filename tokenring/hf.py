@@ -18,8 +18,11 @@ that case is refused.
 Strategy, layout and process group come from :func:`configure` (process-wide) or the :func:`settings` context
 manager; defaults: ``strategy="auto"``, ``layout="zigzag"``, the default process group.
 
-What works (tested: Llama with GQA and MHA; Qwen2, Qwen3, Mistral and gpt-oss architectures, attention sinks
-included): decoder-only models
+Any batch length: :func:`shard_batch` pads a length that does not split over the layout with a few trailing
+pad tokens of their own document, without targets (:func:`gather_logits` ``length=`` drops their rows).
+
+What works (tested: 44 decoder configs, ``tests/family_cases.py``; hybrids' linear-attention, Mamba and
+convolution layers through :mod:`tokenring.mixers`): decoder-only models
 whose attention layers call ``ALL_ATTENTION_FUNCTIONS`` with causal (``module.is_causal``) or bidirectional
 attention and no attention bias, including
 
@@ -32,8 +35,9 @@ attention and no attention bias, including
 
 What is refused, with a ``ValueError`` that says why:
 
-- padding / custom masks: a 2D ``attention_mask`` with any zero, or any 4D mask (pass unpadded or packed
-  sequences; an all-ones mask is accepted);
+- custom masks: a 4D mask, or a 2D ``attention_mask`` that pads on the left or leaves holes, or pads at all
+  under bidirectional attention (right padding under causal attention is accepted: no real token sees a
+  later pad; pack the rows instead, or pad on the right);
 - position ids that are not the global positions of the local tokens (e.g. omitted ``position_ids``), and
   batch rows that pack different documents;
 - logit soft-capping (Gemma 2), position biases (T5-style);
