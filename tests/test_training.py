@@ -73,3 +73,18 @@ def test_stock_collators_any_length(pools, collator):
     lengths = [37, 1, 90, 13]
     r = pools(4).run(train_cases.collator_step, 2, collator, lengths)[0]
     assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
+
+
+def test_every_wiring_trains_exactly_or_is_refused(pools):
+    """DDP over dp only with SequenceParallel trains exactly (its average is widened to every rank); FSDP over dp
+    only with SequenceParallel, FSDP over every rank with plain shard_batch, and DDP over dp with plain
+    shard_batch are refused on every rank before the first backward."""
+    r = pools(4).run(train_cases.wiring_step, 2, "ddp_dp")[0]
+    assert r["loss"] < TOL and r["grad"] < TOL, r
+    for how, words in (
+        ("fsdp_dp", "sp.flat_mesh"),
+        ("fsdp_world_plain", "1/2 of the true one"),
+        ("ddp_dp_plain", "never be summed"),
+    ):
+        msgs = pools(4).run(train_cases.wiring_step, 2, how)
+        assert all(isinstance(m, str) and words in m for m in msgs), (how, msgs)

@@ -450,3 +450,41 @@ def collator_step(rank: int, P: int, dp: int, collator: str, lengths: list[int])
     finally:
         sp.close()
         thf.configure(group=dist.group.WORLD)
+
+
+def wiring_step(rank: int, P: int, dp: int, how: str) -> dict | str:
+    """One step wired one of the natural ways over a (dp, P/dp) mesh: ``ddp_dp`` (DDP over dp with
+    SequenceParallel), ``fsdp_dp`` (fully_shard over dp with SequenceParallel), ``fsdp_world_plain`` (fully_shard
+    over every rank with plain shard_batch), ``ddp_dp_plain`` (DDP over dp with plain shard_batch). Returns the
+    errors against one process (rank 0), or the ValueError's message when refused."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = mesh_of(dp, P)
+    plain = how.endswith("plain")
+    sp = None if plain else SequenceParallel(mesh)
+    try:
+        model = hf_cases.build("llama", "tokenring", **SMALL)
+        data = samples(dp * 2, 32, model.config.vocab_size)
+        want = reference(model, data) if rank == 0 else None
+        dp_rank = mesh["dp"].get_local_rank()
+        ids = torch.stack([d["input_ids"] for d in data[dp_rank * 2 : dp_rank * 2 + 2]])
+        cp = mesh["cp"].get_group()
+        if plain:
+            thf.configure(group=cp)
+        if how.startswith("ddp"):
+            wrapped = DDP(model, process_group=mesh["dp"].get_group())
+        else:
+            fsdp_mesh = mesh["dp"] if how == "fsdp_dp" else mesh[("dp", "cp")]._flatten("dp_cp_w")
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=fsdp_mesh)
+            wrapped = fully_shard(model, mesh=fsdp_mesh)
+        batch = thf.shard_batch(ids, labels=ids, group=cp) if plain else sp.shard_batch(ids, labels=ids)
+        try:
+            loss = wrapped(**batch).loss
+        except ValueError as e:
+            return str(e)
+        loss.backward()
+        return _outcome(rank, model, sp.reduce_loss(loss).item(), want)
+    finally:
+        _reset(sp)

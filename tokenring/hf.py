@@ -350,7 +350,7 @@ def attention_forward(
         warnings.warn("tokenring never materialises attention weights; output_attentions returns None", stacklevel=2)
     s = query.shape[2]
     if not torch.compiler.is_compiling():
-        check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD)
+        check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, mixers.model_on_stack(module))
         _check_mixers(module, f"tokenring ({_where(module)})")
     if step is not None and ("new" in step[1] or "extend" in step[1]):  # a step over the sharded cache
         problem = _mask_problem(attention_mask)

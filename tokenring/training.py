@@ -14,6 +14,10 @@ hand-writes it.
     model(**batch).loss.backward(); optimizer.step()
     sp.reduce_loss(loss)                                # the global mean, for logging
 
+A DDP built over the ``dp`` ranks only (``DDP(model, process_group=sp.dp)``, the natural reading of "DDP over dp,
+tokenring over cp") is given a communication hook that averages over every rank instead, so it trains the same.
+FSDP2 sharded over other ranks than ``sp.flat_mesh``'s is refused.
+
 Misuse is refused on every rank rather than trained on: a model in DDP over ranks that share a sequence
 without this loss scaling (``accelerate``'s ``prepare`` / ``Trainer`` with plain
 :func:`tokenring.hf.shard_batch`: gradients 1/cp of the true ones), :func:`tokenring.hf.all_reduce_grads` on
@@ -162,20 +166,79 @@ def _checksum(t: torch.Tensor) -> int:
     return int(((x % 1000003) * w).sum().item() * 31 + x.numel())
 
 
-def check_ddp(group) -> None:
-    """Called by the tokenring.hf layers: refuse a DDP forward whose ranks include this tokenring group's
-    when the loss was not scaled for it (its average over the group's ranks would give 1/cp of the
-    gradient), or that averages over other ranks than the active :class:`SequenceParallel`'s."""
+def _world_average(sp: "SequenceParallel"):
+    """A DDP communication hook averaging each gradient bucket over every dp x cp rank of ``sp`` (what DDP over
+    the flattened mesh does), for a DDP built over the dp ranks only."""
+
+    def hook(state, bucket):
+        grads = bucket.buffer().div_(sp.world_size)
+        return dist.all_reduce(grads, group=sp.world, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    return hook
+
+
+def _check_fsdp(model, cp_ranks: set) -> None:
+    """Refuse FSDP2 sharding that would average the loss shares of one sequence wrongly: over ranks sharing the
+    sequence with plain (unscaled) shares, or, under :class:`SequenceParallel`, over other ranks than its own."""
+    p = next((q for q in model.parameters() if hasattr(q, "device_mesh")), None) if model is not None else None
+    if p is None or len(cp_ranks) <= 1:
+        return
+    mesh_ranks = set(p.device_mesh.mesh.flatten().tolist())
+    sp = _active
+    if sp is None and len(mesh_ranks & cp_ranks) > 1:
+        raise ValueError(
+            f"tokenring: the model is sharded by FSDP over ranks {sorted(mesh_ranks)}, which include ranks that "
+            f"share one sequence ({sorted(cp_ranks)}). FSDP averages their gradients, so with the plain per-rank "
+            f"loss shares the gradient would be 1/{len(mesh_ranks & cp_ranks)} of the true one. Use "
+            f"tokenring.training.SequenceParallel(mesh) and its shard_batch, or shard over dp only and "
+            f"tokenring.hf.all_reduce_grads over cp"
+        )
+    if sp is not None and mesh_ranks != set(sp.world_ranks):
+        raise ValueError(
+            f"tokenring: SequenceParallel scales each rank's loss for an average over all {sp.world_size} dp x cp "
+            f"ranks {sorted(sp.world_ranks)}, but FSDP shards the model over ranks {sorted(mesh_ranks)}: the "
+            f"shares of one sequence would not be summed. Use fully_shard(model, mesh=sp.flat_mesh)"
+        )
+
+
+def check_ddp(group, model=None) -> None:
+    """Called by the tokenring.hf layers (``model``: the model whose forward is running, if known): refuse a DDP
+    forward whose ranks include this tokenring group's when the loss was not scaled for it (its average over
+    the group's ranks would give 1/cp of the gradient), or that averages over other ranks than the active
+    :class:`SequenceParallel`'s; a DDP over the dp ranks only under a SequenceParallel is made to average over
+    every rank (a communication hook), the natural reading of "DDP over dp, tokenring over cp". FSDP2 sharding
+    is checked the same way (:func:`_check_fsdp`)."""
     from torch.nn.parallel import DistributedDataParallel
 
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    cp_ranks = set(dist.get_process_group_ranks(group)) if dist.get_world_size(group) > 1 else set()
+    _check_fsdp(model, cp_ranks)
     ddp = DistributedDataParallel._get_active_ddp_module()
-    if ddp is None or not (dist.is_available() and dist.is_initialized()):
+    if ddp is None:
         return
     ddp_ranks = tuple(dist.get_process_group_ranks(ddp.process_group))
-    cp_ranks = set(dist.get_process_group_ranks(group)) if dist.get_world_size(group) > 1 else set()
-    if len(cp_ranks & set(ddp_ranks)) <= 1:
-        return  # DDP over other ranks than the ones sharing a sequence (e.g. over dp only): the usual averaging
     sp = _active
+    if len(cp_ranks & set(ddp_ranks)) <= 1:
+        if len(cp_ranks) <= 1 or getattr(ddp, "_tokenring_world_average", False):
+            return
+        if sp is None or not set(ddp_ranks) <= set(sp.world_ranks):
+            raise ValueError(
+                f"tokenring: the model runs in DDP over ranks {list(ddp_ranks)}, none of which share this rank's "
+                f"sequence (tokenring group {sorted(cp_ranks)}): the gradient shares of one sequence would never "
+                f"be summed, and the ranks of a sequence would drift apart. Use tokenring.training."
+                f"SequenceParallel(mesh) (DDP over its dp ranks is then made to average over every rank)"
+            )
+        try:  # DDP over dp only: average over every dp x cp rank instead, as SequenceParallel's scaling expects
+            ddp.register_comm_hook(None, _world_average(sp))
+        except Exception as e:
+            raise ValueError(
+                f"tokenring: the model runs in DDP over the dp ranks {list(ddp_ranks)} only, whose average leaves "
+                f"the cp shares of a sequence unsummed; tokenring could not install its averaging over every rank "
+                f"({e}). Build DDP with process_group=sp.world"
+            ) from None
+        ddp._tokenring_world_average = True
+        return
     if sp is None or tuple(sorted(sp.world_ranks)) != tuple(sorted(ddp_ranks)):
         raise ValueError(
             f"tokenring: the model runs in DDP over ranks {list(ddp_ranks)}, which include ranks that share one "
