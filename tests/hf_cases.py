@@ -477,3 +477,21 @@ def any_length_matches(rank: int, P: int, lengths: list[int], rows: int = 1, pad
         grad=max(rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
         local=batch["input_ids"].shape[1],
     )
+
+
+def tiled_loss_keeps_head_hooks(rank: int, P: int) -> bool:
+    """An instance-level forward on the head (what accelerate's hooks install) is the head's forward again after
+    tokenring.hf.tiled_loss, and was called by the tiled loss inside it."""
+    model = build("llama", "tokenring", num_hidden_layers=1)
+    head = model.get_output_embeddings()
+    calls = []
+    plain = head.forward
+
+    def hooked(h):
+        calls.append(1)
+        return plain(h)
+
+    head.forward = hooked
+    ids = tokens(8 * P, model.config.vocab_size)
+    thf.causal_lm_loss(model, thf.shard_batch(ids, labels=ids), chunk=4).backward()
+    return head.__dict__.get("forward") is hooked and len(calls) > 0

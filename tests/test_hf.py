@@ -227,3 +227,7 @@ def test_any_length_and_right_padding(pools, P):
     for lengths, rows, pad in (([1, 3, 7, 120, 2, 50], 1, False), ([61], 1, False), ([37, 64, 5], 3, True)):
         r = pools(P).run(hf_cases.any_length_matches, lengths, rows, pad)[0]
         assert r["logits"] < 1e-4 and r["loss"] < 1e-5 and r["grad"] < 1e-4, (P, lengths, r)
+
+
+def test_tiled_loss_puts_back_an_instance_forward(pools):
+    assert all(pools(2).run(hf_cases.tiled_loss_keeps_head_hooks))

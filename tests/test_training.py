@@ -88,3 +88,11 @@ def test_every_wiring_trains_exactly_or_is_refused(pools):
     ):
         msgs = pools(4).run(train_cases.wiring_step, 2, how)
         assert all(isinstance(m, str) and words in m for m in msgs), (how, msgs)
+
+
+def test_label_smoothing_matches_and_compute_loss_func_is_refused(pools):
+    """label_smoothing_factor=0.1 at dp=2 x cp=2: the stock Trainer's smoothed loss and gradients of one
+    process; a compute_loss_func raises when the trainer is built, on every rank."""
+    r = pools(4).run(train_cases.trainer_step, 2, 32, 2, 1, None, None, 0.1)[0]
+    assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
+    assert all("compute_loss_func" in m for m in pools(2).run(train_cases.compute_loss_func_refused))

@@ -50,12 +50,17 @@ def build(family: str | None, attn: str):
     return family_cases.build(family, family_cases.FAMILIES[family][2] if attn == "sdpa" else attn, dtype=torch.float64)
 
 
-def reference(model, data: list[dict], family: str | None = None) -> tuple[float, dict]:
-    """One process: the global batch's mean next-token loss and its gradients (transformers' sdpa)."""
+def reference(model, data: list[dict], family: str | None = None, smoothing: float = 0.0) -> tuple[float, dict]:
+    """One process: the global batch's mean next-token loss and its gradients (transformers' sdpa);
+    ``smoothing``: the stock Trainer's label smoothing of that loss."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
     ref = build(family, "sdpa")
     ref.load_state_dict(model.state_dict())
     ids = torch.stack([d["input_ids"] for d in data])
     out = ref(input_ids=ids, labels=ids, use_cache=False)
+    if smoothing:
+        out.loss = LabelSmoother(epsilon=smoothing)(out, ids, shift_labels=True, num_items_in_batch=ids[:, 1:].numel())
     out.loss.backward()
     return out.loss.item(), {n: p.grad.clone() for n, p in ref.named_parameters()}
 
@@ -80,6 +85,7 @@ def trainer_step(
     accumulate: int = 1,
     tiled: int | None = None,
     family: str | None = None,
+    smoothing: float = 0.0,
 ) -> dict:
     """One optimizer step of SequenceParallelTrainer over a (dp, P/dp) mesh: the gradients before the
     optimizer step and the logged loss vs one process on the whole global batch (``family``: a model of
@@ -91,7 +97,7 @@ def trainer_step(
     try:
         model = build(family, "tokenring")
         data = samples(dp * per_device * accumulate, S, model.config.vocab_size)
-        want = reference(model, data, family) if rank == 0 else None
+        want = reference(model, data, family, smoothing) if rank == 0 else None
         seen = {}
 
         class Grab(TrainerCallback):
@@ -113,6 +119,7 @@ def trainer_step(
                 disable_tqdm=True,
                 max_grad_norm=1e9,
                 per_device_eval_batch_size=per_device,
+                label_smoothing_factor=smoothing,
             )
             trainer = thf.SequenceParallelTrainer(
                 sp,
@@ -486,5 +493,22 @@ def wiring_step(rank: int, P: int, dp: int, how: str) -> dict | str:
             return str(e)
         loss.backward()
         return _outcome(rank, model, sp.reduce_loss(loss).item(), want)
+    finally:
+        _reset(sp)
+
+
+def compute_loss_func_refused(rank: int, P: int) -> str:
+    """SequenceParallelTrainer built with a compute_loss_func: the ValueError's message."""
+    from transformers import TrainingArguments
+
+    sp = SequenceParallel()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True)
+            model = hf_cases.build("llama", "tokenring", **SMALL)
+            return _expect_value_error(
+                lambda: thf.SequenceParallelTrainer(sp, model=model, args=args, compute_loss_func=lambda *a, **k: 0),
+                "compute_loss_func",
+            )
     finally:
         _reset(sp)

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 from . import settings
 from .comm import collective_device, get_timeout, group_store, publish_refusal
-from .device import autocast_dtype, values_travel
 from .device import device_type as device_kind
+from .device import values_travel
 from .instrument import NONE as NO_HOOKS
 from .instrument import current as current_instruments
-from .kernels import fold_scale, softmax_scale_of, value_dim_apart
+from .kernels import attention_inputs, fold_scale, softmax_scale_of
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
 from .masks import check_bounds_tensor, make_mask, whole_numbers, window_pair
 from .ops import IdentityCache, register_extras
@@ -494,15 +494,12 @@ def attention(
     the group form node ``a``. With a node size known (or a multi-node topology set), ``"auto"`` considers
     them too.
     """
-    q, k, v, softmax_scale, dv = value_dim_apart(q, k, v, softmax_scale)
+    q, k, v, softmax_scale, dv = attention_inputs(q, k, v, softmax_scale)
     if dv is not None:  # MLA: the value head dim differs from q/k's; run with zero columns, keep dv of them
         return attention(
             q, k, v, causal=causal, softmax_scale=softmax_scale, strategy=strategy, layout=layout,
             cu_seqlens=cu_seqlens, window=window, sinks=sinks, group=group, inner_size=inner_size,
         )[..., :dv]  # fmt: skip
-    dt = autocast_dtype(q) if isinstance(q, torch.Tensor) else None
-    if dt is not None:  # as scaled_dot_product_attention does
-        q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
     compiling = torch.compiler.is_compiling()
     rank, P = group_info(group)
     cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) or cu_seqlens is None else None

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from .comm import wait_collective
-from .device import autocast_dtype, collective_device, values_travel
+from .device import collective_device, values_travel
 from .extend import RowMask, attend_rows, check_rows
-from .kernels import fold_scale, softmax_scale_of, value_dim_apart
+from .kernels import attention_inputs, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .merge import merge_, merge_sink_, new_accumulator
 
@@ -90,10 +90,7 @@ def decode_attention(
     into the finished rows. ``window``: a query sees keys at most ``window`` positions back (transformers'
     sliding window ``W`` is ``window=W - 1``); it needs ``positions``, the global positions of this rank's
     cached rows, and ``start``, the global position of the step's first query."""
-    dt = autocast_dtype(q) if isinstance(q, torch.Tensor) else None
-    if dt is not None:  # as scaled_dot_product_attention does (rotary embeddings leave q and k in float32)
-        q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
-    q, k, v, softmax_scale, dv = value_dim_apart(q, k, v, softmax_scale)
+    q, k, v, softmax_scale, dv = attention_inputs(q, k, v, softmax_scale)
     if dv is not None:  # MLA: zero columns make the head dims equal (see value_dim_apart)
         return decode_attention(
             q, k, v, new=new, softmax_scale=softmax_scale, group=group, state=state, check=check, log=log,

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm, buffers, wait_collective
-from .device import autocast_dtype, collective_device, values_travel
-from .kernels import block_forward, fold_scale, softmax_scale_of, value_dim_apart
+from .device import collective_device, values_travel
+from .kernels import attention_inputs, block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .masks import TILE_ROWS
 from .merge import acc_dtype, merge_, merge_sink_, new_accumulator
@@ -568,10 +568,7 @@ def extend_attention(
     first, a ``ValueError`` on every rank when they disagree; with ``shards`` and ``state=None`` that check
     is skipped (later layers of a step that an earlier one checked). ``log``: receives ``{"bytes": received}``.
     """
-    dt = autocast_dtype(q) if isinstance(q, torch.Tensor) else None
-    if dt is not None:  # as scaled_dot_product_attention does (rotary embeddings leave q and k in float32)
-        q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
-    q, k, v, softmax_scale, dv = value_dim_apart(q, k, v, softmax_scale)
+    q, k, v, softmax_scale, dv = attention_inputs(q, k, v, softmax_scale)
     if dv is not None:  # MLA: zero columns make the head dims equal (see value_dim_apart)
         return extend_attention(
             q, k, v, new=new, strategy=strategy, softmax_scale=softmax_scale, window=window, cu_seqlens=cu_seqlens,

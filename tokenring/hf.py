@@ -725,7 +725,8 @@ def tiled_loss(model: torch.nn.Module, chunk: int = 2048):
     if getattr(inner.config, "final_logit_softcapping", None):
         raise ValueError("tokenring.hf.tiled_loss: final logit soft-capping is not supported")
     head = inner.get_output_embeddings()
-    real = head.forward
+    real = head.forward  # with accelerate's hooks, if it put them there: the loss calls them per chunk
+    own = head.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) to put back after
     old = inner.__dict__.get("_loss_function")
 
     def loss_function(
@@ -747,7 +748,10 @@ def tiled_loss(model: torch.nn.Module, chunk: int = 2048):
     try:
         yield
     finally:
-        del head.forward
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
         if old is None:
             inner.__dict__.pop("_loss_function", None)
         else:

@@ -12,7 +12,9 @@ What it changes, and why:
 - ``get_cp_size`` is the ``cp`` size, so the Trainer's global target count (gathered over every rank, each
   ``cp`` rank counting the same samples) is divided back to the true one and its ``W``-fold loss scale for
   DDP's average over all ranks is right: gradients and the logged loss are those of the global mean;
-- evaluation loss likewise (logits stay sharded: ``prediction_loss_only`` is forced).
+- evaluation loss likewise (logits stay sharded: ``prediction_loss_only`` is forced);
+- ``label_smoothing_factor``: the stock smoothing over each rank's targets, divided by the same count;
+  ``compute_loss_func`` is refused (it would shift the labels of a shard again).
 Gradient accumulation, checkpoint save and resume are the Trainer's own. Needs the Trainer's default
 ``average_tokens_across_devices=True`` and a model that takes ``num_items_in_batch`` (transformers' causal
 LMs). accelerate's ``ParallelismConfig(cp_size=...)`` cannot carry this: it accepts only its ``"torch"``
@@ -42,6 +44,17 @@ class SequenceParallelTrainer(Trainer):
             raise ValueError(
                 "SequenceParallelTrainer needs average_tokens_across_devices=True (the default): the "
                 "loss of a sharded sequence is a share of a count over every rank"
+            )
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "SequenceParallelTrainer: compute_loss_func is not supported: it would get this rank's logits "
+                "with labels it shifts itself, but a sharded sequence's labels must be shifted on the whole "
+                "sequence first. Fold the loss into the model, or use label_smoothing_factor"
+            )
+        if self.label_smoother is not None and self.tiled_loss:
+            raise ValueError(
+                "SequenceParallelTrainer: label_smoothing_factor with tiled_loss is not supported (the tiled loss "
+                "never forms the logits the smoothing needs); use one or the other"
             )
         if not self.model_accepts_loss_kwargs:
             raise ValueError(
@@ -112,6 +125,12 @@ class SequenceParallelTrainer(Trainer):
         else:
             outputs = model(**batch)
         loss = outputs.loss
+        if self.label_smoother is not None and labels is not None:
+            # the stock Trainer's smoothing over this rank's targets, already shifted on the whole sequence, and
+            # divided by the same W-scaled count as the model's own loss
+            loss = self.label_smoother(
+                outputs, batch["shift_labels"], shift_labels=False, num_items_in_batch=batch["num_items_in_batch"]
+            )
         # W * (this rank's loss sum) / N: DDP's average over the W ranks is the global mean's gradient, and so is
         # the Trainer's average of the logged losses its value
         return (loss, outputs) if return_outputs else loss

@@ -29,7 +29,7 @@ from functools import lru_cache
 import torch
 
 from . import settings
-from .device import gpu, is_cuda
+from .device import autocast_dtype, gpu, is_cuda
 from .merge import acc_dtype
 
 __all__ = [
@@ -88,6 +88,16 @@ def value_dim_apart(q, k, v, softmax_scale: float | None):
         return q, k, torch.nn.functional.pad(v, (0, d - dv)), scale, dv
     pad = (0, dv - d)
     return torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad), v, scale, dv
+
+
+def attention_inputs(q, k, v, softmax_scale: float | None):
+    """What every entry point does first: under ``torch.autocast`` cast q, k, v to its dtype as
+    ``scaled_dot_product_attention`` does (rotary embeddings leave q and k in float32 beside a bf16 v), then
+    :func:`value_dim_apart`. Returns ``(q, k, v, scale, dv)``."""
+    dt = autocast_dtype(q) if isinstance(q, torch.Tensor) else None
+    if dt is not None:
+        q, k, v = (t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
+    return value_dim_apart(q, k, v, softmax_scale)
 
 
 def fold_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
