@@ -285,3 +285,21 @@ def compiled_refusal(rank: int, P: int, name: str) -> str:
 def unprepared(rank: int, P: int, names: list[str], S: int) -> list[dict]:
     """:func:`one_family` with the sequence mixers left on each rank's shard (what preparing them prevents)."""
     return [one_family(rank, P, name, S, check=False) for name in names]
+
+
+def compiled_prepared(rank: int, P: int, name: str) -> dict:
+    """``tokenring.hf.prepare(model)`` then ``torch.compile(model)`` of a hybrid, one sharded forward: logits vs
+    one process (float32)."""
+    import tokenring.hf as thf
+
+    torch._dynamo.reset()
+    model = build(name, "tokenring")
+    ref = build(name, FAMILIES[name][2])
+    ref.load_state_dict(model.state_dict())
+    thf.prepare(model)
+    fast = torch.compile(model)
+    ids = torch.randint(3, 128, (1, 8 * P), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = thf.gather_logits(fast(**thf.shard_batch(ids)).logits)
+        want = ref(input_ids=ids, use_cache=False).logits
+    return {"logits": rel(logits, want)}

@@ -70,10 +70,13 @@ def test_mla_and_refused_hybrid_generate(pools, P):
     assert all("recurrent or convolution state" in r["error"] for r in res), res
 
 
-def test_compiled_hybrid_is_refused(pools):
-    """Under torch.compile the layer's check does not run while tracing; the documents op at run time refuses."""
+def test_compiled_hybrid_is_refused_unless_prepared(pools):
+    """torch.compile traces the mask function, so the model is not prepared there: the documents op refuses at
+    run time. After tokenring.hf.prepare(model), the compiled hybrid equals one process (float32: 1e-5)."""
     res = pools(2).run(family_cases.compiled_refusal, "lfm2")
-    assert all("Lfm2ShortConv" in r for r in res), res
+    assert all("Lfm2ShortConv" in r and "tokenring.hf.prepare" in r for r in res), res
+    for name in ("lfm2", "qwen3_5"):
+        assert pools(2).run(family_cases.compiled_prepared, name)[0]["logits"] < 1e-5, name
 
 
 def test_detector_on_plain_modules():

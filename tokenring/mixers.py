@@ -244,6 +244,15 @@ class _Ctx:
     """A stand-in autograd context for gathering integer tensors (masks, ids) without autograd."""
 
 
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP (``.module``) or ``torch.compile`` (``._orig_mod``) wrappers."""
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module) or isinstance(
+        getattr(model, "module", None), torch.nn.Module
+    ):
+        model = getattr(model, "_orig_mod", None) or model.module
+    return model
+
+
 _prepared: "weakref.WeakKeyDictionary[torch.nn.Module, Replicated | str | None]" = weakref.WeakKeyDictionary()
 
 
@@ -253,7 +262,7 @@ def prepare(model: torch.nn.Module, context, P: int, who: str = "tokenring") -> 
     types only). Returns the hooks, or ``None`` for a model with no such layers."""
     if P <= 1:
         return None
-    model = getattr(model, "module", model)  # DDP and the like
+    model = _unwrap(model)
     if model not in _prepared:
         mixers = find_mixers(model)
         if not mixers:
@@ -280,7 +289,7 @@ def check_prepared(model: torch.nn.Module, P: int, who: str = "tokenring") -> No
     :func:`prepare`), else a ValueError on every rank: a mixer may have run on this rank's shard alone."""
     if P <= 1:
         return
-    model = getattr(model, "module", model)
+    model = _unwrap(model)
     if model in _prepared:
         got = _prepared[model]
         if isinstance(got, str):
@@ -302,7 +311,7 @@ def refuse_generation(model: torch.nn.Module, P: int, who: str) -> None:
     convolution state) is refused at ``P > 1``, on every rank alike."""
     if P <= 1:
         return
-    model = getattr(model, "module", model)
+    model = _unwrap(model)
     mixers = find_mixers(model)
     if mixers:
         raise ValueError(
