@@ -96,3 +96,4 @@ def test_label_smoothing_matches_and_compute_loss_func_is_refused(pools):
     r = pools(4).run(train_cases.trainer_step, 2, 32, 2, 1, None, None, 0.1)[0]
     assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
     assert all("compute_loss_func" in m for m in pools(2).run(train_cases.compute_loss_func_refused))
+    assert all("without labels" in m for m in pools(2).run(train_cases.predict_without_labels))

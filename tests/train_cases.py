@@ -512,3 +512,21 @@ def compute_loss_func_refused(rank: int, P: int) -> str:
             )
     finally:
         _reset(sp)
+
+
+def predict_without_labels(rank: int, P: int) -> str:
+    """SequenceParallelTrainer.predict on samples without labels: the ValueError's message (was an
+    AttributeError)."""
+    from transformers import TrainingArguments, default_data_collator
+
+    _env(rank, P)
+    sp = SequenceParallel()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, per_device_eval_batch_size=1)
+            model = hf_cases.build("llama", "tokenring", **SMALL)
+            data = [{"input_ids": d["input_ids"]} for d in samples(2, 16, model.config.vocab_size)]
+            trainer = thf.SequenceParallelTrainer(sp, model=model, args=args, data_collator=default_data_collator)
+            return _expect_value_error(lambda: trainer.predict(data), "predict without labels")
+    finally:
+        _reset(sp)

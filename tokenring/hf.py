@@ -816,7 +816,11 @@ def _same_everywhere(input_ids: torch.Tensor, group, rank: int, P: int, who: str
     """The same tokens on every rank, or a ValueError on every rank."""
     if P == 1:
         return
-    mine = torch.tensor([float(zlib.crc32(input_ids.cpu().numpy().tobytes())), *input_ids.shape], dtype=torch.float64)
+    mine = torch.tensor(
+        [float(zlib.crc32(input_ids.cpu().numpy().tobytes())), *input_ids.shape],
+        dtype=torch.float64,
+        device=collective_device(group),  # NCCL takes no CPU tensor
+    )
     every = [torch.empty_like(mine) for _ in range(P)]
     dist.all_gather(every, mine, group=group)
     bad = [r for r, e in enumerate(every) if not torch.equal(e, every[0])]

@@ -136,6 +136,12 @@ class SequenceParallelTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if inputs.get("labels") is None:
+            raise ValueError(
+                "SequenceParallelTrainer: evaluate/predict without labels is not supported (each rank holds a "
+                "shard of the logits; this trainer reports the loss only). Pass labels, or run the model under "
+                "tokenring.hf.shard_batch and gather the logits with tokenring.hf.gather_logits"
+            )
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
             loss = self.compute_loss(model, inputs).detach()
