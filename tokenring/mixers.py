@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .layouts import group_info, local_positions
+
 __all__ = ["Mixer", "Replicated", "find_mixers", "prepare", "check_prepared", "refuse_generation", "model_on_stack"]
 
 # a module class that names a sequence mixer other than softmax attention (the weakest of the signals)
@@ -163,8 +165,8 @@ class Replicated:
     this rank's rows after. Exact for any mixer whatever it computes, since it sees what one process gives it;
     the cost is the gather and the mixer's work on all S tokens on every rank (bench/results/hybrid_cost.md).
 
-    ``context()`` returns ``(group, layout)`` of the current sharded forward, or ``None`` when the model runs
-    unsharded (one rank, or a step that every rank runs on the same tokens)."""
+    ``context()`` returns ``(group, layout)`` of the sharded forward (``None``: leave the inputs as they are);
+    a group of one rank leaves them too."""
 
     def __init__(self, model: torch.nn.Module, mixers: list[Mixer], context):
         self.context, self.mixers, self.description = context, mixers, _describe(model, mixers)
@@ -185,8 +187,6 @@ class Replicated:
             h.remove()
 
     def _sharding(self, hidden: torch.Tensor) -> _Sharding | None:
-        from .layouts import group_info, local_positions
-
         ctx = self.context()
         if ctx is None or not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
             return None
@@ -217,10 +217,7 @@ class Replicated:
         def full(t):
             if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == (sh.B, sh.s)):
                 return t
-            if t.is_floating_point():
-                return _Gather.apply(t, sh.group, sh.order, sh.mine)
-            with torch.no_grad():
-                return _Gather.forward(_Ctx(), t, sh.group, sh.order, sh.mine)
+            return _Gather.apply(t, sh.group, sh.order, sh.mine)  # integer masks and ids: no graph recorded
 
         return tuple(full(a) for a in args), {k: full(v) for k, v in kwargs.items()}
 
@@ -238,10 +235,6 @@ class Replicated:
         if isinstance(output, tuple):
             return type(output)(cut(t) for t in output) if type(output) is tuple else output
         return cut(output)
-
-
-class _Ctx:
-    """A stand-in autograd context for gathering integer tensors (masks, ids) without autograd."""
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
