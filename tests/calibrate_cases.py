@@ -56,8 +56,8 @@ def dies_case(rank: int, P: int, timeout: float) -> tuple[str, float, str]:
 def lazy_case(rank: int, P: int) -> tuple[str, float, int]:
     """``calibrate=1``: the first auto call calibrates the group, the second does not; results stay exact.
     ``(topology name, worst error vs one process, calibrations run)``."""
-    from tokenring import api
     from tokenring import calibration as cal
+    from tokenring import ops
     from tokenring.layouts import shard
 
     runs = []
@@ -88,7 +88,7 @@ def lazy_case(rank: int, P: int) -> tuple[str, float, int]:
         return settings.get("topology").topology.name, worst, len(runs)
     finally:
         cal.calibrate = real
-        api._calibrated.clear()
+        ops._calibrated.clear()
         tokenring.configure(calibrate=None, topology=None)
 
 

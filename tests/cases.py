@@ -307,10 +307,10 @@ def refuse_later_case(rank: int, P: int, strategy: str, timeout: float) -> tuple
 def many_masks_case(rank: int, P: int, keep: int) -> tuple[int, float]:
     """Calls with more new masks than the verified-signature cache keeps (``keep`` per group), then the first
     masks again: every rank drops and re-exchanges alike. ``(entries kept, largest error vs. one process)``."""
-    from tokenring import api
+    from tokenring import ops
     from tokenring.layouts import shard
 
-    size, api._checked.size = api._checked.size, keep
+    size, ops._checked.size = ops._checked.size, keep
     try:
         S, worst = 16 * P, 0.0
         g = torch.Generator().manual_seed(0)
@@ -320,9 +320,9 @@ def many_masks_case(rank: int, P: int, keep: int) -> tuple[int, float]:
             out = tokenring.attention(*(shard(x) for x in (q, k, v)), causal=True, cu_seqlens=cu, layout="contiguous")
             want = shard(reference(q, k, v, True, 8**-0.5, cu))
             worst = max(worst, (out - want).abs().max().item())
-        return len(api._checked.groups[next(iter(api._checked.groups))]), worst
+        return len(ops._checked.groups[next(iter(ops._checked.groups))]), worst
     finally:
-        api._checked.size = size
+        ops._checked.size = size
 
 
 def peak_memory_case(rank: int, P: int, s: int, H: int, d: int, strategy: str) -> int:

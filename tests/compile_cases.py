@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hf_cases
 
-import tokenring.api as api
+import tokenring.agreement as agreement
 import tokenring.hf as thf
 
 SMALL = dict(
@@ -80,10 +80,10 @@ def checks_once_per_forward(rank: int, P: int, S: int, layers: int) -> dict:
         with thf.settings(strategy="token_ring"):
             for i in range(3):
                 batch = thf.shard_batch(ids, labels=ids)  # new tensors each step, as a data loader gives them
-                before = dict(api._exchanges)
+                before = dict(agreement._exchanges)
                 calls["positions"] = 0
                 model(**batch).loss.backward()
-                res[i] = (calls["positions"], sum(api._exchanges.values()) - sum(before.values()))
+                res[i] = (calls["positions"], sum(agreement._exchanges.values()) - sum(before.values()))
         return res
     finally:
         thf._check_inputs = real

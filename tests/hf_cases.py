@@ -342,15 +342,15 @@ def autocast_matches(rank: int, P: int, S: int, strategy: str) -> dict:
     model = build("llama", "tokenring", num_hidden_layers=2)
     ids = tokens(S, model.config.vocab_size)
     seen = []
-    import tokenring.ops as ops
+    import tokenring.api as api  # attention() calls the op by this name
 
-    orig = ops.attention_op
+    orig = api.attention_op
 
     def spy(q, *a, **kw):
         seen.append(q.dtype)
         return orig(q, *a, **kw)
 
-    ops.attention_op = spy
+    api.attention_op = spy
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16), thf.settings(strategy=strategy):
             batch = thf.shard_batch(ids, labels=ids)
@@ -359,7 +359,7 @@ def autocast_matches(rank: int, P: int, S: int, strategy: str) -> dict:
             loss = thf.reduce_loss(out.loss).float()
             logits = thf.gather_logits(out.logits).float()
     finally:
-        ops.attention_op = orig
+        api.attention_op = orig
     res = dict(dtypes=sorted({str(d) for d in seen}))
     if rank == 0:
         ref = build("llama", "sdpa", num_hidden_layers=2)

@@ -11,7 +11,11 @@ import itertools
 import cases
 import pytest
 
-from tokenring.strategies import why_not
+from tokenring.strategies import ALIASES, FAMILIES, HIERARCHICAL, why_not
+
+# Every flat strategy in the registry (hierarchical ones need a node size: tests/test_hierarchical.py), so a
+# new one is tested here without editing this file.
+FLAT = [f for f in FAMILIES if f not in HIERARCHICAL]
 
 HEADS = [(4, 4), (8, 2), (4, 1)]
 # Ulysses needs H % P == 0; these add odd P and K/V-head replication (P > Hkv, P not a multiple of Hkv).
@@ -54,7 +58,7 @@ def grid(P: int, strategy: str) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("strategy", ["token_ring", "token_ring_paper", "ring", "ring_bidir", "ulysses"])
+@pytest.mark.parametrize("strategy", FLAT + list(ALIASES))
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 def test_matches_reference(pools, P, strategy):
     todo = grid(P, strategy)
@@ -68,7 +72,7 @@ def test_longer_sequences(pools, P):
     """Fewer, longer cases: many rows per block exercise the kernels' chunking and the zigzag halves."""
     todo = [
         dict(B=1, s=96, H=4, Hkv=2, d=32, dtype=dt, causal=c, layout=lay, strategy=st, seed=7)
-        for st in ("token_ring", "ring", "ring_bidir", "ulysses")
+        for st in FLAT
         for dt in ("float64", "float32")
         for c, lay in LAYOUTS
     ]
@@ -80,7 +84,7 @@ def test_zero_and_negative_scales(pools, P):
     """softmax_scale 0 (uniform over the visible keys) and negative ones, causal and not, with and without
     packed documents: the fused CPU kernel returns NaN for causal blocks at such scales, so they are folded into
     the queries; exact like any other scale."""
-    strategies = ("token_ring", "ring", "ulysses", "token_ring:direct,c=2,k=1") if P > 1 else ("auto",)
+    strategies = (*FLAT, "token_ring:direct,c=2,k=1") if P > 1 else ("auto",)
     todo = [
         dict(B=1, s=6, H=6, Hkv=2, d=12, dtype=dt, causal=c, layout=lay, strategy=st, scale=sc, seed=5, cu_seqlens=cu)
         for st in strategies
@@ -104,7 +108,7 @@ def test_world_size_5(pools):
     """An odd world size above 4: P=5 ranks, every strategy and mask/layout, GQA and MQA, float64."""
     todo = [
         dict(B=2, s=4, H=H, Hkv=Hkv, d=12, dtype="float64", causal=c, layout=lay, strategy=st, seed=11)
-        for st in ("token_ring", "ring", "ring_bidir", "ulysses")
+        for st in FLAT
         for c, lay in LAYOUTS
         for H, Hkv in {"ulysses": [(5, 5), (10, 2), (5, 1)], "ring_bidir": [(4, 4), (6, 2)]}.get(
             st, [(4, 4), (6, 2), (3, 1)]
@@ -113,7 +117,7 @@ def test_world_size_5(pools):
     pools(5).run(cases.check_many, todo)
 
 
-@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ring_bidir", "ulysses"])
+@pytest.mark.parametrize("strategy", FLAT)
 def test_process_subgroup(pools, strategy):
     """group= a sub-group whose ranks are not the global ones (ranks 1 and 3 of 4): forward and backward."""
     errs = pools(4).run(cases.subgroup_case, strategy)
@@ -247,7 +251,7 @@ def test_sinks_match_reference(pools, P):
 def test_value_head_dim_apart(pools, P):
     """MLA (DeepSeek-V3): v's head dim (16, or 40) differs from q/k's (24), every strategy, causal and not,
     GQA, packed documents and windows: out (B, s, H, dv) and every gradient equal float64 attention (1e-9)."""
-    strategies = ("token_ring", "ring", "ring_bidir", "ulysses", "token_ring:direct,c=2,k=1") if P > 1 else ("auto",)
+    strategies = (*FLAT, "token_ring:direct,c=2,k=1") if P > 1 else ("auto",)
     todo = [
         dict(B=1, s=4, H=2 * n, Hkv=n, d=24, dv=dv, dtype="float64", causal=c, layout=lay, strategy=st, seed=7, **extra)
         for st in strategies

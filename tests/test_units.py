@@ -282,7 +282,7 @@ def test_own_pieces_follow_the_bytes():
 def test_direct_schedules_run_the_own_pieces():
     """The direct builder runs the own block as own_pieces cuts it: forward TokenRing half first and half last;
     forward pass-KV all of it at step 0 and nothing of its own later."""
-    from tokenring.strategies.token_ring import direct
+    from tokenring.strategies.direct import direct
 
     def own(sched, r):
         return [

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tokenring.hf as thf
-from tokenring.training import SequenceParallel
+from tokenring.hf import SequenceParallel
 
 SMALL = dict(
     num_hidden_layers=2,

@@ -11,6 +11,7 @@
 The cost model behind ``strategy="auto"`` (``tokenring.sim``) is imported on first use only.
 """
 
+from . import ops, settings
 from .api import STRATEGY_NAMES, attention, choose_strategy
 from .comm import get_timeout, set_timeout
 from .context import context_parallel
@@ -18,7 +19,7 @@ from .decode import decode_attention
 from .extend import extend_attention
 from .instrument import instrument
 from .layouts import gather, local_positions, shard
-from .settings import configure, options
+from .settings import options
 
 __version__ = "0.1.0"
 __all__ = [
@@ -44,6 +45,22 @@ __all__ = [
 ]
 
 _LAZY = {"explain", "set_topology", "get_current_topology"}  # from tokenring.sim.auto, imported when first used
+
+
+def _calibrate_group(group, q, k) -> None:
+    from .calibration import calibrate_group  # the calibration (and the cost model) load on first use
+
+    calibrate_group(group, q, k)
+
+
+ops.set_calibrator(_calibrate_group)
+
+
+def configure(**values) -> None:
+    """:func:`tokenring.settings.configure`, with a topology's name checked by the cost model."""
+    if values.get("topology") is not None:
+        from .sim import topology  # noqa: F401  (registers the check)
+    settings.configure(**values)
 
 
 def __getattr__(name: str):

@@ -50,10 +50,13 @@ import torch
 import torch.distributed as dist
 
 from . import device as _device
+from . import settings
+from .api import attention
 from .comm import get_timeout, group_store, silent_ranks
 from .kernels import block_forward
 from .schedules import Shapes
 from .sim.kernel_model import KernelModel, block_row, fit_table, model_to_dict
+from .sim.simulator import simulate
 from .sim.topology import (
     INF,
     PROFILE_FORMAT,
@@ -61,9 +64,12 @@ from .sim.topology import (
     RingTopology,
     SwitchTopology,
     Topology,
+    gpu_model,
+    profile_summary,
     topology_from_dict,
     topology_to_dict,
 )
+from .strategies import get as get_strategy
 
 __all__ = ["calibrate", "Profile", "load_profile"]
 
@@ -507,16 +513,12 @@ def refit(profile: dict) -> Profile:
 
 def _device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
-        from .sim.topology import gpu_model
-
         return gpu_model(torch.cuda.get_device_name(dev))[0]
     return "cpu"
 
 
 def _machine(g: _Group) -> dict:
-    from .tools.bench import machine
-
-    m = machine()
+    m = _device.machine()
     m.update(
         threads=torch.get_num_threads(),
         backend=dist.get_backend(g.group),
@@ -575,8 +577,6 @@ def _compute_per_byte(g: _Group, s, H, Hkv, d, dtype, nbytes: int, repeats: int)
 def _step_time(g: _Group, lat: float) -> float:
     """Host seconds per schedule step: a tiny ring call's time per step, less a message latency and a tiny
     kernel (the rest is the executor's loop and the posting of messages)."""
-    from .api import attention
-
     q = torch.randn(1, 16, 1, 8, device=g.dev)
     fn = lambda: attention(q, q, q, strategy="ring", group=g.group)
     t = _best(g, fn, 5)
@@ -614,9 +614,6 @@ def _probe(key: str) -> tuple[str, bool]:
 def _measure_calls(g: _Group, sh, repeats: int) -> dict:
     """Forward calls of ``STEP_PROBES`` (and ``CAUSAL_PROBES`` causal, zigzag) that run these shapes, at the
     caller's shapes on the group: ``{key: seconds}``, the slowest rank's median."""
-    from .api import attention
-    from .strategies import get as get_strategy
-
     gen = torch.Generator().manual_seed(7 + g.rank)
     q = torch.randn(1, sh.s, sh.H, sh.d, generator=gen, dtype=sh.dtype).to(g.dev)
     k, v = (torch.randn(1, sh.s, sh.Hkv, sh.d, generator=gen, dtype=sh.dtype).to(g.dev) for _ in range(2))
@@ -662,8 +659,6 @@ def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict):
 
     import numpy as np
 
-    from .sim.simulator import simulate
-
     names = list(measured)
     m = np.array([measured[n] for n in names])
 
@@ -690,50 +685,11 @@ def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict):
     return link, replace(km, step=step), dict(zip(names, after.tolist())), err
 
 
-def profile_summary(topo: Topology) -> str:
-    """Lines for ``explain``: the measured figures of a calibrated topology next to what it predicts."""
-    m = topo.measured or {}
-    if not m:
-        return ""
-    mach = m.get("machine", {})
-    pairs = list(m.get("pair_Bps", {}).values())
-    lines = [
-        f"profile: measured on {mach.get('host', '?')} ({mach.get('cpu', '?')}, {mach.get('cores', '?')} cores, "
-        f"torch {mach.get('torch', '?')}{', ' + mach['gpu'] if mach.get('gpu') else ''}), P={m.get('P')}, "
-        f"in {m.get('total_s', 0):.1f} s",
-    ]
-    if pairs:
-        lats = list(m["latency_s"].values())
-        lines.append(
-            f"  links: pair rate {statistics.median(pairs) / 1e6:.4g} MB/s median ({min(pairs) / 1e6:.4g}-"
-            f"{max(pairs) / 1e6:.4g}), latency {statistics.median(lats) * 1e6:.0f} us; compute per byte moved "
-            f"{m.get('compute_per_byte_s', 0) * 1e9:.3g} ns; host time per step {m.get('step_s', 0) * 1e3:.3g} ms"
-            + (f"; link rates in calls x{m['link_factor']:.3g}" if "link_factor" in m else "")
-        )
-        lines.append(
-            "  link models, mean |log error| over the patterns (and the real calls): "
-            + ", ".join(
-                f"{k['kind']} {k['error']:.3f}" + (f" ({k['calls_error']:.3f})" if "calls_error" in k else "")
-                for k in m.get("kinds", [])
-                if "calls_error" in k
-            )
-        )
-        lines.append(f"  {'pattern':<14}{'measured':>12}{'model':>12}")
-        for n, p in m.get("patterns", {}).items():
-            lines.append(f"  {n:<14}{p['measured_s'] * 1e3:>10.3g}ms{p['predicted_s'] * 1e3:>10.3g}ms")
-    if m.get("calls"):
-        lines.append(f"  {'call (fwd)':<28}{'measured':>10}{'model':>10}{'factor':>8}")
-        for n, c in m["calls"].items():
-            lines.append(
-                f"  {n:<28}{c['measured_s'] * 1e3:>8.4g}ms{c['predicted_s'] * 1e3:>8.4g}ms{c.get('factor', 1.0):>8.3f}"
-            )
-    rows = m.get("kernel_rows", [])
-    if rows:
-        lines.append(f"  {'block':<16}{'fwd meas':>10}{'model':>10}{'bwd meas':>10}{'model':>10}")
-        for r in rows:
-            tag = f"n={r['n']}{' causal' if r['causal'] else ''}"
-            lines.append(
-                f"  {tag:<16}{r['k_fwd_ms']:>8.3g}ms{r['model_fwd_ms']:>8.3g}ms"
-                f"{r['k_fb_ms'] - r['k_fwd_ms']:>8.3g}ms{r['model_bwd_ms']:>8.3g}ms"
-            )
-    return "\n".join(lines)
+def calibrate_group(group, q, k) -> None:
+    """Calibrate ``group`` for calls shaped like ``q`` / ``k`` and make the profile this process's topology (the
+    ``calibrate`` setting: an ``auto`` call's first use of a group)."""
+    P = dist.get_world_size(group)
+    profile = calibrate(
+        group, seq=q.shape[1] * P, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3], dtype=q.dtype
+    )
+    settings.configure(topology=profile)  # clears the verified signatures and auto's choices on every rank

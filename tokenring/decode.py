@@ -20,13 +20,12 @@ step's new tokens, which the tiles keep.
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.distributed as dist
 
+from .agreement import code, exchange, require_same
 from .comm import wait_collective
-from .device import collective_device, values_travel
+from .device import collective_device
 from .extend import RowMask, attend_rows, check_rows
 from .kernels import attention_inputs, fold_scale, softmax_scale_of
 from .layouts import group_info
@@ -57,8 +56,7 @@ def step_bytes(B: int, t: int, H: int, d: int, P: int, acc_bytes: int = 4) -> in
     return (P - 1) * B * t * H * (d + 1) * acc_bytes
 
 
-def _code(x) -> float:
-    return float(zlib.crc32(str(x).encode()))
+_WHO = "tokenring decode"
 
 
 def decode_attention(
@@ -124,10 +122,19 @@ def decode_attention(
         return o.to(q.dtype)
     device = collective_device(group)
     if check:
-        header = torch.tensor(
-            [B, t, H, k.shape[2], d, _code(q.dtype), *map(float, state)], dtype=torch.float64, device=device
+        rows = exchange(
+            [B, t, H, k.shape[2], d, code(q.dtype), *map(float, state)], group, rank, P, _WHO, "the step's shapes"
         )
-        _exchange_header(header, rank, P, group, state)
+        names = ["batch", "new tokens", "query heads", "key/value heads", "head dim", "dtype"]
+        require_same(
+            rows,
+            names + [f"state[{i}]" for i in range(len(state))],
+            rank,
+            _WHO,
+            "Every rank must run the same step on the same new tokens with caches from the same prefill "
+            "(tokenring.hf.prefill on every rank with the same prompt)",
+            doing="decodes",
+        )
     flat = torch.cat([o.reshape(-1), lse.reshape(-1)]).to(device)
     parts = [torch.empty_like(flat) for _ in range(P)]
     work = dist.all_gather(parts, flat, group=group, async_op=True)
@@ -141,29 +148,6 @@ def decode_attention(
     if sinks is not None:
         merge_sink_(out, out_lse, sinks)
     return out.to(q.dtype)
-
-
-def _exchange_header(header: torch.Tensor, rank: int, P: int, group, state) -> None:
-    every = [torch.empty_like(header) for _ in range(P)]
-    work = dist.all_gather(every, header, group=group, async_op=True)
-    _wait(work, rank, "the decode step's shapes", group)
-    if not values_travel(group):
-        return
-    names = ["batch", "new tokens", "query heads", "key/value heads", "head dim", "dtype"] + [
-        f"state[{i}]" for i in range(len(state))
-    ]
-    for r, other in enumerate(every):
-        bad = [
-            f"{nm} ({x:g} on rank {r}, {y:g} here)"
-            for nm, x, y in zip(names, other.tolist(), header.tolist())
-            if x != y
-        ]
-        if bad:
-            raise ValueError(
-                f"tokenring decode (rank {rank}): rank {r} decodes with a different {'; '.join(bad)}. "
-                f"Every rank must run the same step on the same new tokens with caches from the same "
-                f"prefill (tokenring.hf.prefill on every rank with the same prompt)"
-            )
 
 
 def _wait(work, rank: int, what: str, group) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import re
 import time
 from dataclasses import dataclass
@@ -187,3 +188,26 @@ def Event():
 def synchronize() -> None:
     if _pretend is None:
         torch.cuda.synchronize()
+
+
+def machine() -> dict:
+    """Facts of this host for results files: name, CPU, cores, Python and torch versions."""
+    return dict(
+        host=platform.node(),
+        cpu=_cpu_name(),
+        cores=os.cpu_count(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.cuda.is_available(),
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

@@ -29,64 +29,21 @@ while the new tokens are few next to the cache, the alternatives when they are n
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from .comm import Comm, buffers, wait_collective
-from .device import collective_device, values_travel
+from .agreement import code, exchange, require_same
+from .comm import Comm, buffers
+from .device import values_travel
 from .kernels import attention_inputs, block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .masks import TILE_ROWS
 from .merge import acc_dtype, merge_, merge_sink_, new_accumulator
 from .schedules import Message
+from .strategies.extend import BATCH_ROWS, STRATEGIES, Shards, batches, extend_bytes, split_new  # noqa: F401
 
 __all__ = ["STRATEGIES", "Shards", "RowMask", "split_new", "attend_rows", "extend_attention", "extend_bytes"]
-
-STRATEGIES = ("pass_q", "pass_q_relay", "pass_kv", "ulysses")
-BATCH_ROWS = 2048  # pass_q attends visitors' queries together until a kernel call has this many query rows
-
-
-@dataclass(frozen=True)
-class Shards:
-    """What every rank holds for one step: ``rows[j]`` K/V rows (cached, then its new ones) and new tokens
-    ``new[j] = (a_j, b_j)`` (token indices of the step; rank j's queries and its last ``b_j - a_j`` rows)."""
-
-    rows: tuple[int, ...]
-    new: tuple[tuple[int, int], ...]
-
-    @property
-    def P(self) -> int:
-        return len(self.rows)
-
-    @property
-    def T(self) -> int:
-        return sum(b - a for a, b in self.new)
-
-    def t(self, j: int) -> int:
-        return self.new[j][1] - self.new[j][0]
-
-    def cached(self, j: int) -> int:
-        return self.rows[j] - self.t(j)
-
-    @property
-    def start(self) -> int:
-        """Global position of the step's first new token: every cached row comes before it."""
-        return sum(self.cached(j) for j in range(self.P))
-
-    def problem(self) -> str | None:
-        """Why these shards do not describe one step (``None``: they do)."""
-        spans = sorted(self.new)
-        if any(a < 0 or b < a for a, b in spans) or any(x[1] != y[0] for x, y in zip(spans, spans[1:])):
-            return f"the ranks' new-token ranges {list(self.new)} do not tile 0..T-1 without gaps or overlaps"
-        if spans and spans[0][0] != 0:
-            return f"the ranks' new-token ranges {list(self.new)} do not start at token 0"
-        bad = [j for j in range(self.P) if self.cached(j) < 0]
-        if bad:
-            return f"rank(s) {bad} hold fewer rows than their new tokens (each rank stores its new tokens' K/V last)"
-        return None
 
 
 def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, who: str) -> None:
@@ -98,46 +55,6 @@ def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, who
             f"rank {rank}: {who} takes q (B, t, H, d) and k, v (B, n, Hkv, d) with H % Hkv == 0; got "
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-
-
-def split_new(counts: list[int], T: int) -> list[tuple[int, int]]:
-    """Which of ``T`` new tokens each rank computes and stores, given the rows ``counts[r]`` it holds:
-    contiguous ranges in rank order, ``T // P`` tokens each and the remainder to the ranks holding the fewest
-    rows (ties: the lowest rank). Shards that differ by at most one row stay so; with ``T >= P`` every rank
-    gets a token. The same answer on every rank."""
-    P = len(counts)
-    extra = set(sorted(range(P), key=lambda r: (counts[r], r))[: T % P])
-    out, a = [], 0
-    for r in range(P):
-        n = T // P + (r in extra)
-        out.append((a, a + n))
-        a += n
-    return out
-
-
-def extend_bytes(strategy: str, shards: Shards, B: int, H: int, Hkv: int, d: int, itemsize: int, rank: int = 0) -> int:
-    """Bytes rank ``rank`` receives in one layer's call (payloads only; positions, when a mask needs them, and
-    the shape check excluded): what :class:`tokenring.comm.Comm` logs, as a formula."""
-    P, acc = shards.P, 4 if itemsize < 8 else 8
-    others = [j for j in range(P) if j != rank]
-    if strategy == "pass_q":
-        return (
-            sum(B * shards.t(j) * H * d * itemsize for j in others) + (P - 1) * B * shards.t(rank) * H * (d + 1) * acc
-        )
-    if strategy == "pass_q_relay":
-        return (
-            sum(B * shards.t((rank + i) % P) * H * d * itemsize for i in range(1, P))
-            + (P - 1) * B * shards.t(rank) * H * (d + 1) * acc
-        )
-    if strategy == "pass_kv":
-        return sum(2 * B * shards.rows[j] * Hkv * d * itemsize for j in others)
-    if strategy == "ulysses":
-        h, hk = H // P, Hkv // P
-        return (
-            sum(B * (shards.t(j) * h + 2 * shards.rows[j] * hk) * d * itemsize for j in others)
-            + (P - 1) * B * shards.t(rank) * h * d * itemsize
-        )
-    raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or 'auto'")
 
 
 @dataclass(frozen=True)
@@ -215,11 +132,8 @@ def _meets(shards: Shards, ranges, mask: RowMask, qj: int, kj: int) -> bool:
     return True
 
 
-def _code(x) -> float:
-    return float(zlib.crc32(str(x).encode()))
-
-
 _HEADER = ["batch", "query heads", "key/value heads", "head dim", "dtype", "strategy", "window", "documents", "scale"]
+_WHO = "tokenring extend"
 
 
 def _exchange_header(
@@ -227,36 +141,25 @@ def _exchange_header(
 ) -> tuple[Shards, list] | None:
     """All ranks' shapes, agreed or refused together: a ``ValueError`` on every rank when they disagree
     (``None`` on the fake process group, whose collectives move no values)."""
-    same = [B, H, Hkv, d, _code(dtype), _code(strategy), mask.left, _code(mask.bounds), _code(scale)]
-    mine = torch.tensor(
-        [*same, *map(float, state), t, n, *new, *pos_range], dtype=torch.float64, device=collective_device(group)
-    )
-    every = [torch.empty_like(mine) for _ in range(P)]
-    _wait(dist.all_gather(every, mine, group=group, async_op=True), rank, "the step's shapes", group)
-    if not values_travel(group):  # the fake process group moves no values: nothing to agree on
+    same = [B, H, Hkv, d, code(dtype), code(strategy), mask.left, code(mask.bounds), code(scale)]
+    rows = exchange([*same, *map(float, state), t, n, *new, *pos_range], group, rank, P, _WHO, "the step's shapes")
+    if rows is None:
         return None
-    rows = [e.tolist() for e in every]
     k = len(same) + len(state)
-    names = _HEADER + [f"state[{i}]" for i in range(len(state))]
-    for r, other in enumerate(rows):
-        bad = [f"{nm} ({x:g} on rank {r}, {y:g} here)" for nm, x, y in zip(names, other[:k], rows[rank][:k]) if x != y]
-        if bad:
-            raise ValueError(
-                f"tokenring extend (rank {rank}): rank {r} extends with a different {'; '.join(bad)}. Every "
-                f"rank must run the same step of the same model over caches from the same prefill"
-            )
+    require_same(
+        rows,
+        _HEADER + [f"state[{i}]" for i in range(len(state))],
+        rank,
+        _WHO,
+        "Every rank must run the same step of the same model over caches from the same prefill",
+        doing="extends",
+    )
     shards = Shards(tuple(int(x[k + 1]) for x in rows), tuple((int(x[k + 2]), int(x[k + 3])) for x in rows))
     bad_t = [r for r, x in enumerate(rows) if x[k] != x[k + 3] - x[k + 2]]
     problem = f"rank(s) {bad_t} pass queries that are not their new tokens" if bad_t else shards.problem()
     if problem:
         raise ValueError(f"tokenring extend (rank {rank}): {problem}")
     return shards, [(x[k + 4], x[k + 5]) for x in rows]
-
-
-def _wait(work, rank: int, what: str, group) -> None:
-    wait_collective(
-        work, group, f"tokenring extend (rank {rank}): exchanging {what}", "a rank died or is not extending this step"
-    )
 
 
 class _Run:
@@ -340,19 +243,6 @@ class _Run:
         return [self.k, self.v] + ([self.kpos] if not self.mask.plain else [])
 
 
-def _batches(order: list[int], sh: Shards) -> list[list[int]]:
-    """Consecutive ranks of ``order`` whose queries are attended together, at least :data:`BATCH_ROWS` query rows
-    per group: one kernel call over the cached rows for the group instead of one per rank."""
-    groups, cur, rows = [], [], 0
-    for j in order:
-        cur.append(j)
-        rows += sh.t(j)
-        if rows >= BATCH_ROWS:
-            groups.append(cur)
-            cur, rows = [], 0
-    return groups + [cur] if cur else groups
-
-
 def _wait_all(pending) -> None:
     for p in pending:
         p.wait()
@@ -388,7 +278,7 @@ def _pass_q(run: _Run) -> torch.Tensor:
     )
     waits = {p.due: p for p in pend}
     sent, own = [], None
-    for group in _batches([r] * run.meets(r, r) + visitors, sh):  # own rows first, while queries arrive
+    for group in batches([r] * run.meets(r, r) + visitors, sh):  # own rows first, while queries arrive
         for j in group:
             if j != r:
                 waits.pop(1 + (j - r) % P).wait()
@@ -525,10 +415,8 @@ def _choose(shards: Shards, B, H, Hkv, d, q, rank: int, P: int, group, agree: bo
     mine = choose(shards, B, H, Hkv, d, q.dtype, q.device.type)
     if not agree or not values_travel(group):
         return mine
-    code = torch.tensor([float(STRATEGIES.index(mine))], dtype=torch.float64, device=collective_device(group))
-    every = [torch.empty_like(code) for _ in range(P)]
-    _wait(dist.all_gather(every, code, group=group, async_op=True), rank, "the chosen schedule", group)
-    return STRATEGIES[int(every[0].item())]
+    rows = exchange([float(STRATEGIES.index(mine))], group, rank, P, _WHO, "the chosen schedule")
+    return STRATEGIES[int(rows[0][0])]
 
 
 _SCHEDULES = {"pass_q": _pass_q, "pass_q_relay": _pass_q_relay, "pass_kv": _pass_kv, "ulysses": _ulysses}
@@ -616,10 +504,8 @@ def extend_attention(
     elif mask.plain:
         ranges = [pos_range] * P  # not used without a window
     if ranges is None:  # a window needs every rank's cached positions: one small all-gather
-        mine = torch.tensor(pos_range, dtype=torch.float64, device=collective_device(group))
-        every = [torch.empty_like(mine) for _ in range(P)]
-        _wait(dist.all_gather(every, mine, group=group, async_op=True), rank, "the cached positions", group)
-        ranges = [tuple(e.tolist()) for e in every]
+        rows = exchange(pos_range, group, rank, P, _WHO, "the cached positions")
+        ranges = [tuple(x) for x in rows] if rows is not None else [pos_range] * P  # fake group: shapes only
     if strategy == "auto":
         strategy = _choose(shards, B, H, Hkv, d, q, rank, P, group, agree=checked)
     if strategy == "ulysses" and (H % P or Hkv % P):

@@ -367,7 +367,7 @@ def _pick_backward(q: torch.Tensor, backend: str, mask: torch.Tensor | None = No
 
 
 # The fused CPU backward beats the math path in float32 and float64; in bf16 / fp16 only on CPUs with native
-# instructions for the type (bench/results/fused_backward.md), so the choice follows the CPU's flags, with a
+# instructions for the type (bench/results/archive/fused_backward.md), so the choice follows the CPU's flags, with a
 # timing as the fallback where flags are unknown.
 _CPU_FUSED_ALWAYS = (torch.float32, torch.float64)
 _FAST_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}

@@ -28,6 +28,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from .layouts import local_positions
+
 __all__ = [
     "Mask",
     "Tile",
@@ -186,8 +188,6 @@ def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> 
 
 @lru_cache(maxsize=4096)
 def _layout_positions(S: int, P: int, layout: str, owner: int, bounds) -> torch.Tensor:
-    from .layouts import local_positions
-
     return local_positions(S, P, owner, layout, cu_seqlens=bounds)
 
 

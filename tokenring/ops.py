@@ -1,29 +1,50 @@
-"""``tokenring.attention`` as PyTorch custom ops, so ``torch.compile`` sees one opaque node per attention call.
+"""The body of ``tokenring.attention`` on ``P > 1`` ranks, as PyTorch custom ops, so ``torch.compile`` sees
+one opaque node per attention call.
 
-``tokenring::attention_fwd`` runs what reads tensor values or talks to other ranks (the mask from
-``cu_seqlens``, the cross-rank signature check, the schedule) and returns ``[out, choice, *extra]``:
+A call goes: :func:`plan` (what its constants decide: strategy name, scale, layout, checks of this rank's
+arguments), then ``tokenring::attention_fwd``, which runs what reads tensor values or talks to other ranks
+(the mask from ``cu_seqlens``, the cross-rank signature, the schedule) and returns ``[out, choice, *extra]``:
 ``choice`` is the strategy that ran (:func:`tokenring.strategies.code`, a small CPU tensor, so the backward
 runs the same one), ``extra`` what its backward needs beyond the inputs and ``out``
 (:meth:`~tokenring.strategies.base.Strategy.extra_like`). ``tokenring::attention_bwd`` returns
 ``[dq, dk, dv]`` (+ ``dsinks``). Their fake implementations give those shapes without running anything.
 
-Eager calls with ``strategy="auto"`` (or a family choice) let rank 0 decide inside the op, as before. Under
-``torch.compile`` the fake implementation needs the concrete strategy at trace time: :func:`trace_choice`
-takes the choice an earlier eager call agreed on for these shapes, else this rank's cost model; the signature
-check at run time still refuses, on every rank, ranks that traced different strategies.
+The signature (:func:`agree`): every rank's shapes and options, compared once per (group, signature) through
+:mod:`tokenring.agreement`; rank 0's strategy choice travels with it, so no per-host input (cores, a topology
+set on one rank) can make the ranks disagree. Under ``torch.compile`` the fake implementation needs the
+concrete strategy at trace time: :func:`trace_choice` takes the choice an earlier eager call agreed on for
+these shapes, else this rank's cost model; the signature check at run time still refuses, on every rank,
+ranks that traced different strategies.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
+from . import settings
+from .agreement import cache, exchange, require_same
+from .agreement import code as _code
+from .choice import resolve
+from .comm import publish_refusal
+from .device import device_type as device_kind
 from .device import no_autocast, pretended
+from .instrument import NONE as NO_HOOKS
+from .kernels import fold_scale, softmax_scale_of
+from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
+from .masks import make_mask, whole_numbers, window_pair
+from .single import SINGLE
+from .strategies import CODE_LEN, NAMES, from_code, node_size, with_node_size
+from .strategies import code as strategy_code
+from .strategies import get as get_strategy
+from .strategies.base import Config
 
-__all__ = ["attention_op", "register_extras", "IdentityCache"]
+__all__ = ["attention_op", "plan", "register_extras", "IdentityCache", "forget_choices", "set_calibrator"]
 
 # A call's tokenring.instrument() fields travel into the op as an id (ops take no Python objects); eager only.
 # The forward's ctx holds the object, so an entry lives as long as the autograd graph that may still run its
@@ -89,12 +110,531 @@ class IdentityCache:
         self.entries[key] = ([weakref.ref(t) if t is not None else None for t in tensors], value)
 
 
+_checked = cache()  # (id(group), signature) -> the strategy every rank agreed to run
+
+
+def forget_choices() -> None:
+    """Drop the verified signatures and the cached ``auto`` choices (``set_topology`` calls this)."""
+    _checked.clear()
+
+
+settings.on_change(lambda name: forget_choices() if name == "topology" else None)
+
+
+_calibrate: Callable | None = None  # set_calibrator: tokenring.calibration, which sits above this module
+_calibrated: set = set()  # ids of the groups calibrated in this process (the calibrate setting)
+
+
+def set_calibrator(fn: Callable) -> None:
+    """``fn(group, q, k)`` calibrates ``group`` for calls shaped like ``q`` / ``k`` when the ``calibrate``
+    setting is on (``tokenring`` registers :func:`tokenring.calibration.calibrate_group` at import)."""
+    global _calibrate
+    _calibrate = fn
+
+
+def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
+    where = f"rank {rank}: "
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{where}{name} has shape {tuple(t.shape)}; expected 4 dims (batch, seq_local, heads, "
+                f"head_dim), the flash-attn layout"
+            )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"{where}k {tuple(k.shape)} and v {tuple(v.shape)} must have the same batch, length and heads (v's "
+            f"head dim may differ from q/k's, as in MLA)"
+        )
+    B, s, H, d = q.shape
+    for what, i, name in (
+        ("batch", 0, "batch size"),
+        ("seq_local", 1, "local sequence length"),
+        ("head_dim", 3, "head dim"),
+    ):
+        if k.shape[i] != q.shape[i]:
+            raise ValueError(
+                f"{where}q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in {name} (dim {i}, "
+                f"{what}); q and k/v must be shards of the same tokens"
+            )
+    Hkv = k.shape[2]
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(
+            f"{where}q has {H} heads and k/v {Hkv}: the query heads must be a multiple of the "
+            f"key/value heads (MHA: equal, GQA: H % Hkv == 0, MQA: Hkv == 1)"
+        )
+    if 0 in q.shape:
+        raise ValueError(
+            f"{where}q has shape {tuple(q.shape)}: batch, local length, heads and head dim must be positive"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{where}q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+    if not q.is_floating_point():
+        raise ValueError(f"{where}q has dtype {q.dtype}; attention needs floating point inputs")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"{where}q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one device"
+        )
+
+
+def _check_sinks(sinks, q: torch.Tensor, rank: int) -> None:
+    if sinks is None:
+        return
+    H = q.shape[2]
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (H,) or not sinks.is_floating_point():
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(
+            f"rank {rank}: sinks must be a floating point tensor of shape ({H},) (one logit per query "
+            f"head), got {shape}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"rank {rank}: sinks are on {sinks.device} and q on {q.device}; move them to one device")
+
+
+def _ranked(e: ValueError, rank: int) -> ValueError:
+    return e if str(e).startswith(f"rank {rank}:") else ValueError(f"rank {rank}: {e}")
+
+
+def _group_name(group) -> str:
+    return "" if group is None else group.group_name
+
+
+def _frozen(x):
+    """Lists (cu_seqlens, window) as tuples, so that the plan is a function of constants."""
+    if x is None or isinstance(x, (int, float)):
+        return x
+    try:
+        return tuple(_frozen(y) for y in x)
+    except TypeError:
+        return x
+
+
+@torch._dynamo.assume_constant_result
+def plan(
+    q_shape,
+    k_shape,
+    dtype,
+    device_type: str,
+    strategy: str,
+    causal: bool,
+    softmax_scale,
+    layout,
+    cu_list,
+    cu_tensor: bool,
+    window,
+    sinks: bool,
+    group_name: str,
+    inner_size,
+    backward: bool,
+    compiling: bool,
+):
+    """What can be decided from the call's constants (shapes, dtypes, options), before any value is read or a
+    rank is asked: ``(strategy, scale, layout, window, node size, cu_seqlens list, plain)``. Under
+    ``torch.compile`` it runs once per trace (a constant of the graph) and also picks the concrete strategy
+    (:func:`trace_choice`). ``plain``: one rank and no mask or sinks (PyTorch's SDPA). ValueError for what
+    this rank refuses."""
+    group = resolve_group(group_name)
+    rank, P = group_info(group)
+    layout = layout if layout is not None else default_layout(causal)
+    n = node_size(inner_size)
+    if strategy != "auto":  # unknown names fail here, before any communication
+        strategy = with_node_size(get_strategy(strategy), n).name
+    check_layout(layout)
+    B, s, H, d = q_shape
+    Hkv = k_shape[2]
+    scale = softmax_scale_of(softmax_scale, d)
+    cu_list = whole_numbers(cu_list, "cu_seqlens") if cu_list is not None else None
+    window = list(window_pair(window)) if window is not None else None
+    if P > 1 and layout == "zigzag" and s % 2:
+        raise ValueError(
+            f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; pad the "
+            f"global sequence to a multiple of 2*P = {2 * P}"
+        )
+    if P > 1 and strategy != "auto":
+        why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
+        if why:
+            raise ValueError(why)
+    if cu_list is not None or layout == "zigzag_docs" or window is not None:
+        _mask_of(s, P, cu_list, window, causal, layout)  # malformed documents / windows fail here
+    plain = (
+        P == 1
+        and cu_list is None
+        and not cu_tensor
+        and not sinks
+        and layout != "zigzag_docs"
+        and make_mask(s, None, window, causal) is None
+    )
+    if compiling and P > 1:
+        strategy = trace_choice(
+            q_shape,
+            k_shape,
+            dtype,
+            device_type,
+            strategy,
+            causal,
+            layout,
+            window,
+            cu_list is not None or cu_tensor,
+            backward,
+            group,
+            n,
+            scale,
+            sinks,
+        )
+    return strategy, scale, layout, window, n, cu_list, plain
+
+
+def trace_choice(
+    q_shape,
+    k_shape,
+    dtype,
+    device_type: str,
+    strategy: str,
+    causal: bool,
+    layout: str,
+    window,
+    documents: bool,
+    backward: bool,
+    group,
+    inner: int,
+    scale: float,
+    sinks: bool,
+) -> str:
+    """The concrete strategy a traced (``torch.compile``) call runs: a named variant itself; for ``"auto"`` or a
+    family choice, the one an eager call agreed on for these shapes (documents aside), else this rank's cost
+    model (without the documents, whose bounds are values)."""
+    st = get_strategy(strategy) if strategy != "auto" else None
+    if st is not None and st.mode != "auto":
+        return strategy
+    rank, P = group_info(group)
+    mask = None if documents else make_mask(q_shape[1] * P, None, window, causal)
+    sig = _signature_of(
+        q_shape,
+        k_shape,
+        dtype,
+        device_type,
+        causal,
+        layout,
+        strategy,
+        scale,
+        backward,
+        mask.key if mask is not None else 0,
+        inner,
+        sinks,
+    )
+    hit = _checked.get((id(group), tuple(sig)))
+    if hit is not None:
+        return hit.name
+    return resolve(
+        strategy,
+        tuple(q_shape),
+        tuple(k_shape),
+        P,
+        dtype=dtype,
+        causal=causal,
+        layout=layout,
+        backward=backward,
+        device_type=device_type,
+        mask=mask,
+        inner_size=inner or None,
+    ).name
+
+
+def _signature_of(
+    q_shape,
+    k_shape,
+    dtype,
+    device_type: str,
+    causal,
+    layout,
+    strategy,
+    scale,
+    backward,
+    mask_code: int,
+    inner: int,
+    sinks: bool,
+) -> list[float]:
+    B, s, H, d = q_shape
+    return [
+        0.0,
+        B,
+        s,
+        H,
+        k_shape[2],
+        d,
+        _code(str(dtype)),
+        _code(device_type),
+        float(causal),
+        LAYOUTS.index(layout),
+        _code(strategy),
+        scale,
+        float(backward),
+        float(mask_code),
+        float(inner),
+        float(sinks),
+    ]
+
+
+def _signature(
+    q, k, causal, layout, strategy, scale, backward, mask_code: int, inner: int, sinks: bool = False
+) -> list[float]:
+    return _signature_of(
+        q.shape, k.shape, q.dtype, device_kind(q), causal, layout, strategy, scale, backward, mask_code, inner, sinks
+    )
+
+
+_FIELDS = [
+    "refused",
+    "batch",
+    "local length",
+    "query heads",
+    "key/value heads",
+    "head dim",
+    "dtype",
+    "device type",
+    "causal",
+    "layout",
+    "strategy",
+    "softmax_scale",
+    "backward (inputs requiring grad)",
+    "cu_seqlens / window (checksum)",
+    "inner_size (ranks per node)",
+    "sinks (given)",
+]
+
+# What a rank that refuses its own arguments sends: the flag, and nothing the others could compare.
+_REFUSED = [1.0] + [0.0] * (len(_FIELDS) - 1)
+
+
+def _show(field: str, value: float) -> str:
+    if field == "strategy":
+        return next((repr(n) for n in NAMES if _code(n) == value), f"a spec with code {int(value)}")
+    return f"{value:g}" if field in ("softmax_scale",) else str(int(value))
+
+
+def _agree(
+    sig: list[float], decide, describe: str, group, rank: int, P: int, remember: bool = True, calibrate_for=None
+):
+    """Verify that every rank calls with the same shapes and options, and return the strategy to run.
+
+    ``decide()`` resolves the strategy; only rank 0 calls it (``auto`` runs the cost model there) and its
+    answer travels with the signature exchange. Done once per (group, signature); later calls reuse the
+    result. ``remember=False`` (a rank that will refuse its arguments): exchange every time, never skip.
+    ``decide`` ``None``: this rank refuses its arguments (``sig`` is ``_REFUSED``)."""
+    key = (id(group), tuple(sig))  # nothing per-host in it: a rank that re-checked alone would wait for the others
+    if remember and key in _checked:
+        return _checked[key]
+    lazy = rank == 0 and calibrate_for is not None and settings.get("calibrate") and id(group) not in _calibrated
+    choice = strategy_code(decide()) if rank == 0 and decide is not None and not lazy else [-1.0] * CODE_LEN
+    rows = exchange(sig + choice + [float(lazy)], group, rank, P, "tokenring.attention", "call signatures")
+    if rows is None:  # PyTorch's fake process group: nothing to compare, each rank decides
+        if decide is None:
+            return None
+        chosen = _checked[key] = get_strategy(decide().name)
+        return chosen
+    refused = [r for r, row in enumerate(rows) if row[0]]
+    if refused:  # a refusing rank raises its own error; the others say who refused, at the same moment
+        raise ValueError(
+            f"tokenring: rank(s) {refused} refused their arguments to attention (each raised an error "
+            f"saying why); here: {describe}"
+        )
+    require_same(
+        rows,
+        _FIELDS,
+        rank,
+        "tokenring.attention",
+        f"Here: {describe}. Every rank must pass shards of the same shape, dtype and options; shard the "
+        f"sequence with tokenring.shard() so local lengths are equal.",
+        _show,
+    )
+    if rows[0][-1]:  # rank 0 asks every rank to calibrate the group first
+        _calibrate(group, *calibrate_for)
+        _calibrated.add(id(group))
+        return _agree(sig, decide, describe, group, rank, P, remember, calibrate_for)
+    chosen = from_code(rows[0][-CODE_LEN - 1 : -1])
+    if remember:
+        _checked[key] = chosen
+    return chosen
+
+
+def _refuse_everywhere(problem: ValueError, group, rank: int, P: int):
+    """Tell the other ranks this rank refuses its arguments, then raise ``problem``. Ranks that compare
+    signatures for this call raise at once; ranks that had agreed on their shapes at an earlier call go ahead
+    without comparing, and name this rank and its reason when its messages do not come (the store report)."""
+    publish_refusal(group, rank, str(problem))
+    try:
+        _agree(list(_REFUSED), None, "", group, rank, P, remember=False)
+    except ValueError:  # its own error is the one to raise
+        pass
+    except RuntimeError:
+        raise ValueError(
+            f"{problem} (The other ranks did not compare signatures with this one: they had agreed on their "
+            f"shapes at an earlier call and went ahead, so they will fail waiting for this rank and name it. "
+            f"The process group cannot be used again after this: destroy it and start the ranks again.)"
+        ) from None
+    raise problem from None
+
+
+def _describe(q, k, causal, layout, strategy, mask, sinks) -> str:
+    return (
+        f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype}, causal={causal}, layout={layout}, "
+        f"strategy={strategy!r}"
+        + (f", {mask.describe()}" if mask is not None else "")
+        + (", with sinks" if sinks is not None else "")
+    )
+
+
+def _config_of(group, rank, P, causal, layout, scale, mask, sinks, hooks) -> Config:
+    return Config(
+        group=group,
+        rank=rank,
+        P=P,
+        causal=causal,
+        layout=layout,
+        scale=scale,
+        mask=mask,
+        sinks=sinks,
+        hooks=hooks or NO_HOOKS,
+    )
+
+
+_masks = IdentityCache()
+
+
+def _mask_of(s: int, P: int, cu, window, causal: bool, layout: str):
+    """The call's mask; reading ``cu_seqlens`` once per tensor (the layers of a model share it)."""
+    key = (s, P, tuple(window) if window is not None else None, causal, layout)
+    cached = isinstance(cu, torch.Tensor)
+    hit = _masks.get([cu]) if cached else None
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    if layout == "zigzag_docs":
+        document_bounds(s * P, P, cu)  # every document must split over the ranks
+    mask = make_mask(s * P, cu, window, causal, force=layout == "zigzag_docs")
+    if cached:
+        _masks.put([cu], (key, mask))
+    return mask
+
+
+def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=k.shape[2] != q.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def run_forward(
+    q,
+    k,
+    v,
+    sinks,
+    cu,
+    strategy: str,
+    causal: bool,
+    scale: float,
+    layout: str,
+    window,
+    group,
+    inner: int,
+    backward: bool,
+    extras,
+):
+    """The forward of :func:`attention` on ``P > 1`` ranks once its local arguments are checked (the body of
+    the ``tokenring::attention_fwd`` op): the mask, the cross-rank agreement, the strategy's schedule.
+    Returns ``(out, strategy, extra)`` (``extra``: what backward needs besides the inputs and ``out``)."""
+    rank, P = group_info(group)
+    try:
+        mask = _mask_of(q.shape[1], P, cu, window, causal, layout)
+    except ValueError as e:
+        if P == 1:
+            raise _ranked(e, rank) from None
+        _refuse_everywhere(_ranked(e, rank), group, rank, P)
+    if P == 1:
+        q, scale = fold_scale(q, scale)
+        out, saved = SINGLE.forward(q, k, v, _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras))
+        return out, SINGLE, SINGLE.saved_extra(saved)
+    n = inner
+
+    def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
+        return resolve(
+            strategy,
+            q.shape,
+            k.shape,
+            P,
+            dtype=q.dtype,
+            causal=causal,
+            layout=layout,
+            backward=backward,
+            device_type=device_kind(q),
+            mask=mask,
+            inner_size=n or None,
+        )
+
+    sig = _signature(
+        q, k, causal, layout, strategy, scale, backward, mask.key if mask is not None else 0, n, sinks is not None
+    )
+    auto = strategy == "auto" or get_strategy(strategy).mode == "auto"
+    strat = _agree(
+        sig,
+        decide,
+        _describe(q, k, causal, layout, strategy, mask, sinks),
+        group,
+        rank,
+        P,
+        calibrate_for=(q, k) if auto else None,
+    )
+    q, scale = fold_scale(q, scale)
+    cfg = _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras)
+    q, k, v = strat.prepare(q, k, v, P)
+    out, saved = strat.forward(q, k, v, cfg)
+    return out, strat, strat.saved_extra(saved)
+
+
+def run_backward(
+    dout, q, k, v, out, sinks, cu, strat, extra: list, causal: bool, scale: float, layout: str, window, group, extras
+):
+    """The backward of :func:`run_forward` (the body of ``tokenring::attention_bwd``): ``[dq, dk, dv]``, and
+    ``dsinks`` (this rank's rows' share) with sinks."""
+    rank, P = group_info(group)
+    mask = _mask_of(q.shape[1], P, cu, window, causal, layout)
+    q_in, (q, folded) = q, fold_scale(q, scale)
+    cfg = _config_of(group, rank, P, causal, layout, folded, mask, sinks, extras)
+    dq, dk, dv, dsinks = strat.backward(dout, strat.saved_full(extra, q, k, v, out), cfg)
+    dk, dv = strat.unprepare(dk, dv, k.shape[2])
+    if folded != scale:
+        dq = dq * scale
+    return [dq.to(q_in.dtype), dk, dv] + ([dsinks.to(sinks.dtype)] if sinks is not None else [])
+
+
+def fake_extra(q, k, v, cu, strategy: str, causal: bool, layout: str, window, group, inner: int):
+    """Empty tensors shaped like :func:`run_forward`'s ``extra`` for a concrete ``strategy`` (the op's fake)."""
+    rank, P = group_info(group)
+    st = get_strategy(strategy) if P > 1 else SINGLE
+    if P > 1 and (strategy == "auto" or st.mode == "auto"):
+        raise ValueError(f"tokenring: strategy {strategy!r} must be resolved before tracing (tokenring.ops)")
+    mask = None
+    if st.keep:
+        if cu is not None or layout == "zigzag_docs":
+            raise ValueError(
+                f"tokenring: {strategy!r} keeps K/V pieces whose shapes depend on cu_seqlens' values; "
+                f"under torch.compile use it without 'keep' or without documents"
+            )
+        mask = make_mask(q.shape[1] * P, None, window, causal)
+    cfg = Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=1.0, mask=mask)
+    q, k, v = st.prepare(q, k, v, P)
+    return st.extra_like(q, k, v, cfg)
+
+
 def _pretended_meta(t: torch.Tensor) -> bool:
     """Whether ``t`` is a plain meta tensor inside ``pretend_cuda`` (the dispatcher sends meta tensors to an op's
     fake implementation; there they stand for CUDA tensors and take the real one). Tracing's fake tensors are
     not."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return pretended() is not None and t.device.type == "meta" and not isinstance(t, FakeTensor)
 
 
@@ -122,8 +662,6 @@ def attention_fwd(
     backward: bool,
     extras: int,
 ) -> List[torch.Tensor]:
-    from .api import run_forward
-
     with no_autocast(q):  # the inputs are already in the autocast dtype
         out, strat, extra = run_forward(
             q,
@@ -146,16 +684,10 @@ def attention_fwd(
 
 def _choice(strat) -> torch.Tensor:
     """The strategy that ran, as numbers (-1: one rank, :data:`tokenring.single.SINGLE`)."""
-    from .single import SINGLE
-    from .strategies import CODE_LEN, code
-
-    return torch.tensor([-1.0] * CODE_LEN if strat is SINGLE else code(strat), dtype=torch.float64)
+    return torch.tensor([-1.0] * CODE_LEN if strat is SINGLE else strategy_code(strat), dtype=torch.float64)
 
 
 def _chosen(choice: torch.Tensor):
-    from .single import SINGLE
-    from .strategies import from_code
-
     values = choice.tolist()
     return SINGLE if values[0] < 0 else from_code(values)
 
@@ -175,9 +707,6 @@ def _unaliased(outputs: list, inputs) -> list:
 
 @attention_fwd.register_fake
 def _(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window, group, inner, backward, extras):
-    from .api import fake_extra
-    from .strategies import CODE_LEN
-
     if _pretended_meta(q):  # tokenring.testing.pretend_cuda: run the CUDA path on meta tensors
         return attention_fwd._init_fn(
             q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window, group, inner, backward, extras
@@ -207,8 +736,6 @@ def attention_bwd(
     group: str,
     extras: int,
 ) -> List[torch.Tensor]:
-    from .api import run_backward
-
     with no_autocast(q):
         grads = run_backward(
             dout,

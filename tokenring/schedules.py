@@ -28,6 +28,7 @@ from math import gcd
 
 import torch
 
+from .masks import pair_table, shard_pair
 from .merge import acc_dtype
 from .messages import Receive
 from .messages import kind as message_kind
@@ -416,8 +417,6 @@ def block_pair(
     only marks a rank's own block (the kernels take the mask from the tokens' positions).
     """
     if mask is not None:
-        from .masks import shard_pair
-
         hit = shard_pair(mask, P, layout, q_owner, kv_owner)
         if hit is None:
             return None
@@ -442,7 +441,6 @@ def pairing(P: int, layout: str, causal: bool, mask=None, only: int | None = Non
     relays' unions (``pair.s``: the local rows)."""
     if mask is None:
         return lambda q_owner, kv_owner: block_pair(q_owner, kv_owner, P, layout, causal, mask)
-    from .masks import pair_table
 
     table, s = pair_table(mask, P, layout, only), mask.S // P
 

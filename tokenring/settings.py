@@ -61,9 +61,8 @@ def _ranks(x) -> int:
 
 
 def _topology(x):
-    from .sim.topology import get_topology
-
-    get_topology(x)  # validate now, not at the first attention call
+    for check in _checks.get("topology", ()):  # validate now, not at the first attention call
+        check(x)
     return x
 
 
@@ -109,6 +108,7 @@ SETTINGS = {
     )
 }
 _configured: dict[str, Any] = {}
+_checks: dict[str, list[Callable[[Any], Any]]] = {}  # from higher layers: tokenring.sim.topology checks names
 _listeners: list[Callable[[str], None]] = []  # called with a setting's name when configure changes it
 
 
@@ -152,6 +152,13 @@ def get(name: str) -> Any:
 def options() -> dict[str, tuple[Any, str]]:
     """Every setting's value and where it came from."""
     return {name: source(name) for name in SETTINGS}
+
+
+def add_check(name: str, check: Callable[[Any], Any]) -> None:
+    """Have ``check(value)`` (raising ValueError) validate setting ``name`` too, at configure time: for checks
+    that live above this module (the topology names of tokenring.sim.topology)."""
+    _setting(name)
+    _checks.setdefault(name, []).append(check)
 
 
 def on_change(fn: Callable[[str], None]) -> None:

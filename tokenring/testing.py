@@ -19,6 +19,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .agreement import forget_groups
 from .device import GPU, _set_pretend
 
 __all__ = ["pretend_cuda", "fake_rank", "GPU"]
@@ -43,8 +44,6 @@ def fake_rank(rank: int, world_size: int):
     PyTorch's fake backend (for CPU, CUDA and meta tensors). Needs no default group to exist already."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from . import api
-
     if dist.is_initialized():
         raise RuntimeError("tokenring.testing.fake_rank: a default process group exists already; destroy it first")
     if not 0 <= rank < world_size:
@@ -54,7 +53,7 @@ def fake_rank(rank: int, world_size: int):
         yield
     finally:
         dist.destroy_process_group()
-        api.forget_groups()
+        forget_groups()
 
 
 def meta_like(*shape, dtype=torch.bfloat16, requires_grad: bool = False) -> torch.Tensor:

@@ -23,10 +23,13 @@ import torch
 from .. import settings
 from ..device import device_type as device_kind
 from ..device import gpu
+from ..kernels import CUDNN_MIN_CAPABILITY, cuda_kernel
+from ..layouts import default_layout, group_info
 from ..schedules import Shapes
+from ..strategies import why_not
 from .kernel_model import cpu_share, kernel_model
-from .simulator import SimResult, fastest, simulate, variant_candidates
-from .topology import Topology, detected_topology, get_topology
+from .simulator import AUTO_STRATEGIES, SimResult, fastest, simulate, variant_candidates
+from .topology import Topology, detected_topology, get_topology, profile_summary
 
 __all__ = ["set_topology", "get_current_topology", "choose", "explain", "DEFAULT_TOPOLOGY"]
 
@@ -153,8 +156,6 @@ def mask_class(mask) -> tuple | None:
 
 def _kernel_choice(dtype, d: int) -> str:
     """Which CUDA op runs this rank's blocks, and why (tokenring.kernels.cuda_kernel's table)."""
-    from ..kernels import CUDNN_MIN_CAPABILITY, cuda_kernel
-
     g = gpu()
     cap = g.capability
     op = cuda_kernel(dtype, d, cap, g.nvidia)
@@ -199,8 +200,6 @@ def explain(
     (B, s, Hkv, d) -- tensors or shape tuples -- on ``P`` ranks (default: the size of ``group`` / the default
     group): the predicted time of every candidate variant on the topology, fastest first. ``device_type``
     (default: ``q``'s, else ``"cpu"``) picks the default topology: on ``"cuda"`` the detected machine."""
-    from ..layouts import default_layout, group_info
-
     qs = _shape(q)
     ks = _shape(k) if k is not None else qs
     if len(qs) != 4 or len(ks) != 4:
@@ -228,8 +227,6 @@ def explain(
         )
         print(f"topology: {topo.describe()} [{origin}]; kernel model: {_kernel(topo, P).name}", file=out)
         if topo.measured:
-            from ..calibration import profile_summary
-
             print(profile_summary(topo), file=out)
         if device_type == "cuda":
             print(f"block kernel: {_kernel_choice(dtype, d)}", file=out)
@@ -248,8 +245,6 @@ def explain(
                 + (f"x{r.factor:.3f}".rjust(18) if factors else ""),
                 file=out,
             )
-        from ..strategies import why_not
-        from .simulator import AUTO_STRATEGIES
 
         for fam in AUTO_STRATEGIES:
             why = why_not(fam, H, ks[2], P)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..extend import STRATEGIES, Shards, _batches, extend_bytes
+from ..strategies.extend import STRATEGIES, Shards, batches, extend_bytes
+from .auto import _kernel, get_current_topology
 from .kernel_model import KernelModel
 from .topology import Topology
 
@@ -71,7 +72,7 @@ def _steps(strategy: str, sh: Shards, B, H, Hkv, d, elem, km):
 
     steps = []
     if strategy == "pass_q":  # groups of at least BATCH_ROWS query rows, own rows first (extend._batches)
-        groups = [_batches([(r + i) % P for i in range(P)], sh) for r in range(P)]
+        groups = [batches([(r + i) % P for i in range(P)], sh) for r in range(P)]
 
         def group_time(r: int, g: list[int]) -> float:
             rows, cached = sum(sh.t(j) for j in g), sh.cached(r)
@@ -154,8 +155,6 @@ def choose(shards: Shards, B: int, H: int, Hkv: int, d: int, dtype: torch.dtype,
     """The schedule :func:`simulate_extend` predicts fastest for these shards on the current topology
     (:func:`tokenring.set_topology`); the same answer on every rank, since every input is (``Shards`` comes
     from the ranks' agreed shapes)."""
-    from .auto import _kernel, get_current_topology
-
     topo, _ = get_current_topology(shards.P, device_type)
     km = _kernel(topo, shards.P)
     elem = torch.empty((), dtype=dtype).element_size()

@@ -25,6 +25,10 @@ from importlib import resources
 
 import numpy as np
 
+from ..kernels import block_backward, block_forward
+from ..merge import merge_, new_accumulator
+from ..strategies.spec import Spec
+
 __all__ = [
     "KernelModel",
     "DEVICES",
@@ -76,7 +80,6 @@ class KernelModel:
         unprobed families: 1."""
         if not self.call_factors:
             return 1.0
-        from ..strategies.spec import Spec
 
         spec = Spec.parse(strategy)
         if spec.inner:
@@ -293,9 +296,6 @@ def block_row(n: int, H: int, Hkv: int, d: int, dtype, causal: bool, best, gen, 
     backward and the exact merge on an ``n x n`` block (``H`` query, ``Hkv`` K/V heads), in milliseconds.
     Shared by :func:`calibrate_cpu` and :func:`tokenring.calibrate`."""
     import torch
-
-    from ..kernels import block_backward, block_forward
-    from ..merge import merge_, new_accumulator
 
     scale = d**-0.5
     q, do = (torch.randn(1, n, H, d, generator=gen, dtype=dtype).to(device) for _ in range(2))

@@ -27,10 +27,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
+
+from .. import settings
+from .kernel_model import model_from_dict
 
 __all__ = [
     "Topology",
@@ -99,7 +103,7 @@ class Topology:
     # Whether the simulator lets a message wait for links/ports/NICs still busy with earlier steps' messages
     # (``simulate(queued=...)``; a shared backplane is exempt, see queue_routes): direct schedules keep
     # prefetches and late partials of several steps in flight, and on a switch port, a ring link or a NIC they
-    # queue. Validated on the testbeds (bench/results/evidence.md, token_ring_wins.md, hierarchical.md).
+    # queue. Validated on the testbeds (bench/results/archive/evidence.md, token_ring_wins.md, hierarchical.md).
     queued: bool = True
     # Whether a send waits for the receiver's "ready" notice, sent when the receive is posted, and that notice
     # queues behind the data already on its way from receiver to sender (gloo over TCP: the notice rides the
@@ -756,8 +760,6 @@ def topology_to_dict(topo: Topology) -> dict:
 
 def _profile(d: dict, P: int | None) -> Topology:
     """The topology of a calibration profile, carrying its measured kernel model and measurements."""
-    from .kernel_model import model_from_dict
-
     if d.get("format") != PROFILE_FORMAT:
         raise ValueError(f"profile format {d.get('format')!r} unknown (this version reads {PROFILE_FORMAT!r})")
     topo = topology_from_dict(d["topology"], P)
@@ -879,3 +881,55 @@ def get_topology(spec, P: int | None = None) -> Topology:
             raise ValueError(f"only the testbed kinds take a rate ('switch:200mbit'), not {name!r}")
         return _preset(name, P, rate=rate)
     return _preset(name, P)
+
+
+def profile_summary(topo: Topology) -> str:
+    """Lines for ``explain``: the measured figures of a calibrated topology next to what it predicts."""
+    m = topo.measured or {}
+    if not m:
+        return ""
+    mach = m.get("machine", {})
+    pairs = list(m.get("pair_Bps", {}).values())
+    lines = [
+        f"profile: measured on {mach.get('host', '?')} ({mach.get('cpu', '?')}, {mach.get('cores', '?')} cores, "
+        f"torch {mach.get('torch', '?')}{', ' + mach['gpu'] if mach.get('gpu') else ''}), P={m.get('P')}, "
+        f"in {m.get('total_s', 0):.1f} s",
+    ]
+    if pairs:
+        lats = list(m["latency_s"].values())
+        lines.append(
+            f"  links: pair rate {statistics.median(pairs) / 1e6:.4g} MB/s median ({min(pairs) / 1e6:.4g}-"
+            f"{max(pairs) / 1e6:.4g}), latency {statistics.median(lats) * 1e6:.0f} us; compute per byte moved "
+            f"{m.get('compute_per_byte_s', 0) * 1e9:.3g} ns; host time per step {m.get('step_s', 0) * 1e3:.3g} ms"
+            + (f"; link rates in calls x{m['link_factor']:.3g}" if "link_factor" in m else "")
+        )
+        lines.append(
+            "  link models, mean |log error| over the patterns (and the real calls): "
+            + ", ".join(
+                f"{k['kind']} {k['error']:.3f}" + (f" ({k['calls_error']:.3f})" if "calls_error" in k else "")
+                for k in m.get("kinds", [])
+                if "calls_error" in k
+            )
+        )
+        lines.append(f"  {'pattern':<14}{'measured':>12}{'model':>12}")
+        for n, p in m.get("patterns", {}).items():
+            lines.append(f"  {n:<14}{p['measured_s'] * 1e3:>10.3g}ms{p['predicted_s'] * 1e3:>10.3g}ms")
+    if m.get("calls"):
+        lines.append(f"  {'call (fwd)':<28}{'measured':>10}{'model':>10}{'factor':>8}")
+        for n, c in m["calls"].items():
+            lines.append(
+                f"  {n:<28}{c['measured_s'] * 1e3:>8.4g}ms{c['predicted_s'] * 1e3:>8.4g}ms{c.get('factor', 1.0):>8.3f}"
+            )
+    rows = m.get("kernel_rows", [])
+    if rows:
+        lines.append(f"  {'block':<16}{'fwd meas':>10}{'model':>10}{'bwd meas':>10}{'model':>10}")
+        for r in rows:
+            tag = f"n={r['n']}{' causal' if r['causal'] else ''}"
+            lines.append(
+                f"  {tag:<16}{r['k_fwd_ms']:>8.3g}ms{r['model_fwd_ms']:>8.3g}ms"
+                f"{r['k_fb_ms'] - r['k_fwd_ms']:>8.3g}ms{r['model_bwd_ms']:>8.3g}ms"
+            )
+    return "\n".join(lines)
+
+
+settings.add_check("topology", get_topology)

@@ -62,8 +62,26 @@ def get(text: str) -> Strategy:
     spec = Spec.parse(text)
     if not spec.given():
         return STRATEGIES[family]
-    st = STRATEGIES[family].make(spec)
+    st = _make(spec)
     return st if st.name == text else get(st.name)  # one object per canonical spec (schedules cache on it)
+
+
+def _make(spec: Spec) -> Strategy:
+    """The family's member that ``spec`` names; ``ValueError`` naming the parameters it does not take."""
+    family = STRATEGIES[spec.family]
+    extra = [f for f in spec.given() if f not in family.PARAMS]
+    if extra:
+        shown = {"mode": "a mode", "chunks": "c=", "lookahead": "k=", "inner": "n=", "keep": "keep", "outer": "o="}
+        takes = f"only {', '.join(shown[f] for f in family.PARAMS)}" if family.PARAMS else "no parameters"
+        hint = (
+            f"; node sizes (n=), keep and o= are for the hierarchical strategies ({', '.join(HIERARCHICAL)})"
+            if {"inner", "keep", "outer"} & set(extra)
+            else ""
+        )
+        raise ValueError(
+            f"strategy {spec.family!r} takes {takes}; {spec.text()!r} sets {', '.join(shown[f] for f in extra)}{hint}"
+        )
+    return family.make(spec)
 
 
 def code(st: Strategy) -> list[float]:
@@ -73,7 +91,7 @@ def code(st: Strategy) -> list[float]:
 
 def from_code(values) -> Strategy:
     spec = Spec.from_code(values, FAMILIES)
-    return get(STRATEGIES[spec.family].make(spec).name)
+    return get(_make(spec).name)
 
 
 def node_size(inner_size: int | None = None) -> int:
@@ -88,7 +106,7 @@ def node_size(inner_size: int | None = None) -> int:
 
 def with_node_size(st: Strategy, n: int) -> Strategy:
     """``st`` with ``n`` ranks per node, if it is a hierarchical family without a node size yet."""
-    return st.with_inner(n) if st.hierarchical and not st.inner and n else st
+    return get(st.with_inner(n).name) if st.hierarchical and not st.inner and n else st
 
 
 def why_not(name: str, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:

@@ -40,6 +40,7 @@ from ..schedules import (
     part_union,
     payload,
 )
+from .direct import direct
 from .spec import Spec
 
 __all__ = [
@@ -107,22 +108,8 @@ class Strategy:
         return Spec(self.family or self.name, self.mode, self.chunks, self.lookahead, self.inner, self.keep, self.outer)
 
     def make(self, spec: Spec) -> "Strategy":
-        """The member of this family that ``spec`` names (registry use: :func:`tokenring.strategies.get`)."""
-        extra = [f for f in spec.given() if f not in self.PARAMS]
-        if extra:
-            from . import HIERARCHICAL
-
-            shown = {"mode": "a mode", "chunks": "c=", "lookahead": "k=", "inner": "n=", "keep": "keep", "outer": "o="}
-            takes = f"only {', '.join(shown[f] for f in self.PARAMS)}" if self.PARAMS else "no parameters"
-            hint = (
-                f"; node sizes (n=), keep and o= are for the hierarchical strategies ({', '.join(HIERARCHICAL)})"
-                if {"inner", "keep", "outer"} & set(extra)
-                else ""
-            )
-            raise ValueError(
-                f"strategy {spec.family!r} takes {takes}; {spec.text()!r} sets "
-                f"{', '.join(shown[f] for f in extra)}{hint}"
-            )
+        """The member of this family that ``spec`` names (registry use: :func:`tokenring.strategies.get`, which
+        checks first that ``spec`` sets only :attr:`PARAMS`)."""
         return type(self)(**{f: getattr(spec, f) for f in self.PARAMS}) if self.PARAMS else self
 
     @property
@@ -676,6 +663,4 @@ class RelayOrDirect(ScheduledStrategy):
             )
         if self.mode == "relay":
             return self.relay_schedule(P, layout, causal, backward, mask, only)
-        from .token_ring import direct  # TokenRing's direct builder; the pass-KV families run it with mover="kv"
-
         return direct(self.name, P, layout, causal, backward, self.mover, self.chunks, self.lookahead, mask, only)

@@ -46,8 +46,9 @@ from ..schedules import (
     relay,
 )
 from .base import RelayOrDirect, chunk_choices, lookaheads, outer_choices
+from .direct import direct_steps
 from .ring import pass_kv_steps
-from .token_ring import direct_steps, pass_q_steps
+from .token_ring import pass_q_steps
 
 __all__ = ["two_level", "TwoLevel", "inner_size_error"]
 
@@ -233,9 +234,7 @@ class TwoLevel(RelayOrDirect):
         self.name = self.spec.text(self.default_mode)
 
     def with_inner(self, n: int) -> "TwoLevel":
-        from . import get
-
-        return get(replace(self.spec, inner=n).text(self.default_mode))
+        return self.make(replace(self.spec, inner=n))
 
     def variants(self, P: int) -> list["TwoLevel"]:
         if self.mode != "auto":

@@ -244,9 +244,7 @@ class Usp(Strategy):
         return self.inner
 
     def with_inner(self, n: int) -> "Usp":
-        from . import get
-
-        return get(Usp(n).name)
+        return Usp(n)
 
     def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
         why = inner_size_error(self.name, P, self.inner)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from statistics import median
 
 import torch
 
+from ..device import machine
 from ..layouts import default_layout
 from ..strategies import STRATEGIES, why_not
 from ..strategies import get as get_strategy
@@ -793,28 +793,6 @@ def run(spec: dict, **launch_kw) -> dict:
         if "time" in r and best:
             r["vs_best"] = r["time"] / best
     return out
-
-
-def machine() -> dict:
-    return dict(
-        host=platform.node(),
-        cpu=_cpu_name(),
-        cores=os.cpu_count(),
-        python=platform.python_version(),
-        torch=torch.__version__,
-        cuda=torch.cuda.is_available(),
-    )
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _ms(x) -> str:

@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     with open(a.out, "w") as f:
         json.dump(data, f, indent=1)
-    from ..calibration import profile_summary
-    from ..sim.topology import topology_from_dict
+    from ..sim.topology import profile_summary, topology_from_dict
 
     print(profile_summary(topology_from_dict(data)))
     print(f"wrote {a.out}")

@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .comm import wait_collective
-from .decode import decode_attention, place_new
-from .device import collective_device
-from .extend import Shards, extend_attention
-from .layouts import group_info
+from ..comm import wait_collective
+from ..decode import decode_attention, place_new
+from ..device import collective_device
+from ..extend import extend_attention
+from ..layouts import group_info
+from ..strategies.extend import Shards
 
 __all__ = ["ShardedCache", "ShardedLayer", "take_step", "forget_steps", "step_attention"]
 

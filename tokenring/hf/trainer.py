@@ -1,7 +1,7 @@
 """``transformers.Trainer`` over a data x sequence parallel mesh (:class:`SequenceParallelTrainer`).
 
 A stock Trainer script becomes sequence parallel by building the model with
-``attn_implementation="tokenring"`` and using this class with a :class:`tokenring.training.SequenceParallel`::
+``attn_implementation="tokenring"`` and using this class with a :class:`tokenring.hf.SequenceParallel`::
 
     sp = SequenceParallel(init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")))
     trainer = SequenceParallelTrainer(sp, model=model, args=args, train_dataset=ds, data_collator=collate)
@@ -26,7 +26,9 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from . import hf, mixers
+from .. import mixers
+from .attention import _context
+from .batch import tiled_loss
 from .training import SequenceParallel
 
 __all__ = ["SequenceParallelTrainer"]
@@ -39,7 +41,7 @@ class SequenceParallelTrainer(Trainer):
     def __init__(self, sp: SequenceParallel, *args, tiled_loss: int | None = None, **kwargs):
         self.sp, self.tiled_loss = sp, tiled_loss
         super().__init__(*args, **kwargs)
-        mixers.prepare(self.model, hf._context, sp.cp_size, "SequenceParallelTrainer")  # before the first step
+        mixers.prepare(self.model, _context, sp.cp_size, "SequenceParallelTrainer")  # before the first step
         if not self.args.average_tokens_across_devices:
             raise ValueError(
                 "SequenceParallelTrainer needs average_tokens_across_devices=True (the default): the "
@@ -118,8 +120,6 @@ class SequenceParallelTrainer(Trainer):
             num_items_in_batch=n if labels is not None else None,
         )
         if self.tiled_loss and labels is not None:
-            from .hf import tiled_loss
-
             with tiled_loss(model, self.tiled_loss):
                 outputs = model(**batch)
         else:

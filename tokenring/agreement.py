@@ -1,0 +1,172 @@
+"""The cross-rank agreement: before ranks move data for a call, they check they make the same call.
+
+Each rank puts what must agree (shapes, options, checksums of values) in one row of numbers; one all-gather
+brings every row to every rank (:func:`exchange`), and :func:`require_same` raises the same ``ValueError`` on
+every rank when a row differs, naming the rank and the fields. A rank that never arrives is named too: each
+marks its arrival in the rendezvous store, so the ones still waiting can say who is missing. attention, decode,
+extend and the Hugging Face checks all agree through here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import zlib
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .comm import get_timeout, group_store
+from .device import collective_device, values_travel
+
+__all__ = ["code", "checksum", "exchange", "require_same", "differences", "Verified", "forget_groups"]
+
+_exchanges: dict = {}  # per group: exchanges so far (the same count on every rank in step)
+
+
+def code(x) -> float:
+    """A number for ``str(x)`` that is the same in every process (``hash()`` is not)."""
+    return float(zlib.crc32(str(x).encode()))
+
+
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(t: torch.Tensor) -> float:
+    """A number for a tensor's values, shape and dtype, the same in every process. Computed where the tensor
+    lives (one number comes to the host) and position-weighted, so a permutation differs too."""
+    x = t.detach().reshape(-1)
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        x = x.contiguous().view(_AS_INT[x.element_size()])  # the bits
+    x = x.to(torch.int64)
+    p = 1000003
+    w = torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device) % p
+    total = int(((x % p) * w).sum().item()) if x.numel() else 0
+    return code(f"{total} {tuple(t.shape)} {t.dtype}")
+
+
+def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str) -> list[list[float]] | None:
+    """Every rank's ``row`` (float64), in rank order; ``None`` on PyTorch's fake process group, whose
+    collectives move no values. ``RuntimeError`` naming the ranks that never arrived when the exchange does not
+    finish within the timeout (:func:`tokenring.get_timeout`)."""
+    mine = torch.tensor(list(row), dtype=torch.float64, device=collective_device(group))
+    every = [torch.empty_like(mine) for _ in range(P)]
+    n = _exchanges[id(group)] = _exchanges.get(id(group), -1) + 1
+    store, prefix = group_store(group), f"tokenring/arrived/{n}/"
+    try:
+        store.set(prefix + str(rank), "1")
+    except Exception:
+        store = None
+    try:  # the marks of two exchanges ago are read by nobody now: the store stays flat over many steps
+        if store is not None and n >= 2:
+            store.delete_key(f"tokenring/arrived/{n - 2}/{rank}")
+    except Exception:
+        pass
+    work = dist.all_gather(every, mine, group=group, async_op=True)
+    if not values_travel(group):
+        work.wait()
+        return None
+    try:
+        work.wait(datetime.timedelta(seconds=get_timeout()))
+    except Exception as e:
+        missing = ""
+        try:
+            gone = [r for r in range(P) if not store.check([prefix + str(r)])]
+            missing = f" Rank(s) {gone} never reached this call: they died or do not call {who} here." if gone else ""
+        except Exception:
+            pass
+        raise RuntimeError(
+            f"tokenring: rank {rank} could not compare {what} with the other ranks within {get_timeout():.0f} s "
+            f"({e}).{missing} A rank has died, or is not calling {who} at this point (every rank of the group must "
+            f"call it with the same shapes and options). The process group cannot be used again after this: "
+            f"destroy it and start the ranks again."
+        ) from e
+    return [e.tolist() for e in every]
+
+
+def _shown(name: str, value: float) -> str:
+    return f"{value:g}"
+
+
+def differences(
+    rows: list[list[float]], names: Sequence[str], rank: int, show: Callable[[str, float], str] = _shown
+) -> tuple[int, list[str]] | None:
+    """The first rank whose row differs from this rank's in the named fields (the first ``len(names)``), with
+    a phrase per field; ``None`` when all agree."""
+    here = rows[rank]
+    for r, other in enumerate(rows):
+        bad = [
+            f"{nm} ({show(nm, a)} on rank {r}, {show(nm, b)} on rank {rank})"
+            for nm, a, b in zip(names, other, here)
+            if a != b
+        ]
+        if bad:
+            return r, bad
+    return None
+
+
+def require_same(
+    rows: list[list[float]] | None,
+    names: Sequence[str],
+    rank: int,
+    who: str,
+    advice: str,
+    show: Callable[[str, float], str] = _shown,
+    doing: str = "calls",
+) -> None:
+    """``ValueError`` (on every rank alike) when any rank's row differs from this one's in the named fields:
+    "``who`` (rank 1): rank 0 ``doing`` with a different dtype (...). ``advice``"."""
+    if rows is None:
+        return
+    diff = differences(rows, names, rank, show)
+    if diff is not None:
+        r, bad = diff
+        raise ValueError(f"{who} (rank {rank}): rank {r} {doing} with a different {'; '.join(bad)}. {advice}")
+
+
+class Verified:
+    """``(id(group), signature)`` -> what the agreement decided, for signatures already verified identical on
+    every rank. At most ``size`` per group, the oldest dropped first: entries go in only after an exchange
+    every rank of the group makes, so every rank keeps the same ones and skips (or repeats) an exchange alike,
+    and packed training, with a new mask every step, does not grow it."""
+
+    def __init__(self, size: int = 256):
+        self.size, self.groups = size, {}
+
+    def get(self, key):
+        return self.groups.get(key[0], {}).get(key)
+
+    def __contains__(self, key) -> bool:
+        return key in self.groups.get(key[0], {})
+
+    def __getitem__(self, key):
+        return self.groups[key[0]][key]
+
+    def __setitem__(self, key, value) -> None:
+        group = self.groups.setdefault(key[0], {})
+        group[key] = value
+        while len(group) > self.size:
+            group.pop(next(iter(group)))
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self.groups.values())
+
+    def clear(self) -> None:
+        self.groups.clear()
+
+
+_caches: list[Verified] = []
+
+
+def cache(size: int = 256) -> Verified:
+    """A :class:`Verified` that :func:`forget_groups` clears."""
+    c = Verified(size)
+    _caches.append(c)
+    return c
+
+
+def forget_groups() -> None:
+    """Forget every group's verified signatures and exchange count (after its process group is destroyed)."""
+    for c in _caches:
+        c.clear()
+    _exchanges.clear()

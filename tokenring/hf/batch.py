@@ -1,0 +1,190 @@
+"""Batches, logits and the loss of a sharded model: :func:`shard_batch` (full batch in, this rank's shard
+out), :func:`gather_logits`, :func:`reduce_loss`, and the chunked loss of :func:`tiled_loss`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ..layouts import gather, group_info, shard
+from ..loss import chunked_cross_entropy
+from .attention import _padding_problem
+from .config import IGNORE_INDEX, _settings, active, same_batch
+
+__all__ = ["shift_labels", "shard_batch", "gather_logits", "reduce_loss", "tiled_loss", "causal_lm_loss"]
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Next-token targets on the *full* sequence: ``out[:, i] = labels[:, i + 1]``, last = ``ignore_index``.
+    Shift first, then shard: under zigzag the next token of a rank's last local token lives on another rank."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
+def shard_batch(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    layout: str | None = None,
+    group=None,
+    ignore_index: int = IGNORE_INDEX,
+    verify: bool = False,
+    _scaled: bool = False,
+) -> dict:
+    """This rank's shard of a batch given as full ``(B, S)`` tensors (identical on every rank), ready for
+    ``model(**batch)``.
+
+    Returns ``input_ids``, ``position_ids`` (the global positions of the local tokens, so rotary embeddings are
+    right), ``use_cache=False`` and, with ``labels`` (transformers convention: unshifted, ``-100`` ignored),
+    ``labels``/``shift_labels`` = the global next-token targets of the local tokens (shifted on the full
+    sequence, then sharded: transformers does not shift them again) and ``num_items_in_batch`` = the global
+    number of targets, so ``model(**batch).loss`` is this rank's share of the global mean and the shares sum
+    to it (:func:`reduce_loss`). An ``attention_mask`` must be all ones (padding cannot be expressed).
+    ``verify``: compare a checksum of the full inputs across the group first (one small all-gather; every
+    rank must call it): ranks holding different samples, what a per-rank data sampler gives, raise a
+    ValueError on every rank instead of training on a garbled sequence.
+    """
+    if active() is not None and not _scaled:
+        raise ValueError(
+            "tokenring.hf.shard_batch: a tokenring.hf.SequenceParallel is active; use its "
+            "shard_batch (the loss is scaled there for DDP/FSDP's average over every rank)"
+        )
+    layout = layout or _settings.layout
+    group = group if group is not None else _settings.group
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected the full (batch, seq) tensor")
+    B, S = input_ids.shape
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (B, S):
+            raise ValueError(
+                f"tokenring.hf.shard_batch: attention_mask {tuple(attention_mask.shape)} and input_ids {(B, S)} "
+                f"differ in shape"
+            )
+        problem = _padding_problem(attention_mask, causal=True)
+        if problem is not None:
+            raise ValueError(f"tokenring.hf.shard_batch: {problem}")
+    if labels is not None and labels.shape != input_ids.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+    if verify:
+        same_batch(
+            group if group is not None else dist.group.WORLD,
+            [t for t in (input_ids, labels, position_ids) if t is not None],
+        )
+    if position_ids is None:
+        position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
+    input_ids, labels, position_ids, attention_mask = _pad_length(
+        input_ids, labels, position_ids, attention_mask, layout, group, ignore_index
+    )
+    out = dict(
+        input_ids=shard(input_ids, dim=1, layout=layout, group=group),
+        position_ids=shard(position_ids, dim=1, layout=layout, group=group),
+        use_cache=False,
+    )
+    if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
+        out["attention_mask"] = shard(attention_mask, dim=1, layout=layout, group=group)  # checked by the layers
+    if labels is not None:
+        targets = shift_labels(labels, ignore_index)
+        local = shard(targets, dim=1, layout=layout, group=group).contiguous()
+        out.update(
+            labels=local, shift_labels=local, num_items_in_batch=(targets != ignore_index).sum().to(input_ids.device)
+        )
+    return out
+
+
+def _pad_length(input_ids, labels, position_ids, attention_mask, layout: str, group, ignore_index: int):
+    """Any length: a batch whose length does not split over the layout (``2P`` chunks for zigzag) gets a few
+    pad tokens at the end, as a document of their own (position ids restarting at 0), with no targets. No real
+    token sees them: causal attention looks back only, and documents attend within themselves. The model's
+    outputs then have those few extra rows at the end (:func:`gather_logits` with ``length=`` drops them)."""
+    P = group_info(group)[1]
+    if layout == "zigzag_docs":
+        return input_ids, labels, position_ids, attention_mask  # its documents must split: local_positions says so
+    pad = -input_ids.shape[1] % (2 * P if layout.startswith("zigzag") else P)
+    if not pad:
+        return input_ids, labels, position_ids, attention_mask
+    B = input_ids.shape[0]
+    grow = lambda t, value: torch.nn.functional.pad(t, (0, pad), value=value)
+    extra = torch.arange(pad, device=position_ids.device, dtype=position_ids.dtype).expand(B, pad)
+    return (
+        grow(input_ids, 0),
+        grow(labels, ignore_index) if labels is not None else None,
+        torch.cat([position_ids.expand(B, -1), extra], dim=1),
+        grow(attention_mask, 0) if attention_mask is not None else None,
+    )
+
+
+def gather_logits(
+    logits: torch.Tensor, layout: str | None = None, group=None, length: int | None = None
+) -> torch.Tensor:
+    """The full ``(B, S, V)`` logits on every rank from each rank's ``(B, s, V)`` (not differentiable);
+    ``length``: the batch's length before :func:`shard_batch` padded it to split evenly (drops the pad rows)."""
+    full = gather(
+        logits.detach(), dim=1, layout=layout or _settings.layout, group=group if group is not None else _settings.group
+    )
+    return full if length is None else full[:, :length]
+
+
+def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum of the ranks' loss shares (from ``model(**shard_batch(...)).loss``): the global mean loss, every rank.
+    Detached: backpropagate the local share, then :func:`all_reduce_grads`."""
+    group = group if group is not None else _settings.group
+    total = loss.detach().clone()
+    if group_info(group)[1] > 1:
+        dist.all_reduce(total, group=group)
+    return total
+
+
+@contextlib.contextmanager
+def tiled_loss(model: torch.nn.Module, chunk: int = 2048):
+    """Inside this block, ``model(**batch).loss`` (a ``...ForCausalLM``, bare or wrapped in DDP/FSDP) runs the
+    language-model head and the loss ``chunk`` tokens at a time (:func:`tokenring.loss.chunked_cross_entropy`):
+    the same loss and gradients, never the ``(tokens, vocab)`` logits. It happens inside the model's forward, so
+    DDP and FSDP see the head used as usual. ``out.logits`` then holds the final hidden states (the head runs in
+    the loss); the backward may run after the block."""
+    inner = getattr(model, "module", model)  # DDP and the like wrap the model
+    if getattr(inner.config, "final_logit_softcapping", None):
+        raise ValueError("tokenring.hf.tiled_loss: final logit soft-capping is not supported")
+    head = inner.get_output_embeddings()
+    real = head.forward  # with accelerate's hooks, if it put them there: the loss calls them per chunk
+    own = head.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) to put back after
+    old = inner.__dict__.get("_loss_function")
+
+    def loss_function(
+        logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX, shift_labels=None, **kwargs
+    ):
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        return chunked_cross_entropy(
+            logits,
+            real,
+            shift_labels.to(logits.device),
+            chunk=chunk,
+            ignore_index=ignore_index,
+            num_items=num_items_in_batch,
+        )
+
+    head.forward = lambda h: h  # the model's forward hands the hidden states to the loss
+    inner.loss_function = loss_function
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+        if old is None:
+            inner.__dict__.pop("_loss_function", None)
+        else:
+            inner.loss_function = old
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunk: int = 2048) -> torch.Tensor:
+    """``model(**batch).loss`` with the head and the loss tiled over ``chunk`` tokens (:func:`tiled_loss`):
+    this rank's share of the global mean loss for a batch from :func:`shard_batch` (or a
+    :class:`tokenring.hf.SequenceParallel`'s), with the same value and gradients and without the
+    ``(tokens, vocab)`` logits."""
+    with tiled_loss(model, chunk):
+        return model(**batch).loss

@@ -1,0 +1,146 @@
+"""Generation over a sequence-sharded KV cache: :func:`prefill` runs the prompt sharded into a
+:class:`~tokenring.hf.cache.ShardedCache`; :func:`extend` adds a turn's tokens to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import mixers
+from ..agreement import checksum, exchange
+from ..layouts import group_info, local_positions
+from ..strategies.extend import STRATEGIES, split_new
+from .batch import shard_batch
+from .cache import ShardedCache
+from .config import _settings, settings
+
+__all__ = ["prefill", "extend", "REPLICATE_PER_RANK"]
+
+
+# extend with strategy "auto" runs at most this many new tokens per rank replicated, as a decode step: sharding
+# them cost 0.89x at T=16 on 4 ranks and won from T=128 (bench/results/extend.md)
+REPLICATE_PER_RANK = 4
+
+
+def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = None) -> ShardedCache:
+    """Run the prompt ``input_ids`` (B, S) -- the full prompt, the same on every rank -- sharded over the ranks
+    and return the :class:`ShardedCache` of this rank's K/V rows, ready for ``model.generate(input_ids,
+    cache=cache)``. Any ``S``: the largest part that splits over the layout (``2P`` chunks for
+    zigzag) is prefilled sharded with :func:`tokenring.attention`, the few tokens left as one decode step."""
+    group = group if group is not None else _settings.group
+    rank, P = group_info(group)
+    mixers.refuse_generation(model, P, "tokenring.hf.prefill")
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
+            f"(batch, seq) prompt, the same on every rank"
+        )
+    _same_everywhere(input_ids, group, rank, P, "prefill", "prompt")  # the same prompt everywhere
+    cache = ShardedCache(group)
+    layout = layout or _settings.layout
+    S = input_ids.shape[1]
+    split = S - S % (2 * P if layout == "zigzag" else P)  # the rest (< 2P tokens) goes in as one decode step
+    with torch.no_grad(), settings(layout=layout, group=group):  # the layers read the layout prefill shards with
+        if split:
+            batch = shard_batch(input_ids[:, :split], layout=layout, group=group)
+            batch["use_cache"] = True
+            cache.prefilling = True
+            cache.prefill_positions = local_positions(split, P, rank, layout)
+            try:  # no logits needed: only the last local token's (not S/P x vocab of them)
+                model(**batch, cache=cache, logits_to_keep=1)
+            finally:
+                cache.prefilling = False
+        if split < S:
+            pos = torch.arange(split, S, device=input_ids.device).expand(input_ids.shape[0], -1)
+            model(input_ids=input_ids[:, split:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    for layer in cache.layers:
+        layer.skip = 1  # model.generate feeds the prompt's last token again: that step stores nothing
+    cache.spans.append((0, S, checksum(input_ids)))
+    return cache
+
+
+def _same_everywhere(input_ids: torch.Tensor, group, rank: int, P: int, who: str, what: str) -> None:
+    """The same tokens on every rank, or a ValueError on every rank."""
+    if P == 1:
+        return
+    rows = exchange([checksum(input_ids), *input_ids.shape], group, rank, P, f"tokenring.hf.{who}", f"the {what}")
+    bad = [r for r, row in enumerate(rows or []) if row != rows[0]]
+    if bad:
+        raise ValueError(
+            f"tokenring.hf.{who} (rank {rank}): rank(s) {bad} pass a different {what} than rank 0 (shape or "
+            f"tokens); every rank must pass the same full {what}"
+        )
+
+
+def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | None = None) -> ShardedCache:
+    """Prefill the tokens of ``input_ids`` (B, L) -- the whole conversation so far, the same on every rank --
+    that ``cache`` does not hold yet, sharded over the ranks: each rank runs the model on its share of the
+    ``T`` new tokens only (:func:`tokenring.extend.split_new`, which keeps the shards balanced) and stores their
+    K/V; attention runs through :func:`tokenring.extend.extend_attention` (``strategy``: one of
+    ``tokenring.extend.STRATEGIES``, default ``"auto"``; ``"replicated"``: every rank runs the model on all
+    ``T`` tokens, as a decode step, which is what ``auto`` does with at most :data:`REPLICATE_PER_RANK` new
+    tokens per rank, and every strategy with fewer than ``P``). Returns ``cache``, ready for
+    ``model.generate(input_ids, cache=cache)`` as after :func:`prefill`; a loop of ``extend`` and ``generate``
+    over the turns of a chat gives the tokens of one process. An empty :class:`ShardedCache` works too
+    (chunked prefill)."""
+    group = cache.group
+    rank, P = cache.rank, cache.P
+    mixers.refuse_generation(model, P, "tokenring.hf.extend")
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"tokenring.hf.extend: input_ids has shape {tuple(input_ids.shape)}; expected the full (batch, "
+            f"seq) conversation so far, the same on every rank"
+        )
+    _same_everywhere(input_ids, group, rank, P, "extend", "conversation")
+    held = cache.layers[0].total if cache.layers else 0
+    if cache.layers and cache.layers[0].is_initialized and cache.layers[0].keys.shape[0] != input_ids.shape[0]:
+        raise ValueError(
+            f"tokenring.hf.extend: the cache holds a batch of {cache.layers[0].keys.shape[0]}, input_ids has "
+            f"{input_ids.shape[0]} rows"
+        )
+    for a, b, crc in cache.spans:  # the tokens this cache was filled with must still be there
+        if b > input_ids.shape[1] or checksum(input_ids[:, a:b]) != crc:
+            raise ValueError(
+                f"tokenring.hf.extend: tokens {a}..{b - 1} of input_ids differ from the ones this cache was "
+                f"filled with (prefill / an earlier extend); pass the same conversation with the new turn "
+                f"appended (a chat template that renders earlier turns differently needs a new prefill)"
+            )
+    counts = list(cache.layers[0].counts) if cache.layers else [0] * P
+    T = input_ids.shape[1] - held
+    if T <= 0:
+        raise ValueError(
+            f"tokenring.hf.extend: the cache already holds {held} tokens and input_ids has "
+            f"{input_ids.shape[1]}: pass the whole conversation so far, ending with the new tokens"
+        )
+    if strategy not in (None, "auto", "replicated"):
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}, 'auto' or 'replicated'"
+            )
+    for layer in cache.layers:
+        layer.skip = 0  # the new tokens start right after the cached ones
+    B = input_ids.shape[0]
+    with torch.no_grad():
+        few = T <= REPLICATE_PER_RANK * P and strategy in (None, "auto")
+        if T < P or few or strategy == "replicated":  # too few to share: every rank runs them, as a decode step
+            pos = torch.arange(held, held + T, device=input_ids.device).expand(B, -1)
+            model(input_ids=input_ids[:, held:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        else:
+            ranges = split_new(counts, T)
+            a, b = ranges[rank]
+            pos = torch.arange(held + a, held + b, device=input_ids.device).expand(B, -1)
+            cache.extending, cache.strategy, cache._chosen = ranges, strategy or "auto", None
+            try:
+                model(
+                    input_ids=input_ids[:, held + a : held + b],
+                    position_ids=pos,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            finally:
+                cache.extending = None
+    for layer in cache.layers:
+        layer.skip = 1  # model.generate feeds the last token again: that step stores nothing
+    cache.spans.append((held, input_ids.shape[1], checksum(input_ids[:, held:])))
+    return cache

@@ -1,0 +1,128 @@
+"""Data x sequence parallelism: tokenring over the ``cp`` ranks of a device mesh, data parallelism over ``dp``.
+
+The gradient is reduced the way the field does it (PyTorch's context parallelism in TorchTitan, accelerate):
+DDP or FSDP over *all* ``dp * cp`` ranks (the flattened mesh), which average their gradients, with each rank's
+loss scaled so that the average is the gradient of the global mean. A rank's loss is
+``W * (its tokens' loss sum) / N`` (``W = dp * cp`` ranks, ``N`` the targets of the global batch): DDP's
+average ``(1/W) sum_r`` of those is exactly ``sum_all / N``. DDP/FSDP do the reduction; nothing here
+hand-writes it.
+
+    mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))
+    sp = tokenring.hf.SequenceParallel(mesh)      # tokenring.hf layers now run over mesh["cp"]
+    model = DDP(model, process_group=sp.world)          # or fully_shard(model, mesh=sp.flat_mesh)
+    batch = sp.shard_batch(input_ids, labels=input_ids) # this dp rank's samples, the same on its cp ranks
+    model(**batch).loss.backward(); optimizer.step()
+    sp.reduce_loss(loss)                                # the global mean, for logging
+
+A DDP built over the ``dp`` ranks only (``DDP(model, process_group=sp.dp)``, the natural reading of "DDP over dp,
+tokenring over cp") is given a communication hook that averages over every rank instead, so it trains the same.
+FSDP2 sharded over other ranks than ``sp.flat_mesh``'s is refused.
+
+Misuse is refused on every rank rather than trained on: a model in DDP over ranks that share a sequence
+without this loss scaling (``accelerate``'s ``prepare`` / ``Trainer`` with plain
+:func:`tokenring.hf.shard_batch`: gradients 1/cp of the true ones), :func:`tokenring.hf.all_reduce_grads` on
+a DDP/FSDP model (twice reduced) or over ranks beyond the tokenring group (``dp`` times the true gradient),
+and ranks of one ``cp`` group holding different samples (a per-rank data sampler: checked per batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..device import collective_device
+from ..layouts import group_info
+from .batch import shard_batch
+from .config import active, configure, same_batch, set_active
+
+__all__ = ["SequenceParallel"]
+
+
+class SequenceParallel:
+    """Tokenring over ``mesh[cp_dim]``, data parallel over ``mesh[dp_dim]`` (see the module doc).
+
+    ``mesh``: a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` with those dims (a 1-D one, or
+    ``None`` for the default group, is all ``cp``: ``dp = 1``). ``verify``: compare a checksum of each
+    batch's full inputs across the ``cp`` group (one 16-byte all-gather per batch). Configures
+    :mod:`tokenring.hf` (group, layout) for the model's attention layers."""
+
+    def __init__(
+        self, mesh=None, *, dp_dim: str = "dp", cp_dim: str = "cp", layout: str = "zigzag", verify: bool = True
+    ):
+        if mesh is None or mesh.ndim == 1:
+            self.cp = mesh.get_group() if mesh is not None else dist.group.WORLD
+            self.dp = None
+            self.flat_mesh = mesh
+        else:
+            names = mesh.mesh_dim_names or ()
+            if dp_dim not in names or cp_dim not in names or mesh.ndim != 2:
+                raise ValueError(
+                    f"SequenceParallel needs a 2-D mesh with dims ({dp_dim!r}, {cp_dim!r}), got "
+                    f"{mesh.ndim}-D dims {names}"
+                )
+            self.cp = mesh[cp_dim].get_group()
+            self.dp = mesh[dp_dim].get_group()
+            self.flat_mesh = mesh[(dp_dim, cp_dim)]._flatten(f"{dp_dim}_{cp_dim}")
+        self.world = self.flat_mesh.get_group() if self.flat_mesh is not None else dist.group.WORLD
+        self.cp_size = group_info(self.cp)[1]  # 1 without a process group: one process, nothing to split
+        self.dp_size = dist.get_world_size(self.dp) if self.dp is not None else 1
+        self.world_size = self.cp_size * self.dp_size
+        self.dp_rank = dist.get_rank(self.dp) if self.dp is not None else 0
+        self.layout, self.verify = layout, verify
+        self.world_ranks = tuple(dist.get_process_group_ranks(self.world)) if self.world_size > 1 else (0,)
+        configure(group=self.cp, layout=layout)
+        set_active(self)
+
+    def close(self) -> None:
+        """Stop being the active configuration (the hf layers fall back to plain :func:`tokenring.hf.configure`)."""
+        if active() is self:
+            set_active(None)
+
+    def count(self, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """The global batch's targets (shifted on the full sequences), from this dp rank's full labels."""
+        n = (labels[..., 1:] != ignore_index).sum().to(torch.float64)
+        if self.dp is not None and self.dp_size > 1:
+            n = n.to(collective_device(self.dp))
+            dist.all_reduce(n, group=self.dp)
+        return n.cpu()
+
+    def check_same_batch(self, *tensors: torch.Tensor) -> None:
+        """ValueError on every rank of the cp group unless all of them hold these very tensors (checksums)."""
+        same_batch(self.cp, list(tensors))
+
+    def shard_batch(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        num_items_in_batch=None,
+    ) -> dict:
+        """This rank's shard of this dp rank's full ``(B, S)`` batch (:func:`tokenring.hf.shard_batch`), with
+        ``num_items_in_batch`` = ``N / W`` so that the model's loss is this rank's part of the global mean
+        scaled for DDP/FSDP's average over the ``W`` ranks. ``num_items_in_batch``: the global target count
+        if already known (a Trainer counts over its accumulated batch), else counted here."""
+        if self.verify:
+            self.check_same_batch(*(t for t in (input_ids, labels, position_ids) if t is not None))
+        out = shard_batch(
+            input_ids,
+            labels=labels,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            layout=self.layout,
+            group=self.cp,
+            ignore_index=ignore_index,
+            _scaled=True,
+        )
+        if labels is not None:
+            n = self.count(labels, ignore_index) if num_items_in_batch is None else num_items_in_batch
+            out["num_items_in_batch"] = torch.as_tensor(n, dtype=torch.float64).to(input_ids.device) / self.world_size
+        return out
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The global mean loss (every rank) from each rank's scaled loss: their average over all ranks."""
+        total = loss.detach().float().to(collective_device(self.world)).clone()
+        if self.world_size > 1:
+            dist.all_reduce(total, group=self.world)
+        return total.to(loss.device) / self.world_size
