@@ -2,7 +2,7 @@
 """``auto`` with a calibrated profile against every strategy measured, on the testbed (issue #30's evidence).
 
     sudo .venv/bin/python bench/calibration_evidence.py                       # measures (~45 min on 2 cores)
-    .venv/bin/python bench/calibration_evidence.py --from-json bench/results/calibration_measurements.json
+    .venv/bin/python bench/calibration_evidence.py --from-json bench/results/archive/calibration_measurements.json
 
 For each testbed session (topology kind x link rate x P; namespaces rebuilt each session):
 1. ``tokenring calibrate`` runs on the P ranks inside the testbed (``tokenring.tools.calibrate.run_local``): the

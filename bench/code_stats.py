@@ -61,7 +61,32 @@ def static(root: str) -> dict:
                     funcs.append((node.end_lineno - node.lineno + 1, f"{os.path.relpath(path, root)}:{node.name}"))
     funcs.sort(reverse=True)
     return dict(
-        files=files, nonblank_lines=total, prose_lines=prose, prose_share=prose / total, longest_functions=funcs[:8]
+        files=files,
+        nonblank_lines=total,
+        prose_lines=prose,
+        prose_share=prose / total,
+        longest_functions=funcs[:8],
+        functions_over_60=[f for f in funcs if f[0] > 60],
+        api_lines=len(open(os.path.join(core, "api.py")).read().splitlines()),
+        **structure(root),
+    )
+
+
+def structure(root: str) -> dict:
+    """Import cycles, function-local package imports, and where checksums and all-gathers are written (the
+    cross-rank agreement: ``zlib.crc32`` outside agreement.py is a second copy of its checksum)."""
+    sys.path.insert(0, ROOT)
+    from tokenring.tools.layers import cycles, imports, local_imports, modules
+
+    mods = modules(os.path.join(root, "tokenring"))
+    core = {m: p for m, p in mods.items() if not m.startswith("tools")}
+    crc = {m: open(p).read().count("zlib.crc32") for m, p in core.items()}
+    gathers = {m: open(p).read().count("dist.all_gather(") for m, p in core.items()}
+    return dict(
+        import_cycles=cycles(imports(mods)),
+        local_package_imports=local_imports(core),
+        crc32_sites={m: n for m, n in crc.items() if n},
+        all_gather_sites={m: n for m, n in gathers.items() if n},
     )
 
 
@@ -163,7 +188,10 @@ def main(argv=None) -> int:
         r = res[label]
         print(
             f"{label:>6}: {r['nonblank_lines']} lines, prose {r['prose_share']:.1%}, longest "
-            f"{r['longest_functions'][0]}, import {r['import_median_ms']:.0f} ms, call {r['call_median_ms']:.2f} ms"
+            f"{r['longest_functions'][0]}, {len(r['functions_over_60'])} functions over 60 lines, api.py "
+            f"{r['api_lines']} lines, {len(r['import_cycles'])} import cycles, {len(r['local_package_imports'])} "
+            f"function-local package imports, crc32 in {sorted(r['crc32_sites'])}, import "
+            f"{r['import_median_ms']:.0f} ms, call {r['call_median_ms']:.2f} ms"
         )
     return 0
 

@@ -3,7 +3,7 @@
 measured after the model was frozen, and ``auto`` scored against the oracle and against fixed rules.
 
     sudo .venv/bin/python bench/evidence.py [--runs 3] [--repeats 2]      # measures (~1 h on 2 cores)
-    .venv/bin/python bench/evidence.py --from-json bench/results/evidence_measurements.json   # re-report
+    .venv/bin/python bench/evidence.py --from-json bench/results/archive/evidence_measurements.json   # re-report
 
 Grids (``tokenring.tools.testbed``: P network namespaces, tc-shaped veth links):
 - **tuning**: the 24 configurations the model was adjusted on: topology {switch, ring, mesh} x {MHA 8/8, GQA

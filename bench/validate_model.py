@@ -1,7 +1,7 @@
 """Validate the cost model against the interconnect testbed, and ``auto`` against the measured best.
 
     sudo python bench/validate_model.py                 # measure the grid on the testbed, then compare
-    python bench/validate_model.py --from-json bench/results/model_measurements.json   # re-compare only
+    python bench/validate_model.py --from-json bench/results/archive/model_measurements.json   # re-compare only
 
 Grid (24 configurations): testbed topology {switch, ring, mesh} x {MHA (H=Hkv=8), GQA (H=8, Hkv=2)} x
 {non-causal, causal (zigzag)} x link rate {100, 400} Mbit/s per direction; P=4 ranks, S=4096, d=64, float32,
@@ -168,7 +168,7 @@ def report(meas: list, km, out_dir: str) -> dict:
         "# Cost model vs testbed measurement",
         "",
         "Regenerate: `sudo python bench/validate_model.py` (measures, ~10 min on 2 cores) or "
-        "`python bench/validate_model.py --from-json bench/results/model_measurements.json` (re-predicts).",
+        "`python bench/validate_model.py --from-json bench/results/archive/model_measurements.json` (re-predicts).",
         "",
         f"Configurations: {summary['configurations']}, comparisons (config x strategy): {summary['comparisons']}. "
         f"Kernel model: {km.name} ({km.source}).",

@@ -6,7 +6,7 @@
 
 Tokenring runs each sample's attention over the ``cp = world / dp`` ranks of a (dp, cp) device mesh; the
 gradient is averaged by DDP (inside the Trainer) or FSDP2 over all ranks, with each rank's loss scaled by
-:class:`tokenring.training.SequenceParallel` so that the average is the global mean's gradient. Rank 0 checks
+:class:`tokenring.hf.SequenceParallel` so that the average is the global mean's gradient. Rank 0 checks
 the first step's loss against the same model on the whole global batch in one process and prints
 ``check vs one process: OK``.
 """
@@ -23,7 +23,7 @@ import transformers
 from torch.distributed.device_mesh import init_device_mesh
 
 import tokenring.hf as thf
-from tokenring.training import SequenceParallel
+from tokenring.hf import SequenceParallel
 
 CONFIG = dict(
     hidden_size=64,
