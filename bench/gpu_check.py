@@ -16,7 +16,7 @@ performance goals were missed. Results go to ``--out-dir`` (default ``bench/resu
    S=2048 tokens in all. Reference: PyTorch SDPA (math backend, ``enable_gqa=True``) in float64 on the full
    sequence, forward and backward by autograd, from the very (rounded) inputs the ranks see. Error: max abs
    difference relative to the max abs reference value; tolerances fp32 1e-4 (TF32 off), bf16 3e-2, fp16 5e-3.
-   The backward kernel each dtype used (``kernels._pick_backward``: fused or math) is recorded.
+   The backward kernel each dtype used (``kernels.pick(..., backward=True)``: fused or math) is recorded.
 2. Local block kernels: ``block_forward`` / ``block_backward`` (fused, ``out=`` given) against the fastest
    PyTorch SDPA backend that runs (flash, efficient, cuDNN) at 4K, 8K, 16K tokens, bf16, H=32, d=128, causal
    and not; TFLOP/s (forward 4*n*m*H*d flops, half for causal; backward 2.5x) and the ratio. Goal >= 95%.
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 import tokenring
-from tokenring.kernels import _pick_backward
+from tokenring.kernels import pick
 from tokenring.strategies import HIERARCHICAL, STRATEGIES
 
 STRATEGY_SPECS = [f for f in STRATEGIES if f not in HIERARCHICAL] + ["token_ring:relay", "token_ring:direct,c=2,k=1"]
@@ -231,7 +231,7 @@ def _check_one(rank: int, P: int, dev: torch.device, ref_dev: torch.device, case
         errors=errs,
         problems=problems,
         ran=log[0][0].rsplit(" ", 1)[0] if log else case["strategy"],
-        backward_kernel=_pick_backward(local[0], "auto"),
+        backward_kernel=pick(local[0], "auto", backward=True).name,
     )
 
 
@@ -630,7 +630,7 @@ def _correctness_tables(report: Report, sec: dict) -> None:
         )
     table(
         report,
-        "Backward kernel per dtype and head dim (kernels._pick_backward(q, 'auto') on each rank; "
+        "Backward kernel per dtype and head dim (kernels.pick(q, 'auto', backward=True) on each rank; "
         "math = unfused; on CPU each rank measures its own choice)",
         ["dtype", "kernel", "fused?"],
         rows,
@@ -672,9 +672,9 @@ def _sdpa_times(backend, q, k, v, do, causal: bool, scale: float, dev, warmup: i
 
 def _our_op(q) -> str:
     """The CUDA op tokenring's block kernels pick for ``q`` (tokenring.kernels.cuda_kernel)."""
-    from tokenring.kernels import _cuda_op
+    from tokenring.kernels.cuda import cuda_op
 
-    return (_cuda_op(q) or "math") if q.device.type == "cuda" else "cpu_flash"
+    return (cuda_op(q) or "math") if q.device.type == "cuda" else "cpu_flash"
 
 
 def run_kernels(report: Report, args, sets: dict, budget: Budget) -> None:

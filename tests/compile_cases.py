@@ -66,13 +66,15 @@ def checks_once_per_forward(rank: int, P: int, S: int, layers: int) -> dict:
     """How often a forward of a ``layers``-layer model reads its position ids (gathers them across ranks) and
     exchanges call signatures: the first forward once / once per distinct call, later ones not at all."""
     calls = {"positions": 0}
-    real = thf._check_inputs
+    import tokenring.hf.attention as hf_attention
+
+    real = hf_attention._check_inputs
 
     def counted(*a, **kw):
         calls["positions"] += 1
         return real(*a, **kw)
 
-    thf._check_inputs = counted
+    hf_attention._check_inputs = counted
     try:
         model = hf_cases.build("llama", "tokenring", **{**SMALL, "num_hidden_layers": layers})
         ids = hf_cases.tokens(S, model.config.vocab_size)
@@ -86,4 +88,4 @@ def checks_once_per_forward(rank: int, P: int, S: int, layers: int) -> dict:
                 res[i] = (calls["positions"], sum(agreement._exchanges.values()) - sum(before.values()))
         return res
     finally:
-        thf._check_inputs = real
+        hf_attention._check_inputs = real

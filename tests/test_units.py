@@ -102,7 +102,7 @@ def test_out_for_delta(dtype):
 
 def test_cpu_backward_choice(monkeypatch):
     """The CPU backward is measured per dtype unless forced; a bad override is an error naming the choices."""
-    import tokenring.kernels as K
+    import tokenring.kernels.cpu as K
     from tokenring.kernels import cpu_backward_choice
 
     cpu_backward_choice.cache_clear()
@@ -126,7 +126,7 @@ def test_cpu_backward_choice(monkeypatch):
 
 def test_math_kernel_chunks_rows(monkeypatch):
     """Force tiny row chunks: the chunked math path must equal the one-chunk result."""
-    import tokenring.kernels as K
+    import tokenring.kernels.reference as K
 
     torch.manual_seed(2)
     q, k, v = (torch.randn(1, 13, h, 8, dtype=torch.float64) for h in (4, 2, 2))
@@ -451,3 +451,44 @@ def test_bad_sinks_are_refused():
     ):
         with pytest.raises(ValueError, match=needle):
             tokenring.attention(q, q, q, sinks=bad)
+
+
+def test_a_kernel_backend_is_one_registry_entry(monkeypatch):
+    """A backend added to kernels.REGISTRY runs every block it says it supports (forward and backward), and the
+    blocks it refuses go to the next backend; a single rank with documents runs through it too."""
+    import tokenring
+    from tokenring import kernels
+    from tokenring.kernels.reference import Math
+
+    calls = []
+
+    class Counting(Math):
+        name = "counting"
+
+        def supports(self, q, mask, backward):
+            return q.dtype == torch.float64
+
+        def forward(self, *a, **kw):
+            calls.append("fwd")
+            return super().forward(*a, **kw)
+
+        def backward(self, *a, **kw):
+            calls.append("bwd")
+            return super().backward(*a, **kw)
+
+    monkeypatch.setattr(kernels, "REGISTRY", {"counting": Counting(), **kernels.REGISTRY})
+    assert kernels.pick(torch.zeros(1, 2, 1, 4)).name == "cpu_flash"  # float32: refused, the next one takes it
+    q, k, v = (torch.randn(1, 8, h, 4, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    out = tokenring.attention(q, k, v, causal=True, cu_seqlens=torch.tensor([0, 3, 8]))
+    out.sum().backward()
+    assert "fwd" in calls and "bwd" in calls, calls
+    ref = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                *(t[:, a:b].transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True
+            ).transpose(1, 2)
+            for a, b in ((0, 3), (3, 8))
+        ],
+        dim=1,
+    )
+    assert (out - ref).abs().max() < 1e-12

@@ -23,7 +23,7 @@ import torch
 from .. import settings
 from ..device import device_type as device_kind
 from ..device import gpu
-from ..kernels import CUDNN_MIN_CAPABILITY, cuda_kernel
+from ..kernels import CUDNN_MIN_CAPABILITY, REGISTRY, cuda_kernel
 from ..layouts import default_layout, group_info
 from ..schedules import Shapes
 from ..strategies import why_not
@@ -230,6 +230,9 @@ def explain(
             print(profile_summary(topo), file=out)
         if device_type == "cuda":
             print(f"block kernel: {_kernel_choice(dtype, d)}", file=out)
+        print(
+            "kernel backends, first that takes a block: " + "; ".join(b.describe() for b in REGISTRY.values()), file=out
+        )
         w = max(12, *(len(r.strategy) + 1 for r in results))
         factors = any(r.factor != 1.0 for r in results)  # a calibrated profile's per-schedule corrections
         print(
