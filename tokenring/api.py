@@ -13,6 +13,7 @@ from .kernels import attention_inputs, fold_scale
 from .layouts import group_info
 from .masks import check_bounds_tensor
 from .ops import (
+    Call,
     _check_local,
     _check_sinks,
     _frozen,
@@ -133,8 +134,7 @@ def attention(
     if hooks is not None and compiling:
         raise ValueError("tokenring.attention: tokenring.instrument() (tracing, byte logs) works in eager mode only")
     extras_id, holder = register_extras(hooks)
-    out = attention_op(
-        q, k, v, sinks, cu, strategy, causal, scale, layout, window, _group_name(group), n, backward, extras_id
-    )
+    call = Call(strategy, causal, scale, layout, window, _group_name(group), n, backward, extras_id)
+    out = attention_op(q, k, v, sinks, cu, call)
     del holder  # the op's autograd context keeps it while backward may still run
     return out

@@ -20,6 +20,7 @@ ranks that traced different strategies.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
@@ -44,7 +45,7 @@ from .strategies import code as strategy_code
 from .strategies import get as get_strategy
 from .strategies.base import Config
 
-__all__ = ["attention_op", "plan", "register_extras", "IdentityCache", "forget_choices", "set_calibrator"]
+__all__ = ["attention_op", "Call", "plan", "register_extras", "IdentityCache", "forget_choices", "set_calibrator"]
 
 # A call's tokenring.instrument() fields travel into the op as an id (ops take no Python objects); eager only.
 # The forward's ctx holds the object, so an entry lives as long as the autograd graph that may still run its
@@ -108,6 +109,32 @@ class IdentityCache:
         if len(self.entries) >= self.size:
             self.entries.pop(next(iter(self.entries)))
         self.entries[key] = ([weakref.ref(t) if t is not None else None for t in tensors], value)
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a call's op carries besides tensors. The custom ops take plain arguments: :meth:`args` flattens a
+    call once at the op boundary, and the op bodies rebuild it."""
+
+    strategy: str
+    causal: bool
+    scale: float
+    layout: str
+    window: Optional[List[int]]
+    group: str  # the process group's name ("": the default group)
+    inner: int  # ranks per node (0: unknown)
+    backward: bool
+    extras: int  # register_extras' id of the call's tokenring.instrument() fields (0: none)
+
+    def args(self) -> tuple:
+        window = list(self.window) if self.window is not None else None
+        return (self.strategy, self.causal, self.scale, self.layout, window, self.group, self.inner, self.backward,
+                self.extras)  # fmt: skip
+
+    def backward_args(self) -> tuple:
+        """The backward op's options (its strategy is the one the forward ran)."""
+        window = list(self.window) if self.window is not None else None
+        return self.causal, self.scale, self.layout, window, self.group, self.extras
 
 
 _checked = cache()  # (id(group), signature) -> the strategy every rank agreed to run
@@ -529,25 +556,12 @@ def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def run_forward(
-    q,
-    k,
-    v,
-    sinks,
-    cu,
-    strategy: str,
-    causal: bool,
-    scale: float,
-    layout: str,
-    window,
-    group,
-    inner: int,
-    backward: bool,
-    extras,
-):
+def run_forward(q, k, v, sinks, cu, call: Call):
     """The forward of :func:`attention` on ``P > 1`` ranks once its local arguments are checked (the body of
     the ``tokenring::attention_fwd`` op): the mask, the cross-rank agreement, the strategy's schedule.
     Returns ``(out, strategy, extra)`` (``extra``: what backward needs besides the inputs and ``out``)."""
+    strategy, causal, scale, layout, window = call.strategy, call.causal, call.scale, call.layout, call.window
+    group, backward, n, extras = resolve_group(call.group), call.backward, call.inner, _extras(call.extras)
     rank, P = group_info(group)
     try:
         mask = _mask_of(q.shape[1], P, cu, window, causal, layout)
@@ -559,7 +573,6 @@ def run_forward(
         q, scale = fold_scale(q, scale)
         out, saved = SINGLE.forward(q, k, v, _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras))
         return out, SINGLE, SINGLE.saved_extra(saved)
-    n = inner
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
         return resolve(
@@ -596,15 +609,14 @@ def run_forward(
     return out, strat, strat.saved_extra(saved)
 
 
-def run_backward(
-    dout, q, k, v, out, sinks, cu, strat, extra: list, causal: bool, scale: float, layout: str, window, group, extras
-):
+def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, call: Call):
     """The backward of :func:`run_forward` (the body of ``tokenring::attention_bwd``): ``[dq, dk, dv]``, and
     ``dsinks`` (this rank's rows' share) with sinks."""
+    causal, scale, layout, group = call.causal, call.scale, call.layout, resolve_group(call.group)
     rank, P = group_info(group)
-    mask = _mask_of(q.shape[1], P, cu, window, causal, layout)
+    mask = _mask_of(q.shape[1], P, cu, call.window, causal, layout)
     q_in, (q, folded) = q, fold_scale(q, scale)
-    cfg = _config_of(group, rank, P, causal, layout, folded, mask, sinks, extras)
+    cfg = _config_of(group, rank, P, causal, layout, folded, mask, sinks, _extras(call.extras))
     dq, dk, dv, dsinks = strat.backward(dout, strat.saved_full(extra, q, k, v, out), cfg)
     dk, dv = strat.unprepare(dk, dv, k.shape[2])
     if folded != scale:
@@ -612,8 +624,9 @@ def run_backward(
     return [dq.to(q_in.dtype), dk, dv] + ([dsinks.to(sinks.dtype)] if sinks is not None else [])
 
 
-def fake_extra(q, k, v, cu, strategy: str, causal: bool, layout: str, window, group, inner: int):
+def fake_extra(q, k, v, cu, call: Call):
     """Empty tensors shaped like :func:`run_forward`'s ``extra`` for a concrete ``strategy`` (the op's fake)."""
+    strategy, causal, layout, group = call.strategy, call.causal, call.layout, resolve_group(call.group)
     rank, P = group_info(group)
     st = get_strategy(strategy) if P > 1 else SINGLE
     if P > 1 and (strategy == "auto" or st.mode == "auto"):
@@ -625,7 +638,7 @@ def fake_extra(q, k, v, cu, strategy: str, causal: bool, layout: str, window, gr
                 f"tokenring: {strategy!r} keeps K/V pieces whose shapes depend on cu_seqlens' values; "
                 f"under torch.compile use it without 'keep' or without documents"
             )
-        mask = make_mask(q.shape[1] * P, None, window, causal)
+        mask = make_mask(q.shape[1] * P, None, call.window, causal)
     cfg = Config(group=group, rank=rank, P=P, causal=causal, layout=layout, scale=1.0, mask=mask)
     q, k, v = st.prepare(q, k, v, P)
     return st.extra_like(q, k, v, cfg)
@@ -663,22 +676,8 @@ def attention_fwd(
     extras: int,
 ) -> List[torch.Tensor]:
     with no_autocast(q):  # the inputs are already in the autocast dtype
-        out, strat, extra = run_forward(
-            q,
-            k,
-            v,
-            sinks,
-            cu_seqlens,
-            strategy,
-            causal,
-            scale,
-            layout,
-            window,
-            resolve_group(group),
-            inner,
-            backward,
-            _extras(extras),
-        )
+        call = Call(strategy, causal, scale, layout, window, group, inner, backward, extras)
+        out, strat, extra = run_forward(q, k, v, sinks, cu_seqlens, call)
     return [out, _choice(strat), *_unaliased([out, *extra], (q, k, v))[1:]]
 
 
@@ -706,16 +705,11 @@ def _unaliased(outputs: list, inputs) -> list:
 
 
 @attention_fwd.register_fake
-def _(q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window, group, inner, backward, extras):
+def _(q, k, v, sinks, cu_seqlens, *options):
     if _pretended_meta(q):  # tokenring.testing.pretend_cuda: run the CUDA path on meta tensors
-        return attention_fwd._init_fn(
-            q, k, v, sinks, cu_seqlens, strategy, causal, scale, layout, window, group, inner, backward, extras
-        )
-    return [
-        q.new_empty(q.shape),
-        torch.empty(CODE_LEN, dtype=torch.float64),
-        *fake_extra(q, k, v, cu_seqlens, strategy, causal, layout, window, resolve_group(group), inner),
-    ]
+        return attention_fwd._init_fn(q, k, v, sinks, cu_seqlens, *options)
+    extra = fake_extra(q, k, v, cu_seqlens, Call(*options))
+    return [q.new_empty(q.shape), torch.empty(CODE_LEN, dtype=torch.float64), *extra]
 
 
 @torch.library.custom_op("tokenring::attention_bwd", mutates_args=())
@@ -737,44 +731,24 @@ def attention_bwd(
     extras: int,
 ) -> List[torch.Tensor]:
     with no_autocast(q):
-        grads = run_backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            sinks,
-            cu_seqlens,
-            _chosen(choice),
-            list(extra),
-            causal,
-            scale,
-            layout,
-            window,
-            resolve_group(group),
-            _extras(extras),
-        )
+        call = Call("", causal, scale, layout, window, group, 0, True, extras)
+        grads = run_backward(dout, q, k, v, out, sinks, cu_seqlens, _chosen(choice), list(extra), call)
     return list(grads)
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, out, sinks, cu_seqlens, choice, extra, causal, scale, layout, window, group, extras):
+def _(dout, q, k, v, out, sinks, cu_seqlens, choice, extra, *options):
     if _pretended_meta(q):
-        return attention_bwd._init_fn(
-            dout, q, k, v, out, sinks, cu_seqlens, choice, extra, causal, scale, layout, window, group, extras
-        )
+        return attention_bwd._init_fn(dout, q, k, v, out, sinks, cu_seqlens, choice, extra, *options)
     grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
     return grads + ([sinks.new_empty(sinks.shape)] if sinks is not None else [])
 
 
-_STATIC = ("causal", "scale", "layout", "window", "group", "extras")
-
-
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, inner, backward, extras = inputs
+    q, k, v, sinks, cu, *options = inputs
     ctx.save_for_backward(q, k, v, sinks, cu, *output)
-    ctx.static = (causal, scale, layout, window, group, extras)
-    ctx.holder = _EXTRAS.get(extras) if extras else None  # keeps the instrumentation alive until backward
+    ctx.call = Call(*options)
+    ctx.holder = _EXTRAS.get(ctx.call.extras) if ctx.call.extras else None  # keeps the instrumentation alive
     ctx.has_sinks = sinks is not None
 
 
@@ -783,7 +757,7 @@ def _backward(ctx, grads):
     dout = grads[0]
     if dout is None:
         dout = torch.zeros_like(out)
-    res = attention_bwd(dout.contiguous(), q, k, v, out, sinks, cu, choice, extra, *ctx.static)
+    res = attention_bwd(dout.contiguous(), q, k, v, out, sinks, cu, choice, extra, *ctx.call.backward_args())
     dsinks = res[3] if ctx.has_sinks else None
     return (res[0], res[1], res[2], dsinks) + (None,) * 10
 
@@ -791,36 +765,6 @@ def _backward(ctx, grads):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_op(
-    q,
-    k,
-    v,
-    sinks,
-    cu_seqlens,
-    strategy: str,
-    causal: bool,
-    scale: float,
-    layout: str,
-    window,
-    group: str,
-    inner: int,
-    backward: bool,
-    extras: int,
-) -> torch.Tensor:
+def attention_op(q, k, v, sinks, cu_seqlens, call: Call) -> torch.Tensor:
     """The forward op's output (the rest of its results are for its backward)."""
-    return attention_fwd(
-        q,
-        k,
-        v,
-        sinks,
-        cu_seqlens,
-        strategy,
-        causal,
-        scale,
-        layout,
-        list(window) if window is not None else None,
-        group,
-        inner,
-        backward,
-        extras,
-    )[0]
+    return attention_fwd(q, k, v, sinks, cu_seqlens, *call.args())[0]
