@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Legibility figures of the core (``tokenring/`` less ``tools/``) at this checkout and at an older commit: lines,
-the share of docstring and comment lines, the longest functions, import time and per-call overhead at P=4
-(fwd+bwd at a tiny shape, local gloo ranks, medians of interleaved calls). Writes ``bench/results/code_stats.json``:
+the share of docstring and comment lines, the longest functions, import cycles, import time and per-call overhead
+at P=4 (forward and forward+backward at a tiny shape, local gloo ranks, every call kept, rounds interleaved
+between the two checkouts). Writes ``bench/results/code_stats.json``:
 
-    .venv/bin/python bench/code_stats.py [--base 408278b] [--calls 60]
+    .venv/bin/python bench/code_stats.py [--base 1915c8f] [--calls 60] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ PROBE = (
 )
 
 
-def overhead(rank: int, P: int, calls: int) -> list[float]:
+def overhead(rank: int, P: int, calls: int) -> dict:
+    """Milliseconds per call on this rank: forward alone (no grad) and forward+backward, interleaved."""
     import time
 
     import torch
@@ -105,16 +107,22 @@ def overhead(rank: int, P: int, calls: int) -> list[float]:
 
     torch.manual_seed(rank)
     q, k, v = (torch.randn(1, 16, 4, 16, requires_grad=True) for _ in range(3))
-    times = []
+    kw = dict(causal=True, strategy="token_ring:direct,c=1,k=1")
+    times = {"fwd": [], "fwdbwd": []}
     for i in range(calls + 5):
         t = time.perf_counter()
-        tokenring.attention(q, k, v, causal=True, strategy="token_ring:direct,c=1,k=1").sum().backward()
+        with torch.no_grad():
+            tokenring.attention(q, k, v, **kw)
+        t1 = time.perf_counter()
+        tokenring.attention(q, k, v, **kw).sum().backward()
+        t2 = time.perf_counter()
         if i >= 5:
-            times.append((time.perf_counter() - t) * 1e3)
+            times["fwd"].append((t1 - t) * 1e3)
+            times["fwdbwd"].append((t2 - t1) * 1e3)
     return times
 
 
-def per_call(root: str, calls: int) -> list[float]:
+def per_call(root: str, calls: int) -> dict:
     code = (
         f"import json, sys; sys.path.insert(0, {root!r}); sys.path.insert(1, {HERE!r})\n"
         f"from code_stats import overhead\nfrom tokenring.tools.launch import spawn\n"
@@ -138,7 +146,7 @@ def per_call(root: str, calls: int) -> list[float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default="408278b")
+    ap.add_argument("--base", default="1915c8f")
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args(argv)
@@ -147,7 +155,8 @@ def main(argv=None) -> int:
         base=a.base,
         machine=platform.processor() or platform.machine(),
         cores=os.cpu_count(),
-        shape="B=1 s=16/rank H=4 d=16 fp32 causal, token_ring:direct,c=1,k=1, P=4 gloo",
+        shape="B=1 s=16/rank H=4 d=16 fp32 causal, token_ring:direct,c=1,k=1, P=4 gloo; forward (no grad) and "
+        "forward+backward, interleaved",
     )
     with tempfile.TemporaryDirectory() as old:
         subprocess.run(f"git -C {ROOT} archive {a.base} tokenring | tar -x -C {old}", shell=True, check=True)
@@ -155,7 +164,7 @@ def main(argv=None) -> int:
         for label, root in roots.items():
             res[label] = static(root)
         imports = {k: [] for k in roots}
-        calls = {k: [] for k in roots}
+        calls = {k: {"fwd": [], "fwdbwd": []} for k in roots}
         for _ in range(a.rounds):  # interleaved
             for label, root in roots.items():
                 imports[label] += [
@@ -171,17 +180,22 @@ def main(argv=None) -> int:
                     )
                     for _ in range(3)
                 ]
-                calls[label] += per_call(root, a.calls)
+                got = per_call(root, a.calls)
+                for kind in got:
+                    calls[label][kind] += got[kind]
         for label in roots:
             res[label].update(
                 import_ms=imports[label],
                 import_median_ms=median(imports[label]),
-                call_median_ms=median(calls[label]),
-                call_ms_quartiles=[
-                    sorted(calls[label])[len(calls[label]) // 4],
-                    sorted(calls[label])[3 * len(calls[label]) // 4],
-                ],
+                call_ms=calls[label],
+                call_median_ms={kind: median(x) for kind, x in calls[label].items()},
+                call_ms_quartiles={
+                    kind: [sorted(x)[len(x) // 4], sorted(x)[3 * len(x) // 4]] for kind, x in calls[label].items()
+                },
             )
+    res["after_over_before"] = {
+        kind: res["after"]["call_median_ms"][kind] / res["before"]["call_median_ms"][kind] for kind in ("fwd", "fwdbwd")
+    }
     with open(os.path.join(HERE, "results", "code_stats.json"), "w") as f:
         json.dump(res, f, indent=1)
     for label in ("before", "after"):
@@ -191,8 +205,10 @@ def main(argv=None) -> int:
             f"{r['longest_functions'][0]}, {len(r['functions_over_60'])} functions over 60 lines, api.py "
             f"{r['api_lines']} lines, {len(r['import_cycles'])} import cycles, {len(r['local_package_imports'])} "
             f"function-local package imports, crc32 in {sorted(r['crc32_sites'])}, import "
-            f"{r['import_median_ms']:.0f} ms, call {r['call_median_ms']:.2f} ms"
+            f"{r['import_median_ms']:.0f} ms, call fwd {r['call_median_ms']['fwd']:.2f} ms, fwd+bwd "
+            f"{r['call_median_ms']['fwdbwd']:.2f} ms"
         )
+    print("per-call median, after / before: " + ", ".join(f"{k} {v:.3f}" for k, v in res["after_over_before"].items()))
     return 0
 
 

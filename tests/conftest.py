@@ -18,3 +18,44 @@ def pools():
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+# The quick tier, `pytest -m "not slow"` (the inner loop; CI runs everything): the unit files whole, and from the
+# multi-rank files the few tests named in QUICK. Every other test of a file in SLOW_FILES is marked slow here.
+SLOW_FILES = {
+    "test_bench.py",
+    "test_calibrate.py",
+    "test_comm_and_errors.py",
+    "test_compile.py",
+    "test_context.py",
+    "test_correctness.py",
+    "test_decode.py",
+    "test_examples.py",
+    "test_exit.py",
+    "test_extend.py",
+    "test_fake_cuda.py",
+    "test_families.py",
+    "test_fuzz.py",
+    "test_hf.py",
+    "test_hierarchical.py",
+    "test_launch.py",
+    "test_testbed.py",
+    "test_training.py",
+    "test_varlen.py",
+}
+QUICK = {
+    "test_correctness.py::test_matches_reference[2-token_ring]",
+    "test_correctness.py::test_matches_reference[3-ring]",
+    "test_varlen.py::test_packed_and_windowed_match_reference[2]",
+    "test_decode.py::test_decode_matches_reference_and_is_identical_on_every_rank[2]",
+    "test_hf.py::test_llama_gqa_matches_single_process",
+    "test_comm_and_errors.py::test_bad_input_raises_value_error[ranks_differ-different local length]",
+    "test_comm_and_errors.py::test_one_rank_refusing_raises_on_every_rank[shape_one_rank-expected 4 dims]",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = f"{item.path.name}::{item.nodeid.split('::', 1)[1]}"
+        if item.path.name in SLOW_FILES and name not in QUICK:
+            item.add_marker(pytest.mark.slow)
