@@ -229,7 +229,7 @@ def test_memory_linear_in_local_length():
 @pytest.mark.parametrize("causal", [False, True])
 def test_direct_memory_bounded_by_lookahead_not_P(pools, causal):
     """Direct variants hold at most k blocks of visiting rows in flight plus a chunk, and 3k blocks of
-    partials (schedules.direct's docstring: k travelling home, 2k of receive buffers posted when the rows
+    partials (docs/schedules.md, the direct schedule: k travelling home, 2k of receive buffers posted when the rows
     leave): measured as the bytes of other ranks' data held after each step (stored pieces, receive buffers,
     send copies). The bound is per rank whatever P; it grows with k."""
     s_local = 48

@@ -382,3 +382,61 @@ def test_extend_on_cuda(strategy):
         out = extend_attention(q, k, v, new=(a, b), strategy=strategy, shards=shards, state=None, log=log)
         assert out.shape == q.shape and out.device.type == "meta" and out.dtype == q.dtype
         assert log[0]["strategy"] == strategy and log[0]["devices"] == ["meta"], log
+
+
+COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "all_to_all_single", "all_gather_into_tensor")
+
+
+@pytest.fixture
+def collective_devices(monkeypatch):
+    """Every collective and point-to-point batch the library issues, with the device types of its tensors."""
+    import torch.distributed as dist
+
+    seen: list[tuple[str, set]] = []
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            found = []
+            for x in list(args) + list(kwargs.values()):
+                if isinstance(x, torch.Tensor):
+                    found.append(x)
+                elif isinstance(x, (list, tuple)):
+                    found += [y for y in x if isinstance(y, torch.Tensor)]
+                    found += [y.tensor for y in x if isinstance(y, dist.P2POp)]
+            seen.append((name, {t.device.type for t in found}))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in (*COLLECTIVES, "batch_isend_irecv"):
+        monkeypatch.setattr(dist, name, spy(name, getattr(dist, name)))
+    return seen
+
+
+def test_hf_prefill_decode_extend_on_cuda(collective_devices):
+    """Rank 1 of 4 runs a Llama (bf16, meta weights standing for CUDA ones) through tokenring.hf.prefill, two
+    decode steps over the sharded cache and tokenring.hf.extend: every collective and message it issues (the
+    prompt agreement, the layers' position checks, the attention schedules, decode's partials, extend's
+    header) carries device tensors only, as NCCL requires."""
+    transformers = pytest.importorskip("transformers")
+    import tokenring.hf as thf
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    with pretend_cuda(*H100), fake_rank(1, 4):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM._from_config(
+                cfg, attn_implementation="tokenring", dtype=torch.bfloat16
+            )
+        ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
+        cache = thf.prefill(model, ids)
+        for t in range(2):  # decode steps as generate runs them (generate itself reads token values)
+            pos = torch.full((1, 1), 63 + t, dtype=torch.long, device="meta")
+            out = model(input_ids=ids[:, -1:], position_ids=pos, cache=cache, use_cache=True)
+        assert out.logits.shape == (1, 1, 64) and out.logits.device.type == "meta"
+        thf.extend(model, cache, torch.zeros(1, 64 + 1 + 40, dtype=torch.long, device="meta"))
+    kinds = {name for name, _ in collective_devices}
+    assert {"all_gather", "batch_isend_irecv"} <= kinds, kinds
+    assert all(devices == {"meta"} for _, devices in collective_devices), collective_devices

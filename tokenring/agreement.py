@@ -35,6 +35,8 @@ _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def checksum(t: torch.Tensor) -> float:
     """A number for a tensor's values, shape and dtype, the same in every process. Computed where the tensor
     lives (one number comes to the host) and position-weighted, so a permutation differs too."""
+    if t.device.type == "meta":  # no values (the fake-CUDA tier: its process group moves none either)
+        return code(f"{tuple(t.shape)} {t.dtype}")
     x = t.detach().reshape(-1)
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
         x = x.contiguous().view(_AS_INT[x.element_size()])  # the bits

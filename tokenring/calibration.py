@@ -1,38 +1,5 @@
-"""``tokenring.calibrate``: measure this group's kernels and links, and give ``auto`` a model of *this* machine.
-
-    profile = tokenring.calibrate(seq=16384, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
-    tokenring.set_topology(profile)            # every rank (calibrate returns rank 0's profile on every rank)
-    profile.save("profile.json")              # later: TOKENRING_TOPOLOGY=profile.json, or set_topology(path)
-
-Every rank of the group calls it; all ranks are busy at once, as in a real call, so contention is measured,
-not assumed. It measures, in this order:
-
-1. **Kernels**: the block attention the executor runs (:mod:`tokenring.kernels`), forward and backward,
-   full and causal-diagonal, at the shard length the caller names and at 1/2 and 1/4 of it (the blocks that
-   chunked and zigzag schedules run), with the caller's heads, head dim and dtype; the exact merge; a copy.
-   Fitted into a :class:`~tokenring.sim.kernel_model.KernelModel` (its curve goes through the measured points).
-2. **Real calls**: a forward call of each strategy in ``STEP_PROBES`` at the caller's shapes, and causal
-   (zigzag) ones of ``CAUSAL_PROBES``. For the link models (each kind's best, with and without a shared
-   backplane; step 3), two figures are fitted so that the simulator predicts these calls best
-   (:func:`_fit_step`): the host time per schedule step, and a factor on every link rate (links carry less in a
-   call, where kernels share the cores with the network stack, than in the patterns timed alone). The link
-   model with the smallest sum of its pattern and call errors is kept. What each probe still misses then
-   corrects, in part, every call of its schedule that ``auto`` weighs (:func:`call_factors`).
-3. **Links**: each ordered pair alone (latency from a ping-pong, bandwidth from one message and an ack), then
-   traffic patterns with many pairs busy at once (all-to-all, every shift ``r -> r+k``, one rank to all, all
-   to one rank, every rank to both neighbours). A full mesh keeps its pair rate in an all-to-all, a switch
-   port divides it, a ring of links slows the longer shifts. Each kind (mesh, switch, ring, with and without
-   a shared backplane) predicts every pattern; the kind that predicts them best is kept, with the pair rate and
-   latency measured.
-4. **Compute slowdown while bytes move**: the block kernel runs while an all-to-all is in flight; the extra
-   time per byte the rank moves is the topology's ``cpu_per_byte`` (on CPU hosts the network stack shares the
-   cores; on GPUs it is the communication kernels' share of the SMs).
-
-The decision is made on rank 0, with rank 0's profile (the all-gathered measurements, so the same on every
-rank). Time: bounded by the message size, chosen so that one pair transfer takes about ``pair_seconds``; with
-the defaults 21-59 s at P = 4-5 on the CPU testbed (``bench/results/calibration_evidence_v4.md`` records each
-session's seconds). A rank that dies or stalls makes the others raise an error naming it within the
-``tokenring.set_timeout`` bound.
+"""``tokenring.calibrate``: measure this group's kernels and links, and give ``auto`` a model of *this* machine
+(``set_topology(profile)``, ``profile.save(path)``). What it measures and fits: docs/sim.md, "Calibration".
 """
 
 from __future__ import annotations
@@ -78,9 +45,8 @@ KINDS = ("mesh", "switch", "ring")
 
 @dataclass
 class Profile:
-    """What :func:`calibrate` measured: a topology (with the measured kernel model attached, so
-    ``set_topology(profile)`` and ``set_topology(profile.topology)`` are the same), the machine, and every
-    measurement with what the fitted model predicts for it."""
+    """What :func:`calibrate` measured: a topology carrying the measured kernel model, the machine, and every
+    measurement with its prediction."""
 
     topology: Topology
     kernel: KernelModel
@@ -114,8 +80,7 @@ def load_profile(path: str) -> Profile:
 
 # ------------------------------------------------------------------------------------------- plumbing
 class _Group:
-    """Bounded point-to-point and barriers for one calibration: a peer that dies or stalls becomes an error
-    naming it (through the rendezvous store's failure reports, as in attention's own communication)."""
+    """Bounded point-to-point and barriers for one calibration, naming a peer that dies or stalls."""
 
     def __init__(self, group, dev: torch.device):
         self.group, self.dev = group, dev
@@ -152,8 +117,7 @@ class _Group:
         return self.tag
 
     def barrier(self) -> None:
-        """All ranks here: a dissemination barrier (round i: to rank + 2^i, from rank - 2^i), bounded and naming
-        a missing peer, unlike the process group's barrier."""
+        """A bounded dissemination barrier that names a missing peer."""
         z, i = torch.zeros(1, device=self.dev), 1
         while i < self.P:
             tag = self.new_tag()
@@ -192,8 +156,7 @@ class _Group:
 
 
 def _best(g: _Group, fn, repeats: int) -> float:
-    """Median of ``repeats`` timed calls (after one untimed), every rank starting each call together: under
-    contention the median is what a call meets, the fastest is rarely repeated."""
+    """Median of ``repeats`` timed calls (after one untimed), every rank starting each call together."""
     fn()
     times = []
     for _ in range(repeats):
@@ -209,8 +172,7 @@ def _best(g: _Group, fn, repeats: int) -> float:
 # ------------------------------------------------------------------------------------------- kernels
 def _kernel_rows(g: _Group, s: int, H: int, Hkv: int, d: int, dtype, repeats: int) -> list[dict]:
     gen = torch.Generator().manual_seed(1234 + g.rank)
-    # the blocks schedules run: the shard and its halves / quarters with every head; Ulysses' whole sequence
-    # with H / P heads (a larger block, so the curve is measured, not extrapolated, there)
+    # the shard and its halves / quarters with every head; Ulysses' whole sequence with H / P heads
     sizes = sorted({(max(16, s // 4), H, Hkv), (max(16, s // 2), H, Hkv), (max(16, s), H, Hkv)})
     if H % g.P == 0 and Hkv % g.P == 0:
         sizes.append((s * g.P, H // g.P, Hkv // g.P))
@@ -234,8 +196,7 @@ def _buf(g: _Group, nbytes: int) -> torch.Tensor:
 
 
 def _pattern(g: _Group, flows: list[tuple[int, int]], nbytes: int, repeats: int) -> float:
-    """Seconds until every flow ``(src, dst)`` of ``nbytes`` has arrived, all posted at once (slowest rank,
-    fastest of ``repeats``)."""
+    """Seconds until every flow ``(src, dst)`` of ``nbytes`` has arrived, all posted at once."""
     me = g.rank
     sends = [(d, _buf(g, nbytes)) for s, d in flows if s == me]
     recvs = [(s, _buf(g, nbytes)) for s, d in flows if d == me]
@@ -249,8 +210,7 @@ def _pattern(g: _Group, flows: list[tuple[int, int]], nbytes: int, repeats: int)
 
 
 def _pair_alone(g: _Group, src: int, dst: int, nbytes: int, repeats: int) -> float:
-    """Seconds from posting ``nbytes`` src -> dst to the sender holding the receiver's 1-byte answer
-    (= latency + transfer + latency), the other ranks idle."""
+    """Seconds from posting ``nbytes`` src -> dst to the sender holding the receiver's 1-byte answer."""
     me, times = g.rank, []
     for _ in range(repeats):
         g.barrier()
@@ -275,8 +235,7 @@ def _patterns(P: int) -> dict[str, list[tuple[int, int]]]:
     pats["all_to_one"] = [(s, 0) for s in range(1, P)]
     if P > 2:
         pats["exchange_0_1"] = [(0, 1), (1, 0)]
-        # every rank to both neighbours at once: each link of a ring busy both ways, a switch port twice, and
-        # what a shared backplane fitted to the multi-hop patterns would throttle (ring_bidir's traffic)
+        # every rank to both neighbours at once (ring_bidir's traffic)
         pats["neighbours"] = [(s, (s + k) % P) for s in range(P) for k in (1, P - 1)]
     return pats
 
@@ -302,7 +261,7 @@ def _fit_links(P: int, pairs: dict, latency: dict, patterns: dict, nbytes: int, 
     bw = statistics.median(pairs.values())
     lat = statistics.median(latency.values())
     flows = _patterns(P)
-    # a shared backplane, if any, is what the busiest pattern moved in total: try each pattern's total rate
+    # a shared backplane: try each pattern's total rate
     totals = sorted({len(flows[n]) * nbytes / max(t - lat, 1e-9) for n, t in patterns.items()})
     scored = []
     for cand in (c for bp in [INF] + totals for c in _candidates(P, bw, lat, bp, common)):
@@ -327,11 +286,7 @@ def calibrate(
     message_bytes: int | None = None,
 ) -> Profile:
     """Measure this group's kernels and links (every rank calls it at once) and return rank 0's
-    :class:`Profile` on every rank. ``seq``: the global sequence length the model will see (its shard length
-    ``seq / P`` sets the block sizes timed; default 1024 rows per rank), ``heads`` / ``kv_heads`` /
-    ``head_dim`` / ``dtype`` as in the calls to come. ``device``: where the kernels run (default: the current
-    CUDA device on an NCCL group, else CPU). ``pair_seconds``: about how long one pair transfer of the
-    bandwidth probe takes (the message size is chosen from a first probe; ``message_bytes`` fixes it)."""
+    :class:`Profile` on every rank; shapes as in the calls to come (arguments: docs/sim.md, "Calibration")."""
     t_start = time.perf_counter()
     if not dist.is_initialized():
         raise RuntimeError("tokenring.calibrate needs an initialised process group (init_process_group)")
@@ -424,8 +379,7 @@ def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_by
 
 
 def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
-    """The profile from what :func:`calibrate` measured (``raw``); deterministic, so every rank fits the same
-    and a stored profile can be fitted again by newer code (:func:`refit`)."""
+    """The profile from what :func:`calibrate` measured (``raw``); deterministic, so every rank fits the same."""
     from dataclasses import replace
 
     P, shapes = raw["P"], raw["shapes"]
@@ -499,8 +453,7 @@ def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
 
 
 def refit(profile: dict) -> Profile:
-    """Fit a stored profile's measurements again with this version's fitting (a profile written by an older
-    version keeps its measurements: patterns, calls and kernel rows)."""
+    """Fit a stored profile's measurements again with this version's fitting."""
     m = profile["measured"]
     raw = dict(m)
     raw.setdefault("patterns_s", {n: p["measured_s"] for n, p in m["patterns"].items()})
@@ -529,8 +482,7 @@ def _machine(g: _Group) -> dict:
 
 
 def _compute_per_byte(g: _Group, s, H, Hkv, d, dtype, nbytes: int, repeats: int) -> float:
-    """Extra compute seconds per byte a rank sends or receives: the block forward timed alone, then run over and
-    over while an all-to-all of ``nbytes`` per pair is in flight (mean over ranks, >= 0)."""
+    """Extra compute seconds per byte a rank moves, timed while an all-to-all is in flight (mean over ranks)."""
     gen = torch.Generator().manual_seed(99 + g.rank)
     q = torch.randn(1, s, H, d, generator=gen, dtype=dtype).to(g.dev)
     k, v = (torch.randn(1, s, Hkv, d, generator=gen, dtype=dtype).to(g.dev) for _ in range(2))
@@ -575,8 +527,7 @@ def _compute_per_byte(g: _Group, s, H, Hkv, d, dtype, nbytes: int, repeats: int)
 
 
 def _step_time(g: _Group, lat: float) -> float:
-    """Host seconds per schedule step: a tiny ring call's time per step, less a message latency and a tiny
-    kernel (the rest is the executor's loop and the posting of messages)."""
+    """Host seconds per schedule step, from a tiny ring call."""
     q = torch.randn(1, 16, 1, 8, device=g.dev)
     fn = lambda: attention(q, q, q, strategy="ring", group=g.group)
     t = _best(g, fn, 5)
@@ -594,8 +545,7 @@ STEP_PROBES = (
     "token_ring:direct,c=4,k=1",
 )
 MAX_STEP = 0.02  # seconds: a host time per step beyond this means the link model is off, not the host
-# The factor on every link rate the real calls may fit: pairs and patterns are timed with idle cores, while in a
-# call the kernels share them with the network stack, and messages are posted between kernels.
+# the factor on every link rate the real calls may fit (links are slower inside a call)
 LINK_RANGE = (0.5, 1.2)
 
 
@@ -628,11 +578,8 @@ def _measure_calls(g: _Group, sh, repeats: int) -> dict:
 
 
 def call_factors(measured: dict, predicted: dict) -> tuple:
-    """Per probe, the correction ``auto`` applies to predictions of calls with that schedule
-    (:meth:`KernelModel.call_factor`): the square root of measured / predicted, within ``CALL_RANGE``. What the
-    fitted model still misses for one schedule at the caller's shapes (more, smaller kernels and messages than
-    it charges for, say) carries over to other shapes only in part, hence the root: on the three stored testbed
-    runs the full ratio made the worst pick worse, the root never did (``docs/DESIGN.md``, Calibration)."""
+    """Per probe, the correction ``auto`` applies to calls with that schedule: the square root of measured /
+    predicted, within ``CALL_RANGE`` (why the root: docs/DESIGN.md, Calibration)."""
     lo, hi = CALL_RANGE
     return tuple((n, min(hi, max(lo, math.sqrt(measured[n] / predicted[n])))) for n in measured if predicted[n] > 0)
 
@@ -648,12 +595,7 @@ def scaled_links(topo: Topology, factor: float) -> Topology:
 
 
 def _fit_step(topo: Topology, km: KernelModel, sh, measured: dict):
-    """Host time per step (from a tiny call's, ``km.step``, up to ``MAX_STEP``) and a factor on every link rate
-    (``LINK_RANGE``) with which the simulator, on the measured kernels and ``topo``, predicts the real calls best:
-    least squares of relative error on the predictions linearised around the current point, solved three times.
-    They take in what pairs and patterns timed alone do not show: posting large messages and the loop between
-    kernels of real size (the step), and links slowed by kernels sharing the cores with the network stack (the
-    factor).
+    """Host time per step and a factor on every link rate with which the simulator predicts the real calls best:
     ``(link factor, kernel model with the step, {key: predicted seconds}, mean |log error|)``."""
     from dataclasses import replace
 

@@ -1,24 +1,5 @@
 """The one place that moves bytes: posts a step's messages, waits for them, accounts bytes and records a trace.
-
-Rules that keep point-to-point traffic correct on every backend:
-- every rank posts the same global list of messages in the same order, receives first, then sends: no
-  deadlock by construction, and gloo does not serialise transfers to different peers (on gloo a receive may
-  be posted earlier, at its message's ``ready`` step: gloo matches by tag, and holds a send until the
-  receiver's notice that it is ready, which must not queue behind bulk data going the other way);
-- a message travels as **one** buffer: a message of several tensors (a ``qgrad`` block is Q, dO, lse and
-  delta) is packed into one flat byte buffer (:func:`buffers` makes receive buffers that are views of one),
-  so each message is one point-to-point operation and one tag;
-- each message gets a distinct tag (a guard against swapped messages on gloo; NCCL ignores tags, the
-  ordering rule is what makes it correct there);
-- no rank ever sends to itself (gloo cannot), the schedules never produce such a message;
-- waits: on gloo every wait is bounded, so a dead or stuck peer becomes a ``RuntimeError`` naming it, never a
-  hang. On NCCL a wait only orders the current CUDA stream after the transfer (a wait with a timeout would
-  block the host until the transfer is done, serialising the step loop); a dead peer is caught there by the
-  process group's timeout and watchdog (``init_process_group(timeout=...)``);
-- on NCCL ``batch_isend_irecv`` may return one coalesced work for the whole step; every message of the step
-  then completes with it;
-- gloo cannot send CUDA tensors: with CUDA tensors on a gloo group (several processes sharing one GPU, for
-  debugging), messages are staged through host memory (copied out before sending, copied back after the wait).
+The rules that keep point-to-point traffic correct on gloo and NCCL: docs/internals.md, "Communication".
 """
 
 from __future__ import annotations
@@ -91,9 +72,7 @@ def group_store(group):
 
 
 def publish_refusal(group, rank: int, why: str) -> None:
-    """Leave this rank's reason for refusing its arguments where :func:`silent_ranks` finds it: ranks that had
-    agreed on the call's shapes at an earlier call go ahead without asking, wait for this rank's messages, and
-    can then say why they never came."""
+    """Leave this rank's reason for refusing its arguments where :func:`silent_ranks` finds it."""
     store = group_store(group)
     try:
         if store is not None:
@@ -103,11 +82,8 @@ def publish_refusal(group, rank: int, why: str) -> None:
 
 
 def silent_ranks(store, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> str:
-    """After this rank failed waiting for rank ``first``: follow who waits for whom through the reports failed
-    ranks leave (``tokenring/stuck/<rank>`` = the rank it waited for, at its latest failure, in this or an
-    earlier call: a rank that failed in the forward never reaches the backward its peers wait in) to the first
-    rank that left none within ``wait_s``: the rank that died, hangs, refused its arguments
-    (:func:`publish_refusal`) or stopped calling attention. A sentence naming it ('' if it cannot be told)."""
+    """A sentence naming the rank that stopped, following the failure reports from rank ``first`` ('' if it
+    cannot be told; docs/internals.md)."""
     if store is None:
         return ""
     chain, r = [me], first
@@ -137,14 +113,7 @@ def silent_ranks(store, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> 
 
 
 class Trace:
-    """Timeline events (seconds): one dict per compute block or message.
-
-    ``lane`` is ``"compute"``, ``"send"`` or ``"recv"``; messages carry ``peer``, ``kind`` and ``bytes``.
-    Timestamps come from :meth:`now`: the wall clock on CPU; on a CUDA device, CUDA events recorded on the
-    current stream (kernels run asynchronously, so the host clock would time their launch), turned into
-    seconds on the same wall-clock axis by :meth:`resolve`. On gloo a message's end is when its ``wait()``
-    returned (gloo reports completion only there); on NCCL it is when the stream reached the transfer's end.
-    """
+    """Timeline events (seconds): one dict per compute block or message (docs/internals.md, "Communication")."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -196,8 +165,7 @@ class Packed(list):
 
 
 def buffers(specs, device) -> Packed:
-    """Receive buffers for a message of tensors ``specs`` (``(shape, dtype, ...)`` each): views of one flat byte
-    buffer that the message is received into, each tensor starting on a ``_ALIGN``-byte boundary."""
+    """Receive buffers for a message of tensors ``specs``: views of one flat, ``_ALIGN``-aligned byte buffer."""
     spans, total = [], 0
     for shape, dtype, *_ in specs:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -210,8 +178,7 @@ def buffers(specs, device) -> Packed:
 
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One contiguous buffer holding ``tensors`` as :func:`buffers` lays them out (a single tensor is sent as
-    it is, copied only when it is not contiguous)."""
+    """One contiguous buffer holding ``tensors`` as :func:`buffers` lays them out."""
     if len(tensors) == 1:
         return tensors[0].contiguous()
     views = buffers([(t.shape, t.dtype) for t in tensors], tensors[0].device)
@@ -231,8 +198,7 @@ def _flat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list]:
 
 
 class _Once:
-    """A posted operation, waited for at most once: a gloo work must not be waited for twice (a second wait
-    waits for another transfer), while one coalesced NCCL work may stand for messages due at several steps."""
+    """A posted operation, waited for at most once (gloo: a second wait waits for another transfer)."""
 
     def __init__(self, work):
         self.work, self.done = work, False
@@ -248,8 +214,7 @@ class _Once:
 
 
 class _Pending:
-    """Posted operations of one step that are due together: ``wait()`` blocks until they are done (on NCCL:
-    orders the current stream after them); ``recvs`` are the ``(message, buffers)`` received."""
+    """Posted operations of one step that are due together; ``recvs``: the ``(message, buffers)`` received."""
 
     def __init__(
         self,
@@ -284,14 +249,8 @@ class _Pending:
 
 
 class Comm:
-    """Point-to-point engine for one call on one rank of ``group``.
-
-    ``log`` holds one record per message this rank sent or received: step, direction, peer, kind, owner,
-    part and bytes (of the tensors, without the packing's alignment); tests compare it with the byte formulas,
-    benchmarks sum it. ``stage``: copy device tensors through host memory (``None``: on gloo, which cannot send
-    CUDA tensors; ``"always"``: CPU tensors too, which exercises the path on machines without a GPU); a
-    staged message's record says ``staged=True``.
-    """
+    """Point-to-point engine for one call on one rank of ``group``; ``log``: one record per message,
+    ``stage``: copy tensors through host memory (docs/internals.md)."""
 
     def __init__(
         self,
@@ -306,10 +265,7 @@ class Comm:
         self.world = dist.get_world_size(group)
         backend = dist.get_backend(group)
         self.bounded = not device.nccl(group)
-        # Receives may be posted before their message's step (Message.ready) only where operations between two
-        # ranks are matched by tag and complete one by one: gloo. NCCL matches a pair's operations in posting
-        # order (and may complete a step's batch as one work), so there every receive is posted at its
-        # message's step, in the order the sender posts.
+        # early receives (Message.ready) only where a pair's operations match by tag: gloo
         self.early_receives = backend == "gloo"
         self.stage = backend == "gloo" if stage is None else stage
         self.timeout = settings.get("timeout") if timeout is None else timeout
@@ -321,8 +277,7 @@ class Comm:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
     def _who_stopped(self, peer: int) -> str:
-        """Publish that this rank gave up waiting for ``peer`` and name the rank at the end of the chain of
-        waits (gloo only: on NCCL the process group's watchdog reports)."""
+        """Publish that this rank gave up waiting for ``peer``; name the rank at the end of the chain (gloo)."""
         if not self.bounded:
             return ""
         store = group_store(self.group)
@@ -362,17 +317,8 @@ class Comm:
         sends: list[tuple[Message, list[torch.Tensor], tuple[int, int]]],
         recvs: list[tuple[Message, list[torch.Tensor], tuple[int, int]]],
     ) -> list[_Pending]:
-        """Post ``recvs`` (into the given buffers) then ``sends``; returns one handle per due step (a message's
-        ``due``, else this step) whose ``wait()`` completes those operations. Each message comes with
-        ``(step it is posted by its sender, n)`` (:meth:`Schedule.postings`): its tag, the same on both ends
-        even when the receiver posts early.
-
-        All of a step's operations go into one ``batch_isend_irecv``, every receive before every send: on NCCL
-        that is one group call, so ranks that all receive from one neighbour and send to another cannot
-        deadlock; on gloo, sends posted before the receives of the same step serialise the transfers to
-        different peers (measured: each peer's messages then wait for the previous peer's). Tags are distinct
-        per (step, kind, head half, position among the step's messages between the same two ranks), so
-        chunks of one kind never swap on gloo."""
+        """Post ``recvs`` then ``sends`` in one batch, each with ``(step posted by its sender, n)`` for its tag;
+        returns one handle per due step (docs/internals.md, "Communication")."""
         now = self.trace.now() if self.trace is not None else None
         ops, meta = [], []
         groups: dict[int, tuple[list, list, list, list]] = {}  # due -> (op indices, records, received, copies)

@@ -1,21 +1,5 @@
-"""Decoding over a sequence-sharded KV cache: new tokens' queries attend every rank's cached keys, exactly.
-
-After a sharded prefill each rank keeps its own rows of every layer's K/V; nothing is gathered. A decode step
-runs the model on the same ``t`` new tokens on every rank (they are tiny), so every rank has their queries.
-Each rank attends them to the rows it holds (old rows in full; the new tokens it stores causally among
-themselves) and the partials ``(out, lse)`` are merged exactly through their log-sum-exp::
-
-    rank r:   (o_r, lse_r) = attention(Q_new, K/V rows held by r)
-    all ranks: all-gather (o_r, lse_r) over r, merge in rank order  ->  identical output bits everywhere
-
-Every rank needs the output (the rest of the model runs replicated on the new tokens), so the partials go to
-every rank: an all-gather of ``B*t*H*(d+1)`` accumulator-dtype numbers per rank and layer, i.e. each rank
-receives ``(P-1) * B*t*H*(d+1) * 4`` bytes per layer and step (float32 accumulators), whatever the cache length.
-
-Where new tokens' K/V go (:func:`place_new`): contiguous runs of the step's tokens to the ranks holding the
-fewest cached rows, so shards stay within one token of balanced; the order of cached rows never matters for
-attention to later tokens (every cached token precedes every new one), only the causal order among one
-step's new tokens, which the tiles keep.
+"""Decoding over a sequence-sharded KV cache: new tokens' queries attend every rank's cached keys, exactly; the
+partials are all-gathered and merged in rank order, the same bits on every rank (docs/internals.md, "Decoding").
 """
 
 from __future__ import annotations
@@ -35,9 +19,7 @@ __all__ = ["decode_attention", "place_new", "step_bytes"]
 
 
 def place_new(counts: list[int], t: int) -> list[tuple[int, int]]:
-    """Which of ``t`` new tokens each rank stores, given the rows ``counts[r]`` each rank holds: a contiguous
-    range ``(a, b)`` of the step's token indices per rank (empty: ``a == b``), filling the emptiest ranks first
-    and keeping the tokens' order across ranks. The same answer on every rank."""
+    """Which of ``t`` new tokens each rank stores: a contiguous range ``(a, b)`` per rank, emptiest ranks first."""
     P = len(counts)
     after = list(counts)
     for _ in range(t):  # water-filling: each token to the emptiest rank (ties: the lowest rank)
@@ -75,19 +57,8 @@ def decode_attention(
     positions: torch.Tensor | None = None,
     start: int | None = None,
 ) -> torch.Tensor:
-    """Attention of ``t`` new tokens' queries to a KV cache sharded over the ranks of ``group``.
-
-    ``q``: (B, t, H, d), the same on every rank. ``k``, ``v``: (B, n, Hkv, d), the cache rows this rank holds;
-    if it stores some of this step's new tokens, they are its last rows and ``new = (a, b)`` says which (token
-    indices ``a..b-1`` of the step; they see each other causally, every earlier row in full). Returns
-    (B, t, H, d) in ``q.dtype``, identical on every rank. ``state``: numbers that must agree across ranks
-    (e.g. the cache's global length and layer), checked with the shapes before any partial travels: a
-    mismatch is a ``ValueError`` on every rank. ``check=False`` skips that exchange (one collective instead of
-    two) when an earlier call of the same step already checked, e.g. every layer after the first.
-    ``log``: receives ``{"bytes": received}`` per call. ``sinks``: (H,) attention-sink logits (gpt-oss), merged
-    into the finished rows. ``window``: a query sees keys at most ``window`` positions back (transformers'
-    sliding window ``W`` is ``window=W - 1``); it needs ``positions``, the global positions of this rank's
-    cached rows, and ``start``, the global position of the step's first query."""
+    """Attention of ``t`` new tokens' queries ``q`` (B, t, H, d), the same on every rank, to a KV cache sharded
+    over ``group``; returns (B, t, H, d), identical on every rank (arguments: docs/internals.md, "Decoding")."""
     q, k, v, softmax_scale, dv = attention_inputs(q, k, v, softmax_scale)
     if dv is not None:  # MLA: zero columns make the head dims equal (see value_dim_apart)
         return decode_attention(

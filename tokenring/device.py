@@ -1,10 +1,5 @@
-"""What tokenring knows about the device it runs on, in one place.
-
-Every branch on the device asks here: is this tensor on CUDA, which GPU and capability, how a node's GPUs are
-linked, whether a process group has NCCL's semantics, which clock and events time work. That makes this module
-the seam :func:`tokenring.testing.pretend_cuda` sets. Inside it, meta tensors count as CUDA tensors of the
-pretended GPU and PyTorch's fake process group counts as NCCL, so one CPU process runs rank r's CUDA path with
-real shapes, dtypes, strides and op schemas. Values are not computed there.
+"""What tokenring knows about the device it runs on, in one place: the seam that
+:func:`tokenring.testing.pretend_cuda` sets (docs/internals.md, "The device seam").
 """
 
 from __future__ import annotations
@@ -38,8 +33,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GPU:
-    """The facts the library uses about a node's GPUs: the model name, its compute capability, how many GPUs
-    a node has, and the link between them (``"nvlink"``: NVLink / NVSwitch; ``"pcie"``)."""
+    """A node's GPUs: model name, compute capability, GPUs per node, link (``"nvlink"`` or ``"pcie"``)."""
 
     name: str
     capability: tuple[int, int]
@@ -106,15 +100,12 @@ def _nvlinked(index: int) -> bool | None:
 
 
 def pcie_by_name(name: str) -> bool:
-    """Whether a GPU of this name is a PCIe card without NVLink between cards: "PCIe" parts, A10 / A10G (not
-    A100), L4 / L40 / L40S, A40, RTX."""
+    """Whether a GPU of this name is a PCIe card without NVLink between cards."""
     return bool(re.search(r"pcie|\bL4\d*S?\b|\bA10G?\b|\bA40\b|RTX", name, re.IGNORECASE))
 
 
 def gpu(device=None) -> GPU:
-    """This process's GPU. ``per_node``: ``$LOCAL_WORLD_SIZE`` (torchrun sets it), else the visible GPU count;
-    ``link``: NVLink per NVML where available, else from the name (PCIe cards and names containing "PCIe" are
-    ``"pcie"``, SXM/OAM parts ``"nvlink"``)."""
+    """This process's GPU (``per_node`` and ``link``: docs/internals.md, "The device seam")."""
     if _pretend is not None:
         return _pretend
     index = None if device is None else _device(device).index
@@ -133,8 +124,7 @@ def _real_gpu(index: int) -> GPU:
 
 
 def nccl(group) -> bool:
-    """Whether ``group`` has NCCL's semantics (one coalesced work per step, waits that order the stream instead
-    of blocking the host): an NCCL group, or the fake process group inside ``pretend_cuda``."""
+    """Whether ``group`` has NCCL's semantics: an NCCL group, or the fake group inside ``pretend_cuda``."""
     backend = str(dist.get_backend(group))
     return backend == "nccl" or (_pretend is not None and "fake" in backend)
 

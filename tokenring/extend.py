@@ -1,30 +1,5 @@
-"""Prefill of new tokens over a persistent sequence-sharded KV cache: the next turn of a chat, an agent step, a
-query over a cached corpus, a chunk of a long prompt. The ``T`` new tokens are sharded over the ranks as well,
-so the model's per-token work (projections, MLP, norms) runs once per token, not once per rank.
-
-What each rank holds (the same picture on every rank, :class:`Shards`)::
-
-    rank j:  cached rows (n_j - t_j of them, every one before every new token) | new tokens a_j..b_j-1 (t_j)
-    queries: rank j's new tokens a_j..b_j-1 (token indices of this step, global position start + i)
-
-so query and key/value shards have different lengths. Rank ``r``'s queries see every cached row and the new
-rows causally (plus a window and documents over global positions, if given). Four schedules, forward only:
-
-- ``"pass_q"`` (TokenRing, direct): every rank sends its queries straight to every other rank at once, attends
-  its own and the visitors' queries to its rows (in groups of up to :data:`BATCH_ROWS` query rows, one kernel
-  call over the cached rows per group), and sends each partial ``(out, lse)`` straight home, where the partials
-  merge in rank order. Bytes per rank do not depend on the cache: ``(P-1)·t·H·d`` query elements out and
-  ``(P-1)·t·H·(d+1)`` accumulator numbers back.
-- ``"pass_q_relay"`` (the paper's TokenRing): queries travel around the ring ``r+1 -> r``, one hop per step;
-  partials go straight home.
-- ``"pass_kv"`` (ring attention): every rank's K/V rows travel around the ring ``r -> r+1``; ``(P-1)/P`` of the
-  whole cache crosses each link per layer.
-- ``"ulysses"``: one all-to-all gives each rank every query and every cached row of ``H/P`` heads, another
-  brings the outputs back (needs ``H`` and ``Hkv`` divisible by ``P``); moves ``(P-1)/P`` of the cache too.
-
-``"auto"`` asks :func:`tokenring.sim.extend.choose` (the topology of :func:`tokenring.set_topology`): pass-Q
-while the new tokens are few next to the cache, the alternatives when they are not. Every wait is bounded
-(:func:`tokenring.set_timeout`) and names the rank that stopped; messages go through :class:`tokenring.comm.Comm`.
+"""Prefill of new tokens over a persistent sequence-sharded KV cache (the next turn of a chat, an agent step),
+with the new tokens sharded too. Four forward schedules and ``auto``: docs/internals.md, "Extend".
 """
 
 from __future__ import annotations
@@ -47,8 +22,7 @@ __all__ = ["STRATEGIES", "Shards", "RowMask", "split_new", "attend_rows", "exten
 
 
 def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, who: str) -> None:
-    """New tokens' queries (B, t, H, d) and a rank's K/V rows (B, n, Hkv, d) with H % Hkv == 0, or a ValueError
-    (decoding and extending alike)."""
+    """ValueError unless q is (B, t, H, d) and k, v are (B, n, Hkv, d) with H % Hkv == 0."""
     B, _, H, d = q.shape
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or H % max(1, k.shape[2]):
         raise ValueError(
@@ -59,9 +33,7 @@ def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, who
 
 @dataclass(frozen=True)
 class RowMask:
-    """A window (query at position p sees keys at positions >= p - left) and documents (``bounds``, global
-    cu_seqlens: keys of the query's document only) on top of causal attention, over global positions (what
-    :func:`attend_rows` takes; decoding uses it too)."""
+    """A window (``left``) and documents (``bounds``) on top of causal attention, over global positions."""
 
     left: int = -1
     bounds: tuple[int, ...] = ()
@@ -82,10 +54,8 @@ class RowMask:
 
 
 def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowMask, scale: float):
-    """Queries of new tokens ``qa..`` (``q`` (B, tq, H, d)) against one rank's rows: ``k``/``v`` (B, n, Hkv, d)
-    whose last ``kb - ka`` rows are new tokens ``ka..kb-1`` and the rest cached rows at global positions
-    ``kpos`` (needed only with a window or documents). Returns the partial ``(out, lse)`` in accumulator
-    dtype, ``lse = -inf`` on rows that see nothing."""
+    """The partial ``(out, lse)`` of new tokens ``qa..`` against one rank's rows (cached at ``kpos``, then new
+    tokens ``ka..kb-1``), in the accumulator dtype."""
     B, tq, H, d = q.shape
     o, lse = new_accumulator(B, tq, H, d, q.dtype, q.device)
     old, qb = k.shape[1] - (kb - ka), qa + tq
@@ -118,8 +88,7 @@ def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowM
 
 
 def _meets(shards: Shards, ranges, mask: RowMask, qj: int, kj: int) -> bool:
-    """Whether rank ``qj``'s queries see any row of rank ``kj`` (the same answer on every rank): nothing is
-    computed or sent for pairs that do not meet. ``ranges[j]``: (lowest, highest) cached position of rank j."""
+    """Whether rank ``qj``'s queries see any row of rank ``kj`` (``ranges[j]``: its cached positions' range)."""
     a, b = shards.new[qj]
     if a == b:
         return False
@@ -139,8 +108,7 @@ _WHO = "tokenring extend"
 def _exchange_header(
     B, t, n, H, Hkv, d, dtype, new, strategy, mask, scale, pos_range, state, rank, P, group
 ) -> tuple[Shards, list] | None:
-    """All ranks' shapes, agreed or refused together: a ``ValueError`` on every rank when they disagree
-    (``None`` on the fake process group, whose collectives move no values)."""
+    """All ranks' shapes, agreed or a ``ValueError`` on every rank (``None`` on the fake process group)."""
     same = [B, H, Hkv, d, code(dtype), code(strategy), mask.left, code(mask.bounds), code(scale)]
     rows = exchange([*same, *map(float, state), t, n, *new, *pos_range], group, rank, P, _WHO, "the step's shapes")
     if rows is None:
@@ -177,8 +145,7 @@ class _Run:
         return attend_rows(q, qa, k, v, kpos, ka, kb, self.shards.start, self.mask, self.scale)
 
     def attend_many(self, qs: list, qas: list[int]) -> list[tuple]:
-        """This rank's rows attended by several ranks' queries: the cached block in one kernel call for all of
-        them (larger blocks run faster, ``bench/results/extend.md``), the new rows per rank."""
+        """This rank's rows attended by several ranks' queries, the cached block in one kernel call for all."""
         r = self.rank
         if len(qs) == 1 or not self.mask.plain:
             return [self.attend(q, qa, self.k, self.v, self.kpos, r) for q, qa in zip(qs, qas)]
@@ -249,8 +216,7 @@ def _wait_all(pending) -> None:
 
 
 def _merge_home(run: _Run, own, partials: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """My queries' partials, mine and those that came home, merged in rank order: a fixed rounding order
-    whatever arrived first."""
+    """My queries' partials, mine and those that came home, merged in rank order."""
     out, out_lse = new_accumulator(*run.q.shape, run.q.dtype, run.q.device)
     for j in range(run.P):
         if j == run.rank and own is not None:
@@ -295,8 +261,7 @@ def _pass_q(run: _Run) -> torch.Tensor:
 
 
 def _pass_q_relay(run: _Run) -> torch.Tensor:
-    """The paper's schedule: at step i rank r holds the queries of rank r+i (they came from r+1), passes them on
-    to r-1 while it attends them, and sends the partial straight home."""
+    """The paper's schedule: queries travel ``r+1 -> r``, partials go straight home."""
     r, P, sh = run.rank, run.P, run.shards
     nxt, prv = (r + 1) % P, (r - 1) % P
     helpers = [j for j in range(P) if j != r and run.meets(r, j)]
@@ -331,8 +296,7 @@ def _pass_q_relay(run: _Run) -> torch.Tensor:
 
 
 def _pass_kv(run: _Run) -> torch.Tensor:
-    """Ring attention: at step i rank r holds rank r-i's K/V rows (and their positions, when a mask needs
-    them), passes them on to r+1 while it attends its queries to them."""
+    """Ring attention: K/V rows travel ``r -> r+1`` while each rank attends its queries to them."""
     r, P, sh = run.rank, run.P, run.shards
     nxt, prv = (r + 1) % P, (r - 1) % P
     a = sh.new[r][0]
@@ -358,8 +322,7 @@ def _pass_kv(run: _Run) -> torch.Tensor:
 
 
 def _ulysses(run: _Run) -> torch.Tensor:
-    """All-to-all by heads: rank j gets every new token's queries and every row of K/V for its head group,
-    attends, and sends each rank its rows of the output."""
+    """All-to-all by heads, attend, and all-to-all each rank's rows of the output back."""
     r, P, sh = run.rank, run.P, run.shards
     B, t, H, d = run.q.shape
     Hkv = run.k.shape[2]
@@ -408,8 +371,7 @@ def _ulysses(run: _Run) -> torch.Tensor:
 
 
 def _choose(shards: Shards, B, H, Hkv, d, q, rank: int, P: int, group, agree: bool) -> str:
-    """``auto``: the schedule the simulator predicts fastest; with ``agree``, rank 0's choice on every rank (one
-    tiny all-gather: a rank with another topology or thread count must not run another schedule)."""
+    """``auto``: the schedule the simulator predicts fastest; with ``agree``, rank 0's choice on every rank."""
     from .sim.extend import choose
 
     mine = choose(shards, B, H, Hkv, d, q.dtype, q.device.type)
@@ -439,23 +401,9 @@ def extend_attention(
     state: tuple = (),
     log: list | None = None,
 ) -> torch.Tensor:
-    """Attention of this rank's share of ``T`` new tokens over a KV cache sharded over ``group``'s ranks.
-
-    ``q``: (B, t, H, d), the queries of new tokens ``new = (a, b)`` of the step (``t = b - a``; the ranks'
-    ranges tile ``0..T-1``, e.g. :func:`split_new`). ``k``, ``v``: (B, n, Hkv, d), every row this rank holds,
-    its cached rows first and the K/V of its own new tokens ``a..b-1`` last. Each query sees every cached row
-    and the new tokens up to itself; ``window``: only keys at most ``window`` positions back
-    (``window=W`` is ``tokenring.attention``'s ``window=(W, 0)``); ``cu_seqlens``: documents over global
-    positions (``[0, end_1, ..., total]``), only keys of the query's own document. Both need ``positions``: the
-    global positions of this rank's cached rows (the new tokens are at ``start + i``, ``start`` = the number
-    of cached rows on all ranks). ``sinks``: (H,) attention-sink logits (gpt-oss), one more term in every
-    row's softmax. Returns (B, t, H, d) in ``q.dtype``.
-
-    ``strategy``: one of :data:`STRATEGIES` or ``"auto"``. ``shards``: every rank's rows and ranges, when the
-    caller knows them (:class:`Shards`); without them (or with them) the ranks exchange and check their shapes
-    first, a ``ValueError`` on every rank when they disagree; with ``shards`` and ``state=None`` that check
-    is skipped (later layers of a step that an earlier one checked). ``log``: receives ``{"bytes": received}``.
-    """
+    """Attention of this rank's share ``q`` (B, t, H, d) of new tokens ``new = (a, b)`` over its K/V rows ``k``,
+    ``v`` (B, n, Hkv, d: cached, then its new tokens), sharded over ``group``. Returns (B, t, H, d); the
+    arguments in full: docs/internals.md, "Extend"."""
     q, k, v, softmax_scale, dv = attention_inputs(q, k, v, softmax_scale)
     if dv is not None:  # MLA: zero columns make the head dims equal (see value_dim_apart)
         return extend_attention(

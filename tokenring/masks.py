@@ -1,22 +1,5 @@
 """Packed sequences and sliding windows: which keys a query sees, and how a block of them is cut into tiles.
-
-A :class:`Mask` describes attention over the *global* sequence of ``S`` tokens beyond plain full / causal
-attention (flash-attn's conventions):
-
-- ``cu_seqlens`` ``[0, end_1, ..., S]``: documents packed one after another; a query sees keys of its own
-  document only;
-- ``window = (left, right)``: query ``i`` sees keys ``j`` with ``i - left <= j <= i + right`` (``-1``: unbounded
-  on that side); ``causal`` caps ``right`` at 0.
-
-A block pairs query rows and key rows whose global positions are each increasing (any layout's local rows
-are), so a document's rows are one contiguous row range on either side. :func:`tiles` cuts a block into
-tiles that own disjoint query rows: fully visible rectangles (the plain kernel), square causal diagonals
-(the kernel's causal flag) and, only where a window or a document edge cuts a rectangle, row tiles of at
-most :data:`TILE_ROWS` query rows restricted to the keys some row of the tile sees, with an explicit mask.
-Nothing outside a document or window is computed, and no tile's mask exceeds ``TILE_ROWS`` x its keys.
-
-:meth:`Mask.pair` tells the schedules which rows of two ranks' shards meet at all, so empty blocks are
-neither computed nor sent, and partly empty ones send only the rows that are needed.
+Conventions, tiles and the closed-form pair table: docs/internals.md, "Packed sequences and windows".
 """
 
 from __future__ import annotations
@@ -51,9 +34,7 @@ TILE_ROWS = 512  # query rows per explicitly masked tile: bounds a tile's mask a
 
 @dataclass(frozen=True, eq=False)
 class Mask:
-    """Documents (``bounds`` = cu_seqlens as a tuple) and a window over a global sequence of ``S`` tokens.
-    ``right`` is already capped at 0 when causal; ``-1`` means unbounded. Hashable by value (schedules are
-    cached per mask)."""
+    """Documents (``bounds``) and a window (``-1``: unbounded; ``right`` capped when causal) over ``S`` tokens."""
 
     S: int
     bounds: tuple[int, ...]
@@ -99,8 +80,7 @@ class Mask:
         return lo, hi
 
     def pair(self, qpos: torch.Tensor, kpos: torch.Tensor) -> tuple[slice, slice] | None:
-        """The query rows (of sorted positions ``qpos``) that see some key of ``kpos`` (sorted), and the key rows
-        some query sees, each as the smallest covering row range; ``None`` when no query sees any key."""
+        """Covering row ranges of the queries that see some key and the keys some query sees, or ``None``."""
         lo, hi = self.reach(qpos)
         a = torch.searchsorted(kpos, lo)
         b = torch.searchsorted(kpos, hi)
@@ -112,8 +92,7 @@ class Mask:
 
 
 def _whole(x, what: str, given) -> int:
-    """``x`` as an int if it is a whole number (an int, a whole float, a 0-d integer tensor), else ValueError:
-    silently truncating 4.5 tokens would attend over other documents than the caller meant."""
+    """``x`` as an int if it is a whole number, else ValueError (never truncated)."""
     try:
         value = int(x)
         whole = value == x
@@ -153,9 +132,7 @@ def window_pair(window) -> tuple[int, int]:
 
 
 def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> Mask | None:
-    """The :class:`Mask` for these arguments, or ``None`` when they mean plain full / causal attention (one
-    document, no window that cuts anything) and not ``force`` (a layout whose shards only positions describe,
-    ``zigzag_docs``, always needs one). Raises ``ValueError`` for malformed arguments."""
+    """The :class:`Mask` for these arguments, or ``None`` for plain full / causal attention (unless ``force``)."""
     bounds = (0, S)
     if cu_seqlens is not None:
         if isinstance(cu_seqlens, torch.Tensor):
@@ -171,7 +148,7 @@ def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> 
             )
         if any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError("cu_seqlens must be non-decreasing (cumulative document lengths)")
-        bounds = tuple(dict.fromkeys(cu))  # empty documents change nothing
+        bounds = tuple(dict.fromkeys(cu))
     left, right = -1, -1
     if window is not None:
         left, right = window_pair(window)
@@ -179,7 +156,7 @@ def make_mask(S: int, cu_seqlens, window, causal: bool, force: bool = False) -> 
             raise ValueError(f"window=({left}, {right}): each side must be >= 0, or -1 for unbounded")
     if causal:
         right = 0
-    left = -1 if left >= S - 1 else left  # a window as long as the sequence cuts nothing
+    left = -1 if left >= S - 1 else left
     right = -1 if right >= S - 1 else right
     if len(bounds) == 2 and left == -1 and (right == -1 or causal) and not force:
         return None  # plain full or causal attention
@@ -207,9 +184,7 @@ def shard_pair(mask: Mask, P: int, layout: str, q_owner: int, kv_owner: int) -> 
 
 
 class PairTable:
-    """:meth:`Mask.pair` of two ranks' shards: ``get(q_owner, kv_owner)`` is ``(query rows, key rows)`` or
-    ``None``. For every pair, or (``only`` given) for the pairs that involve rank ``only``, all that rank's
-    plan asks for. Kept as lists (one lookup per block)."""
+    """:meth:`Mask.pair` of two ranks' shards, for every pair or those of rank ``only``."""
 
     def __init__(self, only: int | None, *blocks):
         self.only = only
@@ -217,8 +192,7 @@ class PairTable:
         self._by_kv = blocks[0] if only is None else None
 
     def needs(self, owner: int, of: str) -> tuple[list, list, list]:
-        """Per rank ``x`` (a whole table's): whether it needs rows of ``owner``'s queries (``of="q"``) or
-        keys (``of="kv"``), and which ``[lo, hi)``: three lists indexed by ``x``, for the relays' unions."""
+        """Per rank: whether it needs rows of ``owner``'s queries or keys (``of``), and which ``[lo, hi)``."""
         if self.only is not None:
             raise KeyError(f"this table holds rank {self.only}'s pairs only")
         if of == "q":
@@ -246,9 +220,7 @@ class PairTable:
 
 @lru_cache(maxsize=256)
 def _runs(S: int, P: int, layout: str, bounds) -> tuple[np.ndarray, ...]:
-    """Every shard as runs of consecutive positions, in row order, runs of rank 0 first: ``(owner, first
-    position, end position, first row)`` arrays (``bounds``: the documents, for ``zigzag_docs``). What
-    :func:`tokenring.layouts.local_positions` holds, without listing the ``S`` positions."""
+    """Every shard as runs of consecutive positions: ``(owner, first position, end position, first row)``."""
     r = np.arange(P)
     if layout == "contiguous":
         s = S // P
@@ -263,18 +235,10 @@ def _runs(S: int, P: int, layout: str, bounds) -> tuple[np.ndarray, ...]:
     return owner.ravel(), first.ravel(), (first + size).ravel(), row0.ravel()
 
 
-@lru_cache(maxsize=8)  # a whole table at P=256 is 5 lists of 65536: enough for a call's passes and layers
+@lru_cache(maxsize=8)
 def pair_table(mask: Mask, P: int, layout: str, only: int | None = None) -> PairTable:
-    """:class:`PairTable` of ``mask`` over ``P`` shards of ``layout`` (``only``: just the pairs of that rank), in
-    closed form over runs of consecutive positions: no per-token search, so a new mask costs ``O(runs^2)``
-    (``O(runs)`` for one rank's pairs) whatever the local length.
-
-    Why it is exact: a query ``q`` sees keys ``[lo(q), hi(q))``, both nondecreasing in ``q`` and ``lo(q) <= q <
-    hi(q)``. So within a run of queries the ones seeing a run of keys ``[ka, kb)`` are those with ``hi(q) > ka``
-    (a suffix: from ``max(docstart(ka), ka - right)``) and ``lo(q) < kb`` (a prefix: up to ``min(docend(kb-1),
-    kb + left) - 1``), an interval; rows and positions rise together, so a shard pair's first and last live rows
-    are the extremes over its run pairs, and its key rows run from the keys below ``lo`` of the first live query
-    to those below ``hi`` of the last."""
+    """:class:`PairTable` of ``mask`` over ``P`` shards (``only``: that rank's pairs), in closed form over runs
+    of positions; why it is exact: docs/internals.md."""
     runs = _runs(mask.S, P, layout, mask.bounds if layout == "zigzag_docs" else None)
     if only is None:
         return PairTable(None, _pairs(mask, runs, None, None))
@@ -336,8 +300,7 @@ def _pairs(mask: Mask, runs, q_owner: int | None, kv_owner: int | None) -> tuple
 def shard_tiles(
     mask: Mask, P: int, layout: str, q_owner: int, q_rows: tuple[int, int], kv_owner: int, kv_rows: tuple[int, int]
 ) -> tuple["Tile", ...]:
-    """:func:`tiles` of rows ``q_rows`` of ``q_owner``'s shard against rows ``kv_rows`` of ``kv_owner``'s
-    (``P = 1``: the whole sequence in natural order, as Ulysses computes it)."""
+    """:func:`tiles` of rows ``q_rows`` of ``q_owner``'s shard against rows ``kv_rows`` of ``kv_owner``'s."""
     qpos = _positions(mask, P, layout, q_owner)[slice(*q_rows)]
     kpos = _positions(mask, P, layout, kv_owner)[slice(*kv_rows)]
     return _tiles(mask, qpos, kpos)
@@ -346,9 +309,7 @@ def shard_tiles(
 def block_tiles(
     mask: Mask, P: int, layout: str, q_owner: int, q_rows: slice, kv_owner: int, kv_rows: slice, device=None
 ):
-    """The tiles of rows ``q_rows`` of ``q_owner``'s shard against rows ``kv_rows`` of ``kv_owner``'s, and
-    ``mask_of(tile)``: a tile's bool mask on ``device`` (``None`` for full / causal tiles; the rows' positions
-    are moved to ``device`` only once a tile needs them). ``P = 1``, ``"contiguous"``: the whole sequence."""
+    """The tiles of a block of two shards' rows, and ``mask_of(tile)``: its bool mask on ``device`` or ``None``."""
     ts = shard_tiles(mask, P, layout, q_owner, (q_rows.start, q_rows.stop), kv_owner, (kv_rows.start, kv_rows.stop))
     where: dict = {}
 
@@ -377,9 +338,7 @@ def visible(mask: Mask, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Tile:
-    """Query rows ``q0:q1`` against key rows ``k0:k1`` of a block: ``kind`` ``"full"`` (every pair visible),
-    ``"causal"`` (equal positions on both sides: the lower triangle) or ``"mask"`` (an explicit mask, built
-    by :meth:`mask`)."""
+    """Query rows ``q0:q1`` against key rows ``k0:k1``; ``kind``: ``"full"``, ``"causal"`` or ``"mask"``."""
 
     q0: int
     q1: int
@@ -392,8 +351,7 @@ class Tile:
 
 
 def tiles(mask: Mask, qpos: torch.Tensor, kpos: torch.Tensor) -> list[Tile]:
-    """The tiles of the block of queries at sorted positions ``qpos`` against keys at sorted ``kpos`` (see the
-    module docstring); their query rows are disjoint, so each row's result comes from one tile, unmerged."""
+    """The tiles (disjoint query rows) of queries at sorted positions ``qpos`` against keys at sorted ``kpos``."""
     return list(_tiles(mask, qpos.cpu(), kpos.cpu()))
 
 

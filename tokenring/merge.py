@@ -1,11 +1,5 @@
-"""Exact merge of partial attention results.
-
-Two partials of the same query rows, computed against disjoint key sets, combine exactly through their
-log-sum-exp. All arithmetic here is in the accumulator dtype (float32, or float64 for float64 inputs), never in
-bf16: rounding a running accumulator to bf16 at every step is what makes ring-style libraries lose accuracy as
-P grows.
-
-Shapes: ``o`` (B, n, H, d), ``lse`` (B, H, n). A row that saw no key has ``lse = -inf`` and ``o = 0``.
+"""Exact merge of partial attention results through their log-sum-exp, in the accumulator dtype (float32, or
+float64 for float64 inputs); ``o`` (B, n, H, d), ``lse`` (B, H, n) (docs/internals.md, "Exact merge").
 """
 
 from __future__ import annotations
@@ -19,10 +13,7 @@ from .device import is_cuda, pretended
 
 __all__ = ["acc_dtype", "new_accumulator", "merge_", "merge_eager_", "merge_sink_", "sink_grad"]
 
-# On CUDA the merge runs as one compiled kernel: torch.compile fuses its ~12 elementwise ops, which eagerly read
-# and write the accumulator many times (the eager cost on an H200: merge_ms in tokenring/data/h200_sdpa.json).
-# The compile_merge setting (tokenring.settings; $TOKENRING_COMPILE_MERGE=0) keeps the eager ops; so does any
-# failure to compile (with one warning).
+# on CUDA the merge is one compiled kernel unless compile_merge is off or compiling fails (docs/internals.md)
 _compile_failed = False
 _compiled = None
 
@@ -43,13 +34,8 @@ def new_accumulator(B: int, n: int, H: int, d: int, dtype: torch.dtype, device) 
 def merge_(
     acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, compiled: bool | None = None
 ) -> None:
-    """In place: ``(acc_o, acc_lse) <- merge((acc_o, acc_lse), (o, lse))``.
-
-    ``acc_o``/``acc_lse`` may be views (a row slice of a larger accumulator). Rows where both sides are
-    ``-inf`` stay ``-inf`` with output 0; no NaN is ever produced. ``compiled``: run the fused (torch.compile)
-    kernel; default: on CUDA tensors only (on CPU the eager ops are already memory-bound and compiling costs
-    seconds per shape).
-    """
+    """In place: ``(acc_o, acc_lse) <- merge((acc_o, acc_lse), (o, lse))``, never NaN (``compiled``: the fused
+    kernel; default on CUDA tensors only)."""
     global _compile_failed, _compiled
     if compiled if compiled is not None else (is_cuda(acc_o) and not _compile_failed and settings.get("compile_merge")):
         try:
@@ -85,16 +71,13 @@ def merge_eager_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, ls
 
 
 def merge_sink_(acc_o: torch.Tensor, acc_lse: torch.Tensor, sinks: torch.Tensor) -> None:
-    """In place: merge attention sinks (``sinks`` (H,), one logit per head) into finished rows, as one more
-    partial whose log-sum-exp is the sink logit and whose output is 0 (gpt-oss). The backward then runs on the
-    merged ``(out, lse)`` as usual; :func:`sink_grad` gives the sinks' own gradient."""
+    """In place: merge attention sinks (``sinks`` (H,)) into finished rows, as a partial of output 0."""
     lse = sinks.to(acc_lse.dtype)[None, :, None].expand_as(acc_lse)
     merge_eager_(acc_o, acc_lse, acc_o.new_zeros(()).expand_as(acc_o), lse)
 
 
 def sink_grad(lse: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """d loss / d sinks from these rows: ``-sum_rows exp(sink - lse) * delta`` per head, with ``lse`` the rows'
-    final log-sum-exp (sinks merged) and ``delta = rowsum(dO * O)``, both (B, H, n)."""
+    """d loss / d sinks from these rows: ``-sum_rows exp(sink - lse) * delta`` per head."""
     p = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
     p = torch.where(torch.isneginf(lse), torch.zeros_like(p), p)  # a row with no key and a sink of -inf
     return -(p * delta.to(lse.dtype)).sum(dim=(0, 2))

@@ -1,16 +1,5 @@
-"""Layers that mix tokens along the sequence outside attention: found by what they are, made exact when sharded.
-
-TokenRing shards the sequence and makes each *attention* call exact. A layer that mixes tokens without going
-through attention (linear attention and the gated delta rule, Mamba/SSM scans, short causal convolutions, token
-shift, RWKV mixing) would run on each rank's shard as if it were the whole sequence: a silently wrong result.
-:func:`prepare` hooks every such layer so that it runs on the whole sequence (:class:`Replicated`); generation
-over a sharded cache, which keeps attention K/V only, refuses such a model (:func:`refuse_generation`).
-
-A layer is recognised by its module (a ``torch.nn.Conv1d`` with a kernel longer than 1, the ``A_log`` /
-``dt_bias`` parameters of a state-space or gated-delta recurrence, a class name naming a recurrent mixer) or by
-the config's per-layer types (``layer_types``, ``layers_block_type``, ...) naming a non-attention mixer, never
-by a list of model names. Only the modules that share the language model's config are looked at: a vision or
-audio tower runs on its own inputs, not on the sharded sequence.
+"""Layers that mix tokens along the sequence outside attention: found by what they are, made exact when sharded
+by running them on the whole sequence (docs/internals.md, "Layers beside attention").
 """
 
 from __future__ import annotations
@@ -75,9 +64,8 @@ def _text_config(config):
 
 
 def find_mixers(model: torch.nn.Module, config=None) -> list[Mixer]:
-    """The sequence mixers of ``model`` other than attention, grouped by module type (empty: none found).
-    ``config``: the language model's config (default: the model's text config); modules governed by another
-    config (a vision or audio tower) are skipped."""
+    """The sequence mixers of ``model`` other than attention, grouped by module type (``config``: the language
+    model's; other towers are skipped)."""
     root_cfg = getattr(model, "config", None)
     text = config if config is not None else (_text_config(root_cfg) if _is_config(root_cfg) else None)
     found: dict[str, Mixer] = {}
@@ -131,9 +119,7 @@ def _describe(model: torch.nn.Module, mixers: list[Mixer]) -> str:
 
 
 class _Gather(torch.autograd.Function):
-    """This rank's rows (B, s, ...) -> the whole sequence (B, S, ...) in natural order, on every rank. Backward:
-    every rank's gradient for the whole sequence summed, this rank's rows kept (each rank's rows feed every
-    rank's replicated layer)."""
+    """This rank's rows (B, s, ...) -> the whole sequence (B, S, ...) in natural order, on every rank."""
 
     @staticmethod
     def forward(ctx, x, group, order, mine):
@@ -160,13 +146,8 @@ class _Sharding:
 
 
 class Replicated:
-    """Hooks that run each sequence mixer of a model on the whole sequence, on every rank: its tensor inputs of
-    shape (B, s, ...) are gathered (natural order) before the layer, its outputs of shape (B, S, ...) cut back to
-    this rank's rows after. Exact for any mixer whatever it computes, since it sees what one process gives it;
-    the cost is the gather and the mixer's work on all S tokens on every rank (bench/results/hybrid_cost.md).
-
-    ``context()`` returns ``(group, layout)`` of the sharded forward (``None``: leave the inputs as they are);
-    a group of one rank leaves them too."""
+    """Hooks that run each sequence mixer of a model on the whole sequence, on every rank (inputs gathered,
+    outputs cut back; ``context()``: the sharded forward's ``(group, layout)``, or ``None``)."""
 
     def __init__(self, model: torch.nn.Module, mixers: list[Mixer], context):
         self.context, self.mixers, self.description = context, mixers, _describe(model, mixers)
@@ -250,9 +231,8 @@ _prepared: "weakref.WeakKeyDictionary[torch.nn.Module, Replicated | str | None]"
 
 
 def prepare(model: torch.nn.Module, context, P: int, who: str = "tokenring") -> Replicated | None:
-    """Make ``model``'s sequence mixers exact when sharded over ``P > 1`` ranks (:class:`Replicated` hooks),
-    once per model; a ValueError on every rank for mixers that no module can be found for (a config's layer
-    types only). Returns the hooks, or ``None`` for a model with no such layers."""
+    """Make ``model``'s sequence mixers exact when sharded over ``P > 1`` ranks (:class:`Replicated` hooks);
+    returns the hooks, or ``None`` for a model with no such layers."""
     if P <= 1:
         return None
     model = _unwrap(model)
@@ -278,8 +258,7 @@ def prepare(model: torch.nn.Module, context, P: int, who: str = "tokenring") -> 
 
 
 def check_prepared(model: torch.nn.Module, P: int, who: str = "tokenring") -> None:
-    """At an attention layer: the model's mixers were prepared before its forward began (by the mask function,
-    :func:`prepare`), else a ValueError on every rank: a mixer may have run on this rank's shard alone."""
+    """At an attention layer: a ValueError on every rank unless the model's mixers were prepared first."""
     if P <= 1:
         return
     model = _unwrap(model)
@@ -300,8 +279,7 @@ def check_prepared(model: torch.nn.Module, P: int, who: str = "tokenring") -> No
 
 
 def refuse_generation(model: torch.nn.Module, P: int, who: str) -> None:
-    """Generation over a sharded cache keeps K/V rows only: a model with sequence mixers (recurrent or
-    convolution state) is refused at ``P > 1``, on every rank alike."""
+    """Refuse generation over a sharded cache (K/V rows only) for a model with sequence mixers."""
     if P <= 1:
         return
     model = _unwrap(model)

@@ -1,23 +1,5 @@
 """Schedules as plain data: which block each rank computes at each step and which messages travel meanwhile.
-
-A strategy is a :class:`Schedule`. The executor (``executor.py``) runs it on real tensors over
-``torch.distributed``; the simulator runs the very same object on a topology model, so predictions and
-reality use one description. Nothing here touches ``torch.distributed``.
-
-Vocabulary
-- *Part* of a rank's local rows: ``"all"``, ``"lo"`` (first half), ``"hi"`` (second half), or in general
-  ``"a:b/n"`` (a :class:`Rows`): rows ``[a*s//n, b*s//n)`` of the ``s`` local rows (row chunks of a block; ``"lo"`` is
-  ``"0:1/2"``). Zigzag causal attention only ever needs halves (see :func:`block_pair`). *Heads*: ``"all"``,
-  ``"h0"`` or ``"h1"`` (half of the K/V heads with their query heads), for strategies that send the two
-  halves different ways.
-- :class:`Compute`: rank ``rank`` attends the ``q_part`` rows of rank ``q_owner``'s queries to the ``kv_part``
-  rows of rank ``kv_owner``'s keys/values; ``diag`` marks the causal diagonal block (masked lower-triangular;
-  every other block is attended in full). What the rows mean is the strategy's business (Ulysses: the whole
-  sequence over ``H/P`` heads).
-- :class:`Message`: a payload of ``kind`` (see :mod:`tokenring.messages`) about rank ``owner``'s rows
-  ``part``, from ``src`` to ``dst``. Messages of step ``t`` are posted when step ``t`` starts and overlap its
-  computes; what they deliver is usable from step ``t + 1`` on (from ``due + 1`` for a message given until
-  step ``due``).
+The executor and the simulator run the same objects. Vocabulary (parts, Compute, Message): docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -70,9 +52,7 @@ __all__ = [
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Rows:
-    """Rows ``[a*s//n, b*s//n)`` of a rank's ``s`` local rows, an exact fraction kept reduced. Its text is
-    ``"all"``, ``"lo"``, ``"hi"`` or ``"a:b/n"``; a Rows equals (and hashes as) its text, so a part written as
-    text in a schedule or a test finds the same entries."""
+    """Rows ``[a*s//n, b*s//n)`` of a rank's ``s`` local rows, reduced; equal to (and hashed as) its text."""
 
     a: int
     b: int
@@ -111,7 +91,6 @@ class Rows:
     def __hash__(self) -> int:
         return self._hash
 
-    # Ordered as their text (a stable order for sorting logs and tests, mixed with text parts too).
     def __lt__(self, other) -> bool:
         return str(self) < str(other)
 
@@ -128,8 +107,6 @@ class Rows:
 _NAMED = {(0, 1, 1): "all", (0, 1, 2): "lo", (1, 2, 2): "hi"}
 ALL, LO, HI = Rows(0, 1, 1), Rows(0, 1, 2), Rows(1, 2, 2)
 PARTS = (ALL, LO, HI)
-# Head halves, for strategies that split K/V heads between two directions: "h0" is the first half of the K/V
-# heads together with the query heads that attend to them (GQA groups are contiguous), "h1" the second half.
 HEADS = ("all", "h0", "h1")
 
 
@@ -162,8 +139,7 @@ def _frac(part: "Rows | str") -> tuple[int, int, int]:
 
 
 def chunk(part: str, i: int, c: int, j: int | None = None) -> str:
-    """Row chunks ``i`` up to ``j`` (default ``i + 1``) of ``c`` equal chunks of ``part``
-    (``chunk("hi", 0, 2) == "2:3/4"``)."""
+    """Row chunks ``i`` up to ``j`` (default ``i + 1``) of ``c`` equal chunks of ``part``."""
     a, b, n = _frac(part)
     j = i + 1 if j is None else j
     return rows(a * c + i * (b - a), a * c + j * (b - a), n * c)
@@ -229,10 +205,8 @@ class Compute:
 
 @dataclass(frozen=True)
 class Message:
-    """A payload of ``kind`` about rank ``owner``'s rows ``part`` from ``src`` to ``dst``. ``due``: the step by
-    whose end it must have arrived (``-1``: the step it is posted in). ``ready``: the step at which the receiver
-    may post its receive (``-1``: when posted), so a partial coming home is expected from the moment its rows
-    left; gloo starts a send only once the receive is posted (docs/DESIGN.md, "Communication engine")."""
+    """A payload of ``kind`` about rank ``owner``'s rows ``part`` from ``src`` to ``dst``; ``due`` and ``ready``:
+    docs/schedules.md."""
 
     src: int
     dst: int
@@ -244,8 +218,7 @@ class Message:
     ready: int = -1
 
     def receive_step(self, t: int, early: bool = True) -> int:
-        """The step at which its receiver posts the receive, for a message posted at step ``t``: its ``ready``
-        step where the backend posts early (``early``), else ``t``."""
+        """The step its receiver posts the receive at, for a message posted at step ``t``."""
         return t if self.ready < 0 or not early else min(self.ready, t)
 
 
@@ -257,8 +230,7 @@ class Step:
 
 @dataclass(eq=False)  # identity hash: schedules are cached and looked up by object
 class Schedule:
-    """Steps of one strategy for ``P`` ranks. ``q_kind`` names the store entry a compute reads queries from
-    (``"q"`` forward, ``"qgrad"`` backward: queries with dO, lse and delta)."""
+    """Steps of one strategy for ``P`` ranks (``q_kind``: the store entry computes read queries from)."""
 
     strategy: str
     P: int
@@ -271,8 +243,7 @@ class Schedule:
     only: int | None = None  # built for this rank's plan alone (the steps hold its computes and messages only)
 
     def __post_init__(self) -> None:
-        # Every rank builds the same schedule, so a bad one fails here on all of them at once; the executor
-        # would only notice on the ranks whose plan holds the bad message, and the others would wait for them.
+        # checked here, on every rank alike (docs/schedules.md)
         for t, st in enumerate(self.steps):
             for m in st.messages:
                 if m.due >= len(self.steps) or 0 <= m.due < t or m.ready > t:
@@ -301,10 +272,8 @@ class Schedule:
     def postings(
         self, r: int, early: bool = True
     ) -> list[tuple[list[Compute], list[tuple[Message, int, int]], list[tuple[Message, int, int]]]]:
-        """What rank ``r`` does at each step: its computes, the sends it posts and the receives it posts (at a
-        message's ``ready`` step when it has one and ``early``), each as ``(message, step posted by the sender,
-        n)`` where ``n`` counts the earlier messages between the same two ranks posted in that step: both ends
-        derive the message's tag from that pair, whenever each of them posts it."""
+        """Per step: rank ``r``'s computes, sends and receives as ``(message, step posted, n)``, the pair its tag
+        comes from (docs/schedules.md)."""
         self._mine(r)
         out = [([c for c in st.computes if c.rank == r], [], []) for st in self.steps]
         for t, st in enumerate(self.steps):
@@ -318,13 +287,8 @@ class Schedule:
         return out
 
     def reads(self, r: int) -> dict[tuple[str, int], list[tuple[int, str, int]]]:
-        """``(kind, owner)`` -> ``(step, rows, since)`` of every read on rank ``r``: a compute's queries or K/V,
-        or the payload of a message it sends. ``since``: the last step before the read at which rank ``r``
-        (re)filled those rows: a message of them arriving (handled at its due step) or a compute producing a
-        partial of them (``-1``: from the start). A held piece is needed after step ``u`` only by reads with
-        ``since <= u`` (see ``Store.release``); a read with ``since > u`` gets fresh rows, e.g. a hierarchical
-        schedule that sends a block again in its next round. (Arrivals that add into what is held, dK/dV
-        accumulators, refill nothing.)"""
+        """``(kind, owner)`` -> ``(step, rows, since)`` of every read on rank ``r``, for ``Store.release``
+        (``since``: when those rows were last refilled; docs/schedules.md)."""
         out: dict = {}
         fills: dict = {}  # (kind, owner) -> [(step, rows)] of refills
         made = "dq" if self.backward else "out"  # what a compute of another rank's queries produces here
@@ -351,9 +315,7 @@ class Schedule:
         return out
 
     def describe(self, sh: "Shapes | None" = None, ranks=None, spec=None) -> str:
-        """A per-step, per-rank table of what each rank computes, sends and receives (with bytes when ``sh``
-        is given; ``spec``: the strategy's :func:`payload`, where it differs): the plan ``tokenring explain
-        --plan`` prints."""
+        """The per-step, per-rank table ``tokenring explain --plan`` prints (bytes when ``sh`` is given)."""
         what = (
             f"{self.strategy} {'backward' if self.backward else 'forward'}, P={self.P}, layout={self.layout}, "
             f"causal={self.causal}"
@@ -404,18 +366,8 @@ class Schedule:
 def block_pair(
     q_owner: int, kv_owner: int, P: int, layout: str, causal: bool, mask=None
 ) -> tuple[str, str, bool] | None:
-    """Which rows of ``q_owner``'s queries meet which rows of ``kv_owner``'s keys, and whether the block is the
-    causal diagonal: ``(q_part, kv_part, diag)``, or ``None`` when the block is empty (never computed, never
-    communicated).
-
-    Zigzag: rank ``r`` holds chunks ``r`` and ``2P-1-r``. If the keys' owner comes earlier (``kv < q``) every
-    query row sees only the keys' first chunk; if later, only the queries' second chunk sees anything, and it
-    sees all of the keys. Either way an off-diagonal pair costs half a block.
-
-    With a ``mask`` (:class:`tokenring.masks.Mask`: packed documents, a window) the parts are the exact row
-    ranges that meet (``"a:b/s"``), ``None`` when no query of one rank sees a key of the other; ``diag`` then
-    only marks a rank's own block (the kernels take the mask from the tokens' positions).
-    """
+    """``(q_part, kv_part, diag)`` of the rows of two ranks that meet, or ``None`` for an empty block
+    (docs/schedules.md, "Which blocks meet")."""
     if mask is not None:
         hit = shard_pair(mask, P, layout, q_owner, kv_owner)
         if hit is None:
@@ -434,11 +386,7 @@ def block_pair(
 
 
 def pairing(P: int, layout: str, causal: bool, mask=None, only: int | None = None):
-    """``pair(q_owner, kv_owner)`` = :func:`block_pair` for this problem: what the schedule builders take, so a
-    hierarchical schedule can run them on a sub-group with its own notion of which blocks meet. With a
-    ``mask``, the pairs come from one :func:`tokenring.masks.pair_table` (``only``: the pairs of that rank
-    alone, all its direct schedule asks for), and ``pair.table.needs`` gives them as local row ranges, for the
-    relays' unions (``pair.s``: the local rows)."""
+    """``pair(q_owner, kv_owner)`` = :func:`block_pair` for this problem, what the schedule builders take."""
     if mask is None:
         return lambda q_owner, kv_owner: block_pair(q_owner, kv_owner, P, layout, causal, mask)
 
@@ -457,10 +405,8 @@ def pairing(P: int, layout: str, causal: bool, mask=None, only: int | None = Non
 def relay(
     owner: int, path: list[int], needs: list[str | None], kind: str, heads: str = "all"
 ) -> list[tuple[int, Message]]:
-    """Messages that carry ``owner``'s payload hop by hop along ``path`` (``path[t]`` is visited at step
-    ``t + 1``). Each hop carries the union of what the rest of the path still needs, so once only the second
-    half is needed downstream only the second half travels; hops nobody downstream needs are dropped.
-    Returns ``(step_posted, message)`` pairs."""
+    """``(step_posted, message)`` pairs carrying ``owner``'s payload hop by hop along ``path``, each hop only the
+    rows the rest of the path needs."""
     out = []
     remaining: str | None = None
     suffix: list[str | None] = [None] * len(path)
@@ -479,9 +425,7 @@ def relay(
 def relay_through(
     owner: int, path: list[int], need, kind: str, only: int, s: int, heads: str = "all"
 ) -> list[tuple[int, Message]]:
-    """The hops of :func:`relay` that start or end at rank ``only``, from ``need = (live, lo, hi)``: whether
-    rank ``x`` needs rows of ``owner``'s and which local rows ``[lo[x], hi[x])`` of ``s``
-    (:meth:`tokenring.masks.PairTable.needs`). Reads the needs of ``only`` and the ranks after it alone."""
+    """The hops of :func:`relay` that start or end at rank ``only``, from ``need = (live, lo, hi)`` per rank."""
     if only == owner:
         first = 0
     elif only in path:
@@ -491,7 +435,7 @@ def relay_through(
     last = first + (only != owner)  # the hop into `only` and the one out of it
     live, lo_of, hi_of = need
     lo, hi, union = None, None, {}
-    for i in range(len(path) - 1, first - 1, -1):  # unions of what the rest of the path needs, from its end
+    for i in range(len(path) - 1, first - 1, -1):
         x = path[i]
         if live[x]:
             lo, hi = (lo_of[x], hi_of[x]) if lo is None else (min(lo, lo_of[x]), max(hi, hi_of[x]))
@@ -505,9 +449,7 @@ def relay_through(
 
 
 def drop_empty_tail(steps: list[Step]) -> list[Step]:
-    """``steps`` without trailing steps that neither compute nor communicate. A message due at a dropped step
-    is due at the last step instead: nothing after it runs meanwhile, so the receiver waits for it there (a
-    two-level schedule whose last rounds a mask or a late own round leaves empty gives such dues)."""
+    """``steps`` without trailing empty steps; a message due at a dropped step is due at the last one."""
     while steps and not steps[-1].computes and not steps[-1].messages:
         steps.pop()
     last = len(steps) - 1
@@ -517,11 +459,7 @@ def drop_empty_tail(steps: list[Step]) -> list[Step]:
 
 
 def pairings(P: int) -> list[list[int]]:
-    """Rounds in which every rank meets every other exactly once, as ``partner[r]`` per round (``r`` itself: a
-    bye). Even ``P``: ``P - 1`` perfect matchings (the circle method); odd ``P``: ``P`` rounds, rank ``k``
-    sitting out round ``k``. Both ends of a link work on each other's blocks in the same round, so a link's two
-    directions are used together (gloo in particular moves data much faster when a pair's receive is posted
-    with its send, measured on the testbed)."""
+    """Rounds in which every rank meets every other once, as ``partner[r]`` per round (``r`` itself: a bye)."""
     if P % 2:
         return [[(2 * k - r) % P for r in range(P)] for k in range(P)]
     M = P - 1
@@ -533,33 +471,22 @@ def pairings(P: int) -> list[list[int]]:
     return rounds
 
 
-# What a direct schedule's first visiting chunk brings and its last partial takes home, in blocks of Q's size
-# (fwd pass-Q: Q out, (out, lse) back; bwd pass-Q: Q, dO (+ lse, delta) out, dQ back; pass-KV: K, V out, and in
-# backward dK, dV back): the own block's compute is split between its head and its tail in this proportion.
+# bytes in and out of a direct schedule, in Q blocks: the own block's head:tail split (docs/schedules.md)
 _HEAD_TAIL = {("q", False): (1, 1), ("q", True): (2, 1), ("kv", False): (1, 0), ("kv", True): (1, 1)}
 
 
 def own_pieces(
     chunks: int, P: int, mover: str = "q", backward: bool = False, triangle: bool = False
 ) -> list[tuple[int, int, int]]:
-    """How :func:`direct_steps` cuts a rank's own block on ``P`` ranks: ``(a, b, n)`` = rows ``[a/n, b/n)``
-    of its query part, one piece per step that computes it, in step order: the head (step 0), one piece per
-    bye round (odd ``P``: ``chunks`` of them, ``1/(2*chunks+1)`` of the rows each), the tail (the last step;
-    none when nothing goes home, forward pass-KV).
-
-    The head runs while the first visiting chunks arrive and the tail while the last partials travel home, so
-    the rest is split between them as the bytes of those transfers (:data:`_HEAD_TAIL`): halves of the
-    compute for forward TokenRing, 2:1 for its backward, all to the head for forward pass-KV. Shares are of
-    *compute*: on the causal diagonal (``triangle``) rows ``[0, x)`` cost ``x**2`` of the block. Cuts are
-    rounded so that every piece has a row whenever the rank has 2 rows (even ``P``) or ``2*chunks+1`` rows
-    (odd ``P``: the head and the tail take whole ``1/(2*chunks+1)`` cells)."""
+    """How the direct schedule cuts a rank's own block: ``(a, b, n)`` = rows ``[a/n, b/n)`` per step that
+    computes it, head, byes, tail (docs/schedules.md, "A rank's own block")."""
     head, tail = _HEAD_TAIL[mover, backward]
     share = head / (head + tail)  # of the compute not spent in bye rounds
     if P % 2 == 0:
         if not tail:
             return [(0, 1, 1)]
         x = share**0.5 if triangle else share
-        a = min(7, max(4, round(8 * x)))  # head >= half the rows (it holds >= half the compute) and a tail row
+        a = min(7, max(4, round(8 * x)))
         return [(0, a, 8), (a, 8, 8)]
     n = 2 * chunks + 1
     cost = (lambda x: x * x) if triangle else (lambda x: x)
@@ -568,14 +495,12 @@ def own_pieces(
         head_cost = cost(h / n)
         return head_cost / (head_cost + 1 - cost((h + chunks) / n))
 
-    # (a tie goes to the larger head, the cut used before the split followed the bytes)
     h = chunks + 1 if not tail else min(range(chunks, 0, -1), key=lambda h: round(abs(head_share(h) - share), 9))
     return [(0, h, n)] + [(i, i + 1, n) for i in range(h, h + chunks)] + ([(h + chunks, n, n)] if tail else [])
 
 
 def all_own_pieces(chunks: int, P: int, mover: str) -> list[tuple[int, int, int]]:
-    """Every piece :func:`own_pieces` may cut for ``mover``, either pass, on or off the causal diagonal (what
-    a length check must find non-empty)."""
+    """Every piece :func:`own_pieces` may cut for ``mover``, either pass, on or off the diagonal."""
     return sorted(
         {
             p
@@ -587,8 +512,7 @@ def all_own_pieces(chunks: int, P: int, mover: str) -> list[tuple[int, int, int]
 
 
 def ulysses_kv_heads(H: int, Hkv: int, P: int) -> int:
-    """K/V heads Ulysses scatters: ``Hkv`` repeated the fewest times that makes it divisible by ``P``
-    (``H % P == 0`` guarantees the repeat factor divides ``H // Hkv``)."""
+    """K/V heads Ulysses scatters: ``Hkv`` repeated the fewest times that makes it divisible by ``P``."""
     return Hkv * (P // gcd(Hkv, P))
 
 
@@ -606,10 +530,7 @@ class Shapes:
 
 
 def payload(kind: str, part: str, sh: Shapes, heads: str = "all") -> list[tuple[tuple[int, ...], torch.dtype, int]]:
-    """Tensors of a message of ``kind`` (its row in :data:`tokenring.messages.KINDS`) about rows ``part`` and
-    head half ``heads``: ``(shape, dtype, sequence dim)`` each; the head dim is ``3 - sequence dim`` ((B, n, h,
-    d) tensors and (B, h, n) row statistics). Partial outputs travel in the input dtype, row statistics (lse,
-    delta) and travelling dK/dV accumulators in the accumulator dtype."""
+    """``(shape, dtype, sequence dim)`` of each tensor of a message of ``kind`` about rows ``part``."""
     spec = message_kind(kind)
     if heads != "all":
         sh = replace(sh, H=sh.H // 2, Hkv=sh.Hkv // 2)

@@ -1,26 +1,5 @@
-"""Every setting of tokenring, in one place, with one precedence rule.
-
-    tokenring.configure(timeout=60, topology="mesh:200mbit")   # this process, until changed
-    tokenring.options()                                         # each setting's value and where it came from
-
-A setting's value is the first of: the call's own argument (where a call takes one, e.g. ``inner_size=``),
-:func:`configure` (``set_timeout`` / ``set_topology`` are shortcuts), its environment variable, its default.
-Call :func:`configure` with the same values on every rank.
-
-=================  ===========================  ===================================================
-setting            environment variable         default
-=================  ===========================  ===================================================
-``timeout``        ``TOKENRING_TIMEOUT``        300 s: the longest wait for a peer on gloo (NCCL: the
-                                                process group's own timeout)
-``topology``       ``TOKENRING_TOPOLOGY``       what ``auto`` models: loopback on CPU, the detected
-                                                machine on CUDA (a preset, ``mesh:200mbit``, a file)
-``compile_merge``  ``TOKENRING_COMPILE_MERGE``  on: the merge runs as one compiled kernel on CUDA
-``cpu_backward``   ``TOKENRING_CPU_BACKWARD``   by the CPU's flags: ``cpu_flash`` or ``math`` backward
-``node_size``      ``LOCAL_WORLD_SIZE``         0 (unknown): ranks per node of the hierarchical
-                                                strategies (torchrun sets the variable)
-``calibrate``      ``TOKENRING_CALIBRATE``      off: on, a group's first ``auto`` call runs
-                                                ``tokenring.calibrate`` on every rank first (10-40 s)
-=================  ===========================  ===================================================
+"""Every setting of tokenring, in one place, with one precedence rule: the call's argument, :func:`configure`,
+the environment variable, the default. The table of settings: docs/internals.md, "Settings".
 """
 
 from __future__ import annotations

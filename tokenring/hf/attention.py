@@ -16,10 +16,10 @@ from transformers.masking_utils import AttentionMaskInterface
 from .. import mixers
 from ..agreement import exchange
 from ..api import attention
-from ..device import collective_device
+from ..device import collective_device, values_travel
 from ..instrument import instrument
 from ..layouts import gather, group_info
-from ..ops import IdentityCache, _group_name, resolve_group
+from ..ops import IdentityCache, _group_name, _pretended_meta, resolve_group
 from .cache import forget_steps, step_attention, take_step
 from .config import NAME, _settings
 from .ddp import check_ddp
@@ -128,6 +128,10 @@ def _check_inputs(
     pos = position_ids.reshape(-1, s).to(torch.int64) if use_pos else None
     if P == 1 and padded:
         mask_problem = _padding_problem(attention_mask, causal)
+    if P > 1 and not values_travel(group):  # PyTorch's fake process group moves no values: shapes only
+        if mask_problem is not None:
+            raise _refuse(module, f"rank {rank}: {mask_problem}")
+        return None
     if P > 1 and (attention_mask is not None or position_ids is not None):
         B = pos.shape[0] if pos is not None else 0
         # A fixed-size exchange first, so that what differs is named (and the variable-size one below can
@@ -136,7 +140,6 @@ def _check_inputs(
         local_default = pos is not None and bool((pos.cpu() == torch.arange(s)).all())
         head = [int(mask_problem is None), B, s, int(pos is not None), int(padded), mask_rows, int(local_default)]
         heads = exchange(head, group, rank, P, "the attention layers", "attention masks and position ids")
-        heads = heads if heads is not None else [head] * P  # the fake process group moves no values
         if not all(h[0] for h in heads):  # every rank stops here: no rank goes on to the gather below
             raise _refuse(
                 module,
@@ -311,6 +314,9 @@ def hf_documents(
 
 @hf_documents.register_fake
 def _(position_ids, attention_mask, cu_q, cu_k, s, layout, group, where, causal=True):
+    given = next((t for t in (position_ids, attention_mask, cu_q) if t is not None), None)
+    if given is not None and _pretended_meta(given):  # tokenring.testing.pretend_cuda: run the real one
+        return hf_documents._init_fn(position_ids, attention_mask, cu_q, cu_k, s, layout, group, where, causal)
     return torch.empty(s * group_info(resolve_group(group))[1] + 1, dtype=torch.int64)
 
 

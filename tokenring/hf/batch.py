@@ -18,8 +18,7 @@ __all__ = ["shift_labels", "shard_batch", "gather_logits", "reduce_loss", "tiled
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Next-token targets on the *full* sequence: ``out[:, i] = labels[:, i + 1]``, last = ``ignore_index``.
-    Shift first, then shard: under zigzag the next token of a rank's last local token lives on another rank."""
+    """Next-token targets on the *full* sequence: ``out[:, i] = labels[:, i + 1]``, last = ``ignore_index``."""
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
 
 
@@ -35,18 +34,7 @@ def shard_batch(
     _scaled: bool = False,
 ) -> dict:
     """This rank's shard of a batch given as full ``(B, S)`` tensors (identical on every rank), ready for
-    ``model(**batch)``.
-
-    Returns ``input_ids``, ``position_ids`` (the global positions of the local tokens, so rotary embeddings are
-    right), ``use_cache=False`` and, with ``labels`` (transformers convention: unshifted, ``-100`` ignored),
-    ``labels``/``shift_labels`` = the global next-token targets of the local tokens (shifted on the full
-    sequence, then sharded: transformers does not shift them again) and ``num_items_in_batch`` = the global
-    number of targets, so ``model(**batch).loss`` is this rank's share of the global mean and the shares sum
-    to it (:func:`reduce_loss`). An ``attention_mask`` must be all ones (padding cannot be expressed).
-    ``verify``: compare a checksum of the full inputs across the group first (one small all-gather; every
-    rank must call it): ranks holding different samples, what a per-rank data sampler gives, raise a
-    ValueError on every rank instead of training on a garbled sequence.
-    """
+    ``model(**batch)``: ids, global positions, targets and their global count (docs/hf.md)."""
     if active() is not None and not _scaled:
         raise ValueError(
             "tokenring.hf.shard_batch: a tokenring.hf.SequenceParallel is active; use its "
@@ -95,10 +83,7 @@ def shard_batch(
 
 
 def _pad_length(input_ids, labels, position_ids, attention_mask, layout: str, group, ignore_index: int):
-    """Any length: a batch whose length does not split over the layout (``2P`` chunks for zigzag) gets a few
-    pad tokens at the end, as a document of their own (position ids restarting at 0), with no targets. No real
-    token sees them: causal attention looks back only, and documents attend within themselves. The model's
-    outputs then have those few extra rows at the end (:func:`gather_logits` with ``length=`` drops them)."""
+    """A few pad tokens at the end, a document of their own without targets, so that any length splits."""
     P = group_info(group)[1]
     if layout == "zigzag_docs":
         return input_ids, labels, position_ids, attention_mask  # its documents must split: local_positions says so
@@ -119,8 +104,7 @@ def _pad_length(input_ids, labels, position_ids, attention_mask, layout: str, gr
 def gather_logits(
     logits: torch.Tensor, layout: str | None = None, group=None, length: int | None = None
 ) -> torch.Tensor:
-    """The full ``(B, S, V)`` logits on every rank from each rank's ``(B, s, V)`` (not differentiable);
-    ``length``: the batch's length before :func:`shard_batch` padded it to split evenly (drops the pad rows)."""
+    """The full ``(B, S, V)`` logits on every rank (``length``: drop :func:`shard_batch`'s pad rows)."""
     full = gather(
         logits.detach(), dim=1, layout=layout or _settings.layout, group=group if group is not None else _settings.group
     )
@@ -128,8 +112,7 @@ def gather_logits(
 
 
 def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum of the ranks' loss shares (from ``model(**shard_batch(...)).loss``): the global mean loss, every rank.
-    Detached: backpropagate the local share, then :func:`all_reduce_grads`."""
+    """Sum of the ranks' loss shares: the global mean loss on every rank (detached)."""
     group = group if group is not None else _settings.group
     total = loss.detach().clone()
     if group_info(group)[1] > 1:
@@ -139,11 +122,8 @@ def reduce_loss(loss: torch.Tensor, group=None) -> torch.Tensor:
 
 @contextlib.contextmanager
 def tiled_loss(model: torch.nn.Module, chunk: int = 2048):
-    """Inside this block, ``model(**batch).loss`` (a ``...ForCausalLM``, bare or wrapped in DDP/FSDP) runs the
-    language-model head and the loss ``chunk`` tokens at a time (:func:`tokenring.loss.chunked_cross_entropy`):
-    the same loss and gradients, never the ``(tokens, vocab)`` logits. It happens inside the model's forward, so
-    DDP and FSDP see the head used as usual. ``out.logits`` then holds the final hidden states (the head runs in
-    the loss); the backward may run after the block."""
+    """Inside this block, ``model(**batch).loss`` runs the head and the loss ``chunk`` tokens at a time, never
+    building the ``(tokens, vocab)`` logits (docs/hf.md)."""
     inner = getattr(model, "module", model)  # DDP and the like wrap the model
     if getattr(inner.config, "final_logit_softcapping", None):
         raise ValueError("tokenring.hf.tiled_loss: final logit soft-capping is not supported")
@@ -182,9 +162,6 @@ def tiled_loss(model: torch.nn.Module, chunk: int = 2048):
 
 
 def causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunk: int = 2048) -> torch.Tensor:
-    """``model(**batch).loss`` with the head and the loss tiled over ``chunk`` tokens (:func:`tiled_loss`):
-    this rank's share of the global mean loss for a batch from :func:`shard_batch` (or a
-    :class:`tokenring.hf.SequenceParallel`'s), with the same value and gradients and without the
-    ``(tokens, vocab)`` logits."""
+    """``model(**batch).loss`` with the head and the loss tiled over ``chunk`` tokens (:func:`tiled_loss`)."""
     with tiled_loss(model, chunk):
         return model(**batch).loss

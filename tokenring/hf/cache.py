@@ -1,21 +1,5 @@
-"""Generation with Hugging Face models over a sequence-sharded KV cache (no rank ever holds the whole cache).
-
-    cache = tokenring.hf.prefill(model, input_ids)        # sharded prefill (TokenRing), every rank, same prompt
-    out = model.generate(input_ids, cache=cache, max_new_tokens=64)   # every rank, same arguments
-
-:func:`tokenring.hf.prefill` runs the prompt sharded over the ranks (each rank's layers see only its shard,
-attention runs through :func:`tokenring.attention`) into a :class:`ShardedCache`: each rank keeps its rows of every
-layer's
-K/V. ``model.generate`` then runs every decode step replicated on every rank (the new tokens are tiny); each
-layer's :meth:`ShardedLayer.update` stores the new tokens' K/V on the emptiest ranks
-(:func:`tokenring.decode.place_new`) and the attention is :func:`tokenring.decode.decode_attention` over the
-shards, whose merged output is bitwise the same on every rank, so every rank picks the same tokens: greedy, or
-sampled, since each decode step first gives every rank rank 0's random state (:meth:`ShardedCache.sync_rng`),
-whatever each rank was seeded with. Beam search and assisted decoding are refused.
-
-The cache reports one token fewer than it holds until the first decode step: ``generate`` then feeds the
-prompt's last token again (as it does after any prefill) and that step stores nothing, attending the cached
-prompt, which already contains that token.
+"""Generation with Hugging Face models over a sequence-sharded KV cache (no rank ever holds the whole cache):
+:class:`ShardedCache`, filled by :func:`tokenring.hf.prefill`, used by ``model.generate`` (docs/hf.md).
 """
 
 from __future__ import annotations
@@ -33,16 +17,13 @@ from ..strategies.extend import Shards
 
 __all__ = ["ShardedCache", "ShardedLayer", "take_step", "forget_steps", "step_attention"]
 
-# layer index -> (the layer, what its last update did), set by ShardedLayer.update and read by the attention
-# function of the same layer right after (transformers calls them back to back inside one attention module)
+# layer index -> (the layer, what its last update did), read by the same layer's attention right after
 _steps: dict[int, tuple["ShardedLayer", dict]] = {}
 
 
 class ShardedLayer(DynamicLayer):
-    """One layer's K/V rows held by this rank, (B, Hkv, n, d) as transformers stores them.
-
-    ``counts[r]``: rows rank ``r`` holds (the same list on every rank); ``total``: the global length;
-    ``skip``: 1 until the first decode step (see the module docstring)."""
+    """One layer's K/V rows held by this rank, (B, Hkv, n, d) as transformers stores them (``counts[r]``: rows
+    rank ``r`` holds; ``skip``: 1 until the first decode step)."""
 
     def __init__(self, owner: "ShardedCache", layer_idx: int):
         super().__init__()
@@ -104,8 +85,7 @@ class ShardedLayer(DynamicLayer):
         return self.keys, self.values
 
     def _store(self, keys, values, a: int, b: int, ranges, step: int) -> int:
-        """Append this rank's new tokens ``a..b-1`` of a step of ``step`` tokens (``keys`` / ``values``: their
-        rows) and count every rank's share (``ranges``); returns the step's first global position."""
+        """Append this rank's new tokens ``a..b-1`` of a step; returns the step's first global position."""
         start = self.total
         if b > a:
             self.keys = torch.cat([self.keys, keys], dim=-2)
@@ -134,8 +114,7 @@ class ShardedLayer(DynamicLayer):
 
 
 class ShardedCache(Cache):
-    """A transformers ``Cache`` whose layers hold this rank's rows of the K/V (see the module docstring).
-    Fill it with :func:`prefill`; pass it to ``model.generate(cache=...)`` on every rank."""
+    """A transformers ``Cache`` whose layers hold this rank's rows of the K/V; fill it with :func:`prefill`."""
 
     def __init__(self, group=None):
         self.group = group
@@ -150,9 +129,7 @@ class ShardedCache(Cache):
         super().__init__(layer_class_to_replicate=self._new_layer)
 
     def sync_rng(self, device: torch.device) -> None:
-        """Every rank takes rank 0's random state for ``device``, once per decode step, before ``generate``
-        samples the step's token (its logits are the same bits everywhere): sampled tokens agree on every rank
-        whatever each was seeded with, and equal one process seeded as rank 0 (whose state is only read)."""
+        """Every rank takes rank 0's random state for ``device`` before a step's sampling, so tokens agree."""
         if self.P == 1 or device.type not in ("cpu", "cuda"):
             return
         cuda = device.type == "cuda"
@@ -177,16 +154,13 @@ class ShardedCache(Cache):
 
 
 def take_step(module, key: torch.Tensor) -> tuple[ShardedLayer, dict] | None:
-    """What the :class:`ShardedLayer` of ``module``'s layer did on its last update, if ``key`` holds that
-    layer's rows (``None``: not a sharded cache, or already taken). Taken first thing in the attention call, so
-    a refusal there leaves nothing for the next call; :func:`forget_steps` drops what a failed call left."""
+    """What the :class:`ShardedLayer` of ``module``'s layer did on its last update (``None``: nothing)."""
     step = _steps.pop(getattr(module, "layer_idx", None), None)
     return step if step is not None and step[0].keys.shape[-2] == key.shape[-2] else None
 
 
 def forget_steps() -> None:
-    """Drop every layer's pending step (at the start of a model's forward: nothing carries over from a call that
-    failed between a cache update and its attention)."""
+    """Drop every layer's pending step (at the start of a model's forward)."""
     _steps.clear()
 
 
@@ -200,12 +174,8 @@ def step_attention(
     sinks: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """The attention of a step's queries (B, H, t, d) over the shards, as :meth:`ShardedLayer.update` recorded
-    it in ``info``: a decode step (:func:`tokenring.decode.decode_attention`; every rank has the same queries)
-    or this rank's share of an extend step (:func:`tokenring.extend.extend_attention`). Returns (B, t, H, d).
-    ``window``: a query sees keys at most that many positions back (a sliding-window layer). The first layer
-    of a step checks that every rank runs the same step (shapes, cache length) and, for an extend step under
-    ``auto``, settles the schedule the other layers then use: one collective per layer after it."""
+    """The attention of a step's queries (B, H, t, d) over the shards, a decode or an extend step as ``info``
+    says; returns (B, t, H, d)."""
     owner = layer.owner
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     extending = "extend" in info

@@ -17,16 +17,13 @@ from .config import _settings, settings
 __all__ = ["prefill", "extend", "REPLICATE_PER_RANK"]
 
 
-# extend with strategy "auto" runs at most this many new tokens per rank replicated, as a decode step: sharding
-# them cost 0.89x at T=16 on 4 ranks and won from T=128 (bench/results/extend.md)
+# extend under "auto" runs at most this many new tokens per rank replicated (bench/results/extend.md)
 REPLICATE_PER_RANK = 4
 
 
 def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = None) -> ShardedCache:
-    """Run the prompt ``input_ids`` (B, S) -- the full prompt, the same on every rank -- sharded over the ranks
-    and return the :class:`ShardedCache` of this rank's K/V rows, ready for ``model.generate(input_ids,
-    cache=cache)``. Any ``S``: the largest part that splits over the layout (``2P`` chunks for
-    zigzag) is prefilled sharded with :func:`tokenring.attention`, the few tokens left as one decode step."""
+    """Run the prompt ``input_ids`` (B, S), the same on every rank, sharded over the ranks and return the
+    :class:`ShardedCache` of this rank's K/V rows, ready for ``model.generate(input_ids, cache=cache)``."""
     group = group if group is not None else _settings.group
     rank, P = group_info(group)
     mixers.refuse_generation(model, P, "tokenring.hf.prefill")
@@ -73,16 +70,8 @@ def _same_everywhere(input_ids: torch.Tensor, group, rank: int, P: int, who: str
 
 
 def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | None = None) -> ShardedCache:
-    """Prefill the tokens of ``input_ids`` (B, L) -- the whole conversation so far, the same on every rank --
-    that ``cache`` does not hold yet, sharded over the ranks: each rank runs the model on its share of the
-    ``T`` new tokens only (:func:`tokenring.extend.split_new`, which keeps the shards balanced) and stores their
-    K/V; attention runs through :func:`tokenring.extend.extend_attention` (``strategy``: one of
-    ``tokenring.extend.STRATEGIES``, default ``"auto"``; ``"replicated"``: every rank runs the model on all
-    ``T`` tokens, as a decode step, which is what ``auto`` does with at most :data:`REPLICATE_PER_RANK` new
-    tokens per rank, and every strategy with fewer than ``P``). Returns ``cache``, ready for
-    ``model.generate(input_ids, cache=cache)`` as after :func:`prefill`; a loop of ``extend`` and ``generate``
-    over the turns of a chat gives the tokens of one process. An empty :class:`ShardedCache` works too
-    (chunked prefill)."""
+    """Prefill the tokens of ``input_ids`` (the whole conversation so far) that ``cache`` does not hold yet,
+    sharded over the ranks; returns ``cache``, ready for ``model.generate`` (docs/hf.md)."""
     group = cache.group
     rank, P = cache.rank, cache.P
     mixers.refuse_generation(model, P, "tokenring.hf.extend")

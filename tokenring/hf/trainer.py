@@ -1,24 +1,5 @@
-"""``transformers.Trainer`` over a data x sequence parallel mesh (:class:`SequenceParallelTrainer`).
-
-A stock Trainer script becomes sequence parallel by building the model with
-``attn_implementation="tokenring"`` and using this class with a :class:`tokenring.hf.SequenceParallel`::
-
-    sp = SequenceParallel(init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")))
-    trainer = SequenceParallelTrainer(sp, model=model, args=args, train_dataset=ds, data_collator=collate)
-
-What it changes, and why:
-- the data loaders are sharded over the ``dp`` ranks only (the ranks of a ``cp`` group get the same samples);
-- each batch is sharded over the ``cp`` ranks after its labels are shifted on the full sequences;
-- ``get_cp_size`` is the ``cp`` size, so the Trainer's global target count (gathered over every rank, each
-  ``cp`` rank counting the same samples) is divided back to the true one and its ``W``-fold loss scale for
-  DDP's average over all ranks is right: gradients and the logged loss are those of the global mean;
-- evaluation loss likewise (logits stay sharded: ``prediction_loss_only`` is forced);
-- ``label_smoothing_factor``: the stock smoothing over each rank's targets, divided by the same count;
-  ``compute_loss_func`` is refused (it would shift the labels of a shard again).
-Gradient accumulation, checkpoint save and resume are the Trainer's own. Needs the Trainer's default
-``average_tokens_across_devices=True`` and a model that takes ``num_items_in_batch`` (transformers' causal
-LMs). accelerate's ``ParallelismConfig(cp_size=...)`` cannot carry this: it accepts only its ``"torch"``
-context-parallel backend.
+"""``transformers.Trainer`` over a data x sequence parallel mesh (:class:`SequenceParallelTrainer`); what it
+changes and why: docs/hf.md.
 """
 
 from __future__ import annotations
@@ -35,8 +16,7 @@ __all__ = ["SequenceParallelTrainer"]
 
 
 class SequenceParallelTrainer(Trainer):
-    """A :class:`transformers.Trainer` whose steps run over ``sp`` (see the module doc). ``tiled_loss``: a
-    chunk size to compute the loss with :func:`tokenring.hf.causal_lm_loss` (no ``(tokens, vocab)`` logits)."""
+    """A :class:`transformers.Trainer` whose steps run over ``sp`` (``tiled_loss``: a chunk size for the loss)."""
 
     def __init__(self, sp: SequenceParallel, *args, tiled_loss: int | None = None, **kwargs):
         self.sp, self.tiled_loss = sp, tiled_loss
@@ -66,9 +46,7 @@ class SequenceParallelTrainer(Trainer):
         self.args.prediction_loss_only = True
 
     def train(self, *args, **kwargs):
-        # transformers 5 / accelerate 1.x: an evaluate() before train() marks the bare model as prepared
-        # (evaluation needs no DDP), and train()'s prepare() then leaves it bare: the ranks would train
-        # without any gradient reduction (stock Trainer too). Undo that mark so train() wraps the model.
+        # undo the "prepared" mark an evaluate() before train() leaves, so train() wraps the model (docs/hf.md)
         if (
             self.accelerator.num_processes > 1
             and self.model_wrapped is self.model
@@ -126,13 +104,11 @@ class SequenceParallelTrainer(Trainer):
             outputs = model(**batch)
         loss = outputs.loss
         if self.label_smoother is not None and labels is not None:
-            # the stock Trainer's smoothing over this rank's targets, already shifted on the whole sequence, and
-            # divided by the same W-scaled count as the model's own loss
+            # the stock smoothing over this rank's targets, divided by the same W-scaled count
             loss = self.label_smoother(
                 outputs, batch["shift_labels"], shift_labels=False, num_items_in_batch=batch["num_items_in_batch"]
             )
-        # W * (this rank's loss sum) / N: DDP's average over the W ranks is the global mean's gradient, and so is
-        # the Trainer's average of the logged losses its value
+        # W * (this rank's loss sum) / N: averaged over the W ranks, the global mean
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -1,28 +1,5 @@
-"""Data x sequence parallelism: tokenring over the ``cp`` ranks of a device mesh, data parallelism over ``dp``.
-
-The gradient is reduced the way the field does it (PyTorch's context parallelism in TorchTitan, accelerate):
-DDP or FSDP over *all* ``dp * cp`` ranks (the flattened mesh), which average their gradients, with each rank's
-loss scaled so that the average is the gradient of the global mean. A rank's loss is
-``W * (its tokens' loss sum) / N`` (``W = dp * cp`` ranks, ``N`` the targets of the global batch): DDP's
-average ``(1/W) sum_r`` of those is exactly ``sum_all / N``. DDP/FSDP do the reduction; nothing here
-hand-writes it.
-
-    mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))
-    sp = tokenring.hf.SequenceParallel(mesh)      # tokenring.hf layers now run over mesh["cp"]
-    model = DDP(model, process_group=sp.world)          # or fully_shard(model, mesh=sp.flat_mesh)
-    batch = sp.shard_batch(input_ids, labels=input_ids) # this dp rank's samples, the same on its cp ranks
-    model(**batch).loss.backward(); optimizer.step()
-    sp.reduce_loss(loss)                                # the global mean, for logging
-
-A DDP built over the ``dp`` ranks only (``DDP(model, process_group=sp.dp)``, the natural reading of "DDP over dp,
-tokenring over cp") is given a communication hook that averages over every rank instead, so it trains the same.
-FSDP2 sharded over other ranks than ``sp.flat_mesh``'s is refused.
-
-Misuse is refused on every rank rather than trained on: a model in DDP over ranks that share a sequence
-without this loss scaling (``accelerate``'s ``prepare`` / ``Trainer`` with plain
-:func:`tokenring.hf.shard_batch`: gradients 1/cp of the true ones), :func:`tokenring.hf.all_reduce_grads` on
-a DDP/FSDP model (twice reduced) or over ranks beyond the tokenring group (``dp`` times the true gradient),
-and ranks of one ``cp`` group holding different samples (a per-rank data sampler: checked per batch).
+"""Data x sequence parallelism: tokenring over the ``cp`` ranks of a device mesh, data parallelism over ``dp``,
+with each rank's loss scaled so that DDP/FSDP's average is the global mean's gradient (docs/hf.md).
 """
 
 from __future__ import annotations
@@ -39,12 +16,8 @@ __all__ = ["SequenceParallel"]
 
 
 class SequenceParallel:
-    """Tokenring over ``mesh[cp_dim]``, data parallel over ``mesh[dp_dim]`` (see the module doc).
-
-    ``mesh``: a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` with those dims (a 1-D one, or
-    ``None`` for the default group, is all ``cp``: ``dp = 1``). ``verify``: compare a checksum of each
-    batch's full inputs across the ``cp`` group (one 16-byte all-gather per batch). Configures
-    :mod:`tokenring.hf` (group, layout) for the model's attention layers."""
+    """Tokenring over ``mesh[cp_dim]``, data parallel over ``mesh[dp_dim]``; configures :mod:`tokenring.hf` for
+    the model's attention layers (docs/hf.md)."""
 
     def __init__(
         self, mesh=None, *, dp_dim: str = "dp", cp_dim: str = "cp", layout: str = "zigzag", verify: bool = True
@@ -99,10 +72,7 @@ class SequenceParallel:
         ignore_index: int = -100,
         num_items_in_batch=None,
     ) -> dict:
-        """This rank's shard of this dp rank's full ``(B, S)`` batch (:func:`tokenring.hf.shard_batch`), with
-        ``num_items_in_batch`` = ``N / W`` so that the model's loss is this rank's part of the global mean
-        scaled for DDP/FSDP's average over the ``W`` ranks. ``num_items_in_batch``: the global target count
-        if already known (a Trainer counts over its accumulated batch), else counted here."""
+        """This rank's shard of this dp rank's full ``(B, S)`` batch, its loss scaled for DDP/FSDP's average."""
         if self.verify:
             self.check_same_batch(*(t for t in (input_ids, labels, position_ids) if t is not None))
         out = shard_batch(

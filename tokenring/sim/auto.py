@@ -1,16 +1,5 @@
-"""``strategy="auto"``: pick the strategy the cost model predicts fastest, and say why.
-
-Which interconnect: the ``topology`` setting (:mod:`tokenring.settings`: :func:`set_topology` /
-``tokenring.configure(topology=...)``, else ``$TOKENRING_TOPOLOGY``; a preset name, ``"mesh:200mbit"``, a
-JSON/YAML path, a dict or a :class:`~tokenring.sim.topology.Topology`), else a documented default:
-``loopback`` (local gloo ranks sharing one host, a switch-like model of the loopback's ~1.4 GB/s) on CPU; on
-CUDA the machine's own (:func:`~tokenring.sim.topology.detected_topology`: the GPU model from its name, GPUs
-per node from ``$LOCAL_WORLD_SIZE``, NVLink or PCIe between them). The kernel model is the topology's device
-(``cpu``: a fixed analytic model, never a timing taken on this rank), unless the topology is a
-:func:`tokenring.calibrate` profile, which carries the kernel model measured on the group.
-``tokenring.attention`` asks the model on rank 0 only and sends its choice to every rank with the signature
-check, so ranks never disagree. Choices are cached per (shapes, dtype, causal, layout, pass, topology,
-:func:`mask_class`).
+"""``strategy="auto"``: pick the strategy the cost model predicts fastest, and say why (which topology and kernel
+model it uses, and how the choice is shared and cached: docs/sim.md, "auto").
 """
 
 from __future__ import annotations
@@ -38,9 +27,8 @@ _cache: dict = {}
 
 
 def set_topology(spec=None) -> None:
-    """Tell ``auto`` which interconnect the group runs on (``None``: back to ``$TOKENRING_TOPOLOGY`` / default).
-    Call it with the same value on every rank. Shortcut for ``tokenring.configure(topology=spec)``; calls
-    after it re-decide (on rank 0) and re-verify."""
+    """Tell ``auto`` which interconnect the group runs on (``None``: back to ``$TOKENRING_TOPOLOGY`` / default),
+    with the same value on every rank; ``tokenring.configure(topology=spec)``."""
     settings.configure(topology=spec)
 
 
@@ -78,9 +66,7 @@ def _kernel(topo: Topology, P: int):
 
 
 def node_sizes(topo: Topology, P: int, inner: int = 0) -> tuple[int, ...]:
-    """Grid shapes ``auto`` tries for the hierarchical strategies: the caller's node size (``inner_size`` /
-    ``$LOCAL_WORLD_SIZE``) and, on a multi-node topology, its node size and the divisors of it, each only if
-    it splits ``P`` into at least two nodes of at least two ranks."""
+    """Node sizes ``auto`` tries for the hierarchical strategies (docs/sim.md, "auto")."""
     sizes = {inner} if inner else set()
     node = getattr(topo, "node", None)
     if node is not None:
@@ -109,10 +95,8 @@ def choose(
     mask=None,
     inner: int = 0,
 ) -> tuple[str, list[SimResult], Topology, str]:
-    """``(strategy, predictions, topology, where the topology came from)`` for ``requested`` (``"auto"`` or a
-    family choice such as ``"token_ring"``): the fastest prediction wins, ties (within 0.5%) go to the earlier
-    candidate (token_ring's relay, then its direct variants by chunks and lookahead, then ring, ulysses, then
-    the hierarchical ones). ``inner``: the caller's ranks per node (see :func:`node_sizes`)."""
+    """``(strategy, predictions, topology, where the topology came from)`` for ``requested``: the fastest
+    prediction, ties (within 0.5%) to the earlier candidate."""
     if topology is not None:
         topo, origin = get_topology(topology, sh.P), "argument"
     else:
@@ -147,10 +131,8 @@ _CACHE_SIZE = 512
 
 
 def mask_class(mask) -> tuple | None:
-    """What of a mask a choice is kept for: its window, and its number of documents to a power of two. Packed
-    training brings new documents every step; simulating every candidate again would cost seconds a step
-    (measured: 0.5-13 s at P = 4-16 on this repository's CPU host), so ``auto`` decides on the first mask of a
-    class and keeps that choice for the others (``explain`` shows that first mask's predictions)."""
+    """What of a mask a choice is kept for: its window, and its number of documents to a power of two (a new
+    mask every step would cost a simulation each; docs/sim.md)."""
     return None if mask is None else (mask.left, mask.right, mask.causal, mask.documents.bit_length())
 
 
@@ -195,11 +177,8 @@ def explain(
     file="stdout",
     device_type: str | None = None,
 ) -> str:
-    """Print (to ``file``; ``None``: don't) and return why ``strategy`` (``"auto"``, or a family choice such as
-    ``"token_ring"``) runs the variant it runs for this rank's shard ``q`` (B, s, H, d) and ``k``
-    (B, s, Hkv, d) -- tensors or shape tuples -- on ``P`` ranks (default: the size of ``group`` / the default
-    group): the predicted time of every candidate variant on the topology, fastest first. ``device_type``
-    (default: ``q``'s, else ``"cpu"``) picks the default topology: on ``"cuda"`` the detected machine."""
+    """Print (to ``file``) and return why ``strategy`` runs the variant it runs for this rank's shard ``q``
+    (B, s, H, d) and ``k`` (B, s, Hkv, d) on ``P`` ranks: every candidate's predicted time, fastest first."""
     qs = _shape(q)
     ks = _shape(k) if k is not None else qs
     if len(qs) != 4 or len(ks) != 4:

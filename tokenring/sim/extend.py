@@ -1,12 +1,5 @@
-"""The simulator for :mod:`tokenring.extend`: new tokens' queries against a persistent sharded cache.
-
-Each schedule is written as steps (what every rank computes, which messages travel) that follow the executor
-in :mod:`tokenring.extend` one to one, and costed the way :mod:`tokenring.sim.simulator` costs the symmetric
-ones: a step starts on each rank when its previous one ended, a message starts when both ends have posted it
-and takes :meth:`Topology.flow_times` with the step's other messages, compute overlaps communication, and on
-CPU hosts every byte sent or received also costs ``cpu_per_byte`` of compute. ``"replicated"`` is what
-``tokenring.hf`` did before sharded prefill: every rank attends all ``T`` queries to its rows and the partials
-are all-gathered (the model's per-token work, replicated ``P`` times, is not in it).
+"""The simulator for :mod:`tokenring.extend`: its schedules as steps, costed as the simulator costs the symmetric
+ones (docs/sim.md, "Extend's simulator").
 """
 
 from __future__ import annotations
@@ -121,7 +114,7 @@ def _steps(strategy: str, sh: Shards, B, H, Hkv, d, elem, km):
 def simulate_extend(
     strategy: str, sh: Shards, B: int, H: int, Hkv: int, d: int, elem: int, topo: Topology, km: KernelModel
 ) -> ExtendResult:
-    """Seconds per call of ``strategy`` on ``topo`` with kernels ``km`` (see the module docstring)."""
+    """Seconds per call of ``strategy`` on ``topo`` with kernels ``km`` (docs/sim.md)."""
     P = sh.P
     if strategy == "ulysses" and (H % P or Hkv % P):
         raise ValueError(f"ulysses needs query heads ({H}) and key/value heads ({Hkv}) divisible by P={P}")
@@ -152,9 +145,7 @@ def simulate_extend(
 
 
 def choose(shards: Shards, B: int, H: int, Hkv: int, d: int, dtype: torch.dtype, device_type: str = "cpu") -> str:
-    """The schedule :func:`simulate_extend` predicts fastest for these shards on the current topology
-    (:func:`tokenring.set_topology`); the same answer on every rank, since every input is (``Shards`` comes
-    from the ranks' agreed shapes)."""
+    """The schedule :func:`simulate_extend` predicts fastest for these shards on the current topology."""
     topo, _ = get_current_topology(shards.P, device_type)
     km = _kernel(topo, shards.P)
     elem = torch.empty((), dtype=dtype).element_size()

@@ -1,18 +1,5 @@
-"""Kernel-time model: how long one block attention (forward or backward), a merge or a copy takes.
-
-Roofline with a size-dependent efficiency: ``t = t0 + max(F / peak, bytes / mem_bw)`` where ``F`` is the
-block's FLOPs (``4·nq·nk·H·d``, halved on a causal diagonal block; the backward counts ``2.5×`` that) and
-``t0`` the fixed cost of a launch. Equivalently the achieved rate ``F / t`` rises with size as
-``peak · F / (F + t0·peak)``, which is what measured attention kernels do. ``t0`` and ``peak`` are fitted
-separately for forward / backward and causal / full blocks by weighted least squares (relative error) on
-measurements:
-- GPUs: the H200 table shipped in ``tokenring/data/h200_sdpa.json`` (flash backend; provenance inside). Other
-  devices reuse its shape with their own peak (``DEVICES``: datasheet peak × the fraction FlashAttention-2
-  reaches there).
-- CPU: :func:`calibrate_cpu` times ``tokenring.kernels`` (what the executor runs) at a few block sizes, once
-  per process and thread count. ``auto`` does not calibrate: it uses :data:`CPU_ANALYTIC` so that every rank
-  gets the same answer.
-Merges (exact float32 ``(o, lse)`` update) and elementwise adds are memory-bound: ``t = m0 + elems · c``.
+"""Kernel-time model: how long one block attention (forward or backward), a merge or a copy takes: a roofline
+with a fitted launch cost, from the shipped H200 table, a CPU timing or a fixed CPU model (docs/sim.md).
 """
 
 from __future__ import annotations
@@ -61,23 +48,13 @@ class KernelModel:
     merge: tuple[float, float] = (60e-6, 14e-12)  # (m0 s, s per output element): float32 (o, lse) merge
     add: tuple[float, float] = (10e-6, 3e-12)  # elementwise accumulate, s per element
     source: str = ""
-    # Host time per step on each rank that takes part in it: the executor's Python loop, posting the step's
-    # messages, launching its kernels. Small on a GPU host; on CPU ranks sharing cores it is milliseconds.
-    step: float = 30e-6
-    # Measured points to interpolate between (log FLOPs -> log seconds), per (backward, causal); outside
-    # their range the fitted line holds. Empty for analytic models.
-    curves: tuple = ()
+    step: float = 30e-6  # host time per step on each rank that takes part in it
+    curves: tuple = ()  # measured points per (backward, causal), log FLOPs -> log seconds
     speed: float = 1.0  # divides interpolated times (a device scaled from another's measurements)
-    # Per schedule: the correction from real calls on this host (``tokenring.calibrate``'s probes; the bounded
-    # root of measured / predicted, ``calibration.call_factors``), ``((key, factor), ...)`` with keys as
-    # ``call_factor`` looks them up. Empty: no correction.
-    call_factors: tuple = ()
+    call_factors: tuple = ()  # ((key, factor), ...): per-schedule corrections from real calls (calibration)
 
     def call_factor(self, strategy: str, causal: bool) -> float:
-        """The measured correction for a call of ``strategy``: that of the probe with the same schedule (a
-        ``direct`` variant's chunks, lookahead 1), else of its family's plain schedule (``ring:direct,c=2,k=3``
-        takes ``ring``'s); a causal probe's where there is one. Hierarchical strategies (``n=``) and
-        unprobed families: 1."""
+        """The measured correction for a call of ``strategy`` (1 where no probe matches; docs/sim.md)."""
         if not self.call_factors:
             return 1.0
 
@@ -117,7 +94,7 @@ class KernelModel:
         return 2.0 * nbytes / self.mem_bw  # read + write
 
     def scaled(self, name: str, speed: float, mem_speed: float, source: str) -> "KernelModel":
-        """Same efficiency curve with every peak multiplied by ``speed`` and memory rates by ``mem_speed``."""
+        """Same efficiency curve, peaks times ``speed`` and memory rates times ``mem_speed``."""
         s = lambda p: (p[0], p[1] * speed)
         m = lambda p: (p[0], p[1] / mem_speed)
         return replace(
@@ -171,8 +148,7 @@ def h200_table() -> dict:
 def fit_table(
     rows: list[dict], backend: str = "flash", name: str = "h200", mem_bw: float | None = None, source: str = ""
 ) -> KernelModel:
-    """Fit a :class:`KernelModel` to rows of ``{hq, hkv, n, d, causal, <backend>_fwd_ms, <backend>_fb_ms,
-    merge_ms}`` (square ``n×n`` blocks, batch 1)."""
+    """Fit a :class:`KernelModel` to rows of measured square blocks (batch 1)."""
     fits, curves = {}, []
     for causal in (False, True):
         sel = [r for r in rows if bool(r["causal"]) == causal]
@@ -222,8 +198,7 @@ def _h200(backend: str = "flash") -> KernelModel:
     )
 
 
-# Other devices: the H200 curve scaled by (datasheet dense bf16/fp16 peak x FlashAttention-2 fraction there) /
-# (the H200's fitted peak), memory by HBM bandwidth ratio. The fractions are estimates, stated as such.
+# other devices: the H200 curve scaled by peak and efficiency, memory by HBM bandwidth (docs/sim.md)
 _H200_PEAK, _H200_MEM = 989e12, 4.8e12
 DEVICES = {
     # name: (dense peak FLOP/s, fraction of it attention reaches / fraction the H200 reaches, HBM B/s, note)
@@ -253,20 +228,12 @@ DEVICES = {
     ),
     "l40s": (362e12, 1.4, 0.864e12, "L40S: 362 TFLOP/s dense bf16, 864 GB/s GDDR6; ~50% of peak in FA2 (estimate)"),
 }
-# Devices whose kernel is cuDNN's (compute capability 9.0 and newer, see tokenring.kernels.cuda_kernel); the
-# others run the flash op. A device's model is the H200's fit of that op, scaled.
+# devices whose kernel is cuDNN's (compute capability 9.0 and newer); the others run the flash op
 CUDNN_DEVICES = ("h200", "h100", "b200")
 
 
-# CPU, analytic (for ``auto``, deterministic): one x86 core (AVX-512) running the CPU flash forward at ~80
-# GFLOP/s (causal diagonal blocks ~65), the fused CPU flash backward ~80 (causal ~63, with a ~1 ms fixed cost)
-# per 2.5x-counted FLOP, merges ~0.75 ns per output element: calibrate_cpu's fit on the development machine
-# (1 thread, float32; the backward refitted when the fused kernel replaced the math one), frozen so
-# that every rank computes the same choice. ``threads`` multiplies the rates; ``share`` (< 1) models ranks
-# that share cores (P ranks x threads > cores). Host time per step 2 ms at a full core (the executor's loop and
-# posting a step's sends, which on a CPU host writes the bytes through the kernel's network stack): fitted on
-# the testbed runs of bench/token_ring_wins.py, where variants with more, smaller steps measured slower than
-# the step-free model predicted.
+# CPU, analytic: a measured x86 core, frozen so that every rank computes the same choice (docs/sim.md;
+# the step: bench/results/token_ring_wins.md)
 def _cpu_analytic(threads: int = 1, share: float = 1.0) -> KernelModel:
     g = 1e9 * threads * share
     return KernelModel(
@@ -287,14 +254,12 @@ CPU_ANALYTIC = _cpu_analytic(1)
 _CPU_CACHE: dict = {}
 
 
-# Calibration blocks: (rows n, heads) -- small ones for the fixed costs, one long one for the asymptote.
+# calibration blocks (rows n, heads): small ones for the fixed costs, a long one for the asymptote
 CALIB_BLOCKS = ((256, 4), (1024, 4), (4096, 1))
 
 
 def block_row(n: int, H: int, Hkv: int, d: int, dtype, causal: bool, best, gen, device="cpu", prefix="cpu") -> dict:
-    """One measured row for :func:`fit_table`: ``best(fn)`` seconds of ``tokenring.kernels``' block forward,
-    backward and the exact merge on an ``n x n`` block (``H`` query, ``Hkv`` K/V heads), in milliseconds.
-    Shared by :func:`calibrate_cpu` and :func:`tokenring.calibrate`."""
+    """One measured row for :func:`fit_table`: block forward, backward and merge of an ``n x n`` block, in ms."""
     import torch
 
     scale = d**-0.5
@@ -350,10 +315,8 @@ def _calib_child(args, barrier, queue):
 def calibrate_cpu(
     threads: int | None = None, dtype=None, blocks=CALIB_BLOCKS, d: int = 64, repeats: int = 2, concurrent: int = 1
 ) -> KernelModel:
-    """Time ``tokenring.kernels`` on this CPU with ``threads`` torch threads and fit a :class:`KernelModel`
-    (once per process per ``(threads, dtype, concurrent)``; a few seconds). ``concurrent`` > 1 runs that many
-    timing processes at once, as local ranks run, so core sharing and memory contention are measured, not
-    assumed; the fit uses their mean."""
+    """Time ``tokenring.kernels`` on this CPU and fit a :class:`KernelModel` (once per process per
+    ``(threads, dtype, concurrent)``; ``concurrent`` timing processes at once)."""
     import torch
 
     dtype = dtype or torch.float32
@@ -412,10 +375,8 @@ def kernel_model(
     concurrent: int = 1,
     backend: str | None = None,
 ) -> KernelModel:
-    """The model for a device name: ``h200``, ``h100``, ``b200``, ``a100``, ``l40s``, ``a10``, ``ascend910b``,
-    ``mi300x`` or ``cpu`` (analytic unless ``calibrated``; calibration times this machine; ``share`` < 1 slows
-    it for ranks that share cores, see :func:`cpu_share`). ``backend``: the SDPA op the GPU model is fitted to
-    (default: ``cudnn`` on :data:`CUDNN_DEVICES`, ``flash`` elsewhere, as the kernels choose)."""
+    """The model for a device name (a key of :data:`DEVICES`, or ``cpu``: analytic unless ``calibrated``);
+    ``backend``: the SDPA op a GPU model is fitted to."""
     if device == "cpu":
         if not calibrated:
             return _cpu_analytic(threads, share)

@@ -1,21 +1,5 @@
-"""Simulator: runs the executor's schedules on a topology and a kernel model.
-
-It follows the executor's semantics (``tokenring/executor.py``) rank by rank: at step ``t`` a rank posts the
-step's messages, runs its computes meanwhile, waits for its messages, then handles what arrived (merging
-partials, adding dQ / dK/dV) before it starts step ``t + 1``. So, per rank ``r`` starting step ``t`` at
-``T[r]``::
-
-    compute[r] = sum of its block kernels (+ merging its own partials / accumulating dK/dV; on CPU hosts
-                 + topology.cpu_per_byte x the bytes r sends and receives: the network stack shares its cores)
-    a message m: src -> dst starts when both ends have posted it, at max(T[src], T[dst]), and takes
-                 topology.flow_times(...) for all of the step's messages at once (latency + bottleneck share
-                 of every port / link / bridge / NIC direction it crosses, per-flow cap)
-    end[r]     = max(T[r] + compute[r], end of every message r sends or receives) + receive handling[r]
-
-Compute and communication of a step overlap perfectly (the executor posts before computing); a step is
-compute-bound on a rank when its computes outlast its messages, comm-bound otherwise, and the excess is the
-*exposed* communication. Schedules are the very objects the executor runs (``STRATEGIES[name]``), compiled
-once per ``(strategy, P, layout, causal, pass)`` into arrays, so P = 1024 costs seconds, not minutes.
+"""Simulator: runs the executor's schedules on a topology and a kernel model, rank by rank and step by step
+(the semantics, and what each topology option adds: docs/sim.md, "The simulator").
 """
 
 from __future__ import annotations
@@ -78,8 +62,7 @@ def compile_schedule(
     steps = []
     for step in sched.steps:
         cr = np.fromiter((c.rank for c in step.computes), np.int64, len(step.computes))
-        # A compute's cost depends on its rows, heads and mask, and on whether it merges locally (own queries).
-        # Under a mask the owners matter too (their tokens' documents decide the tiles).
+        # classes of equal cost: rows, heads, own queries (merged locally); under a mask the owners too
         ck = np.fromiter(
             (
                 cc.setdefault(
@@ -140,8 +123,6 @@ class SimResult:
     causal: bool
     layout: str
     passes: list  # PassResult, forward then backward (if simulated)
-    # this schedule's correction from real calls on the host (KernelModel.call_factor); the passes and their
-    # steps are the simulator's, ``time`` is corrected
     factor: float = 1.0
 
     @property
@@ -206,7 +187,7 @@ def _compute_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> np.ndar
         dims = strategy.block_dims(c, sh, cs.mask, cs.layout)
         if dims.tiles is None:
             t = km.block_time(dims.rows_q, dims.rows_k, dims.H, dims.Hkv, sh.d, c.diag, cs.backward, e)
-        else:  # one kernel call per tile; an explicitly masked tile costs its whole rectangle
+        else:  # one kernel call per tile
             t = sum(
                 km.block_time(nq, nk, dims.H, dims.Hkv, sh.d, kind == "causal", cs.backward, e)
                 for nq, nk, kind in dims.tiles
@@ -222,15 +203,13 @@ def _compute_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> np.ndar
 
 
 def _message_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes of each message class, and the receiver's cost of handling one (its ``handling`` in the table of
-    message kinds: merging a partial, adding a gradient, copying a head group into place)."""
+    """Bytes of each message class, and the receiver's cost of handling one."""
     nbytes, handle = [], []
     spec = get_strategy(cs.strategy).payload
     for kind, part, heads in cs.msg_classes:
         b = message_bytes(Message(0, 1, kind, 0, part, heads), sh, spec)
         nbytes.append(b)
         how = message_kind(kind).handling
-        # elements of its row tensors (partial outputs, gradients; not the lse row statistics)
         elems = sum(math.prod(shape) for shape, _, seq_dim in spec(kind, part, sh, heads) if seq_dim == 1)
         cost = {Handling.MERGE: km.merge_time, Handling.ADD: km.add_time, Handling.COPY: lambda _: km.copy_time(b)}
         handle.append(cost[how](elems) if how else 0.0)
@@ -238,8 +217,7 @@ def _message_costs(cs: CompiledSchedule, sh: Shapes, km: KernelModel) -> tuple[n
 
 
 def _in_order(pair: np.ndarray, nbytes: np.ndarray, dur: np.ndarray) -> np.ndarray:
-    """Messages of one step between the same two ranks go one after the other (one connection, posted in
-    order): the first is done when its own bytes are through, not when the pair's last byte is."""
+    """Messages of one step between the same two ranks go one after the other (one connection)."""
     out = dur.copy()
     uniq, inv, counts = np.unique(pair, return_inverse=True, return_counts=True)
     for g in np.nonzero(counts > 1)[0]:
@@ -250,11 +228,7 @@ def _in_order(pair: np.ndarray, nbytes: np.ndarray, dur: np.ndarray) -> np.ndarr
 
 
 class _Shared:
-    """Messages in flight per resource, for topologies whose resources are shared fairly between connections
-    (``Topology.fair_share``: TCP). A message posted while others of *other* connections still cross one of its
-    resources shares it with them: it is delayed by min(its bytes, their remaining bytes) of each (processor
-    sharing), not by all of their bytes as in a FIFO queue; a message of the same connection still waits for
-    the earlier ones (``pair_free``). Costs O(messages in flight) per message: meant for testbeds."""
+    """Messages in flight per resource, for ``Topology.fair_share`` (processor sharing between connections)."""
 
     def __init__(self, topo: Topology):
         self.topo = topo
@@ -275,8 +249,6 @@ class _Shared:
             fins = sorted(f for f, p in fl if f > s and p != pair[i])
             if not fins:
                 continue
-            # remaining bytes of each, draining fairly from s: the j-th to finish has what the earlier ones had
-            # plus its share of the gaps
             n, rem, prev, tot = len(fins), 0.0, s, 0.0
             for j, f in enumerate(fins):
                 rem += (f - prev) * cap[k] / (n - j)
@@ -307,8 +279,7 @@ def _grown(res_free: np.ndarray, ri: np.ndarray) -> np.ndarray:
 
 
 def _notice_plan(cs: CompiledSchedule) -> tuple[dict, list]:
-    """Per step ``s``: the messages (step, indices) whose receives are posted at ``s``; and per step an array
-    for the arrival time of each message's ready notice at its sender."""
+    """Per step: the messages whose receives are posted then, and arrays for their ready notices' arrival."""
     posts: dict = {}
     arrive = []
     for t, st in enumerate(cs.steps):
@@ -322,10 +293,7 @@ def _notice_plan(cs: CompiledSchedule) -> tuple[dict, list]:
 def _post_notices(
     notice: tuple[dict, list], s: int, cs: CompiledSchedule, topo: Topology, T: np.ndarray, res_free: np.ndarray
 ) -> np.ndarray:
-    """Receives posted at step ``s`` (before the step's sends, as the executor posts them): each sends the
-    sender its ready notice, which crosses the reverse route (receiver -> sender) after the data already queued
-    on it (``res_free``: when each resource's last message finishes), so a transfer starts no earlier than the
-    notice's arrival. Returns ``res_free``, grown to the resources named."""
+    """Ready notices of the receives posted at step ``s``, queued on the reverse routes; returns ``res_free``."""
     posts, arrive = notice
     for t, idx in posts.get(s, []):
         src, dst = cs.steps[t][2][idx], cs.steps[t][3][idx]
@@ -340,10 +308,7 @@ def _post_notices(
 def simulate_pass(
     cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelModel, queued: bool = False
 ) -> PassResult:
-    """One pass of ``cs``. ``queued`` (``simulate``'s default, ``Topology.queued``): a message also waits for
-    the links/ports/NICs it uses to be free of messages posted in *earlier* steps and still in flight
-    (prefetches, partials due later; :meth:`Topology.queue_routes`); ``False``: only messages posted in the
-    same step share a resource (the older, plain model)."""
+    """One pass of ``cs``; ``queued``: messages also wait behind earlier steps' on shared resources."""
     P = cs.P
     res_free = np.zeros(0) if queued else None  # per resource id: when its last message finishes
     comp_cost = _compute_costs(cs, sh, km)
@@ -353,8 +318,7 @@ def simulate_pass(
     waited = np.zeros(P)
     sent = np.zeros(P)
     steps = []
-    # Messages due after the step that posts them: (src, dst, finish, handling) per due step. Those between the
-    # same two ranks go one after the other (one connection), so a later one starts when the earlier is done.
+    # messages due after the step that posts them: (src, dst, finish, handling) per due step
     due_later: dict[int, list] = {}
     pair_free = np.zeros(P * P) if cs.deferred else None
     notice = _notice_plan(cs) if queued and topo.ready_notice else None
@@ -433,15 +397,12 @@ def simulate_pass(
     )
 
 
-# What ``auto`` chooses among: every family (and so every variant of token_ring and pass-KV); validated against
-# the testbed by bench/token_ring_wins.py (bench/results/token_ring_wins.md).
+# what ``auto`` chooses among (bench/results/token_ring_wins.md)
 AUTO_STRATEGIES = tuple(st.auto_spec for st in STRATEGIES.values() if not st.hierarchical)
 
 
 def candidates(H: int, P: int, Hkv: int | None = None, inner=()) -> list[str]:
-    """Strategies ``auto`` may pick for ``H`` query / ``Hkv`` K/V heads on ``P`` ranks: those of
-    :data:`AUTO_STRATEGIES` whose ``check`` passes, and the hierarchical ones for each node size in ``inner``
-    (1 < n < P, dividing P)."""
+    """Strategies ``auto`` may pick for these heads on ``P`` ranks (hierarchical ones for node sizes ``inner``)."""
     names = list(AUTO_STRATEGIES) + [
         get_strategy(f).with_inner(n).name for n in inner if 1 < n < P and P % n == 0 for f in HIERARCHICAL
     ]
@@ -449,10 +410,7 @@ def candidates(H: int, P: int, Hkv: int | None = None, inner=()) -> list[str]:
 
 
 def variant_candidates(requested: str, sh: Shapes, causal: bool, layout: str, inner=()) -> list[str]:
-    """The concrete strategies ``requested`` may run: for ``"auto"`` every variant of every family ``auto``
-    considers (hierarchical ones for the node sizes ``inner``), for a family choice (``"token_ring"``,
-    ``"ring:auto"``, ``"token_ring_2d:n=8"``) its variants, else itself; only those whose ``check`` passes
-    for these shapes."""
+    """The concrete strategies ``requested`` may run for these shapes (a family choice: its variants)."""
     fams = candidates(sh.H, sh.P, sh.Hkv, inner) if requested == "auto" else [requested]
     zigzag = causal and layout == "zigzag"
     return [
@@ -482,12 +440,8 @@ def simulate(
     queued: bool | None = None,
     early: bool = True,
 ) -> SimResult:
-    """Predict one attention call (``backward=True``: forward + backward) of ``strategy`` on ``topology``
-    (resized to ``shapes.P`` ranks if needed). ``mask``: a :class:`tokenring.masks.Mask` (packed documents,
-    a window; see :func:`tokenring.masks.make_mask`) whose empty blocks the schedules skip. ``queued``: the
-    model variant of :func:`simulate_pass` (messages queue behind earlier steps' on shared resources);
-    ``None``: the topology's default (on). ``early=False``: receives posted with their messages, not at their
-    ``ready`` step (what the executor does on NCCL; on gloo it posts early)."""
+    """Predict one attention call (``backward=True``: forward + backward) of ``strategy`` on ``topology``.
+    ``mask``: packed documents / a window; ``queued``, ``early``: model options (docs/sim.md)."""
     layout = layout or default_layout(causal)
     st = get_strategy(strategy)
     zigzag = causal and layout == "zigzag"

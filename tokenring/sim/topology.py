@@ -1,25 +1,5 @@
 """Interconnect models: ranks, directed links with bandwidth and latency, shared vs dedicated paths.
-
-A topology answers one question for the simulator: given a set of flows ``(src, dst, bytes)`` that travel at
-the same time, when does each finish? Every physical resource (a port direction, a link direction, a shared
-bridge, a NIC) has a capacity in bytes/s; a flow crosses the resources of its route. The model is the
-*bottleneck* (fluid, work-conserving) one: a flow needs ``latency + max over its resources of load / capacity``
-where ``load`` is the bytes all concurrent flows put on that resource, and at least ``bytes / flow_bw`` (a
-per-flow cap: one DMA/copy stream, one TCP connection). Directions are separate resources, so traffic that
-goes both ways on a full-duplex link does not contend.
-
-Kinds
-- ``switch``: one full-duplex port per rank (PCIe switch, NVSwitch); optional groups under separate switches
-  joined by an uplink (PCIe PXB), optional shared backplane (CPU loopback).
-- ``mesh``: a dedicated link per ordered pair (Ascend HCCS, AMD xGMI).
-- ``ring``: links only between neighbours; a message to a rank ``k`` hops away is forwarded ``k`` times and
-  loads every link on the shorter way.
-- ``cluster``: nodes of any kind above joined by NICs (InfiniBand / RoCE), one NIC per rank or shared.
-- ``graph``: user-defined: nodes (ranks and switches) and directed/duplex links, shortest-hop routes.
-
-Presets (:data:`PRESETS`) cite their sources; numbers marked *effective* are nominal rates times an achievable
-fraction. Choose one with :func:`get_topology` (``"mesh:200mbit"``, ``"h100-nvswitch-8"``, a JSON/YAML file)
-or the environment variable ``TOKENRING_TOPOLOGY``.
+The bottleneck model, the kinds, the options and the presets: docs/sim.md, "Topologies".
 """
 
 from __future__ import annotations
@@ -61,8 +41,7 @@ _RATE = re.compile(r"^\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)(i?)(bit|b|B|bps|Bps|B/s|b
 
 
 def parse_rate(x) -> float:
-    """Bytes per second from a number (bytes/s) or a string: ``"200mbit"``, ``"25MB/s"``, ``"1.4GB/s"``,
-    ``"400Gbit"``, ``"50GBps"``. Decimal prefixes; ``bit`` / lower-case ``b`` are bits."""
+    """Bytes per second from a number (bytes/s) or a string such as ``"200mbit"`` or ``"25MB/s"``."""
     if isinstance(x, (int, float)):
         return float(x)
     m = _RATE.match(str(x))
@@ -96,27 +75,13 @@ class Topology:
     device: str = "cpu"
     source: str = ""
     preset: str = ""  # set on presets: with_P rebuilds from the preset
-    # Seconds of a rank's compute time per byte it sends or receives: 0 where DMA engines move the data
-    # (GPUs); on CPU hosts the kernel's TCP stack and gloo copy every byte on the cores that also compute.
+    # the options below: docs/sim.md, "Topologies"
     cpu_per_byte: float = 0.0
     preset_kw: dict = field(default_factory=dict)
-    # Whether the simulator lets a message wait for links/ports/NICs still busy with earlier steps' messages
-    # (``simulate(queued=...)``; a shared backplane is exempt, see queue_routes): direct schedules keep
-    # prefetches and late partials of several steps in flight, and on a switch port, a ring link or a NIC they
-    # queue. Validated on the testbeds (bench/results/archive/evidence.md, token_ring_wins.md, hierarchical.md).
-    queued: bool = True
-    # Whether a send waits for the receiver's "ready" notice, sent when the receive is posted, and that notice
-    # queues behind the data already on its way from receiver to sender (gloo over TCP: the notice rides the
-    # same connection, and on a switch the same port queues). The testbeds; not GPU interconnects, whose
-    # credits do not wait behind bulk data.
-    ready_notice: bool = False
-    # How a link / port / NIC is shared between messages of different connections posted in different steps
-    # (the queued model): in posting order (FIFO, the default), or fairly (TCP on the testbeds: a message
-    # posted later takes its share at once; bench/results/token_ring_wins.md, evidence.md).
-    fair_share: bool = False
-    # A measured kernel model (:func:`tokenring.calibrate`): when set, ``auto`` uses it instead of the device's.
-    kernel: object = field(default=None, repr=False, compare=False)
-    # What calibration measured, kept for ``explain`` (links, patterns, kernel points, the machine).
+    queued: bool = True  # messages queue behind earlier steps' on links, ports, NICs
+    ready_notice: bool = False  # a send waits for the receiver's ready notice (gloo over TCP)
+    fair_share: bool = False  # connections share a resource fairly (TCP), else FIFO
+    kernel: object = field(default=None, repr=False, compare=False)  # a calibrated kernel model, if any
     measured: dict = field(default=None, repr=False, compare=False)
 
     # --- what subclasses provide -------------------------------------------------------------------------
@@ -142,9 +107,7 @@ class Topology:
         return -1
 
     def queue_routes(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The resources a message queues on behind earlier steps' messages (``simulate``'s queued variant):
-        its links, ports, uplinks and NICs, which move one message after another, but not a shared backplane,
-        whose spare capacity lets a later message through while earlier ones still flow elsewhere."""
+        """The resources a message queues on behind earlier steps' messages (not a shared backplane)."""
         fi, ri = self._routes(src, dst)
         bp = self._backplane()
         if bp < 0:
@@ -182,8 +145,7 @@ class Topology:
 
 @dataclass
 class SwitchTopology(Topology):
-    """One full-duplex port per rank into a switch. ``group`` ranks share a sub-switch whose uplink to the
-    root has ``uplink_bw`` per direction (PCIe PXB / NODE); ``backplane_bw`` caps all traffic together."""
+    """One full-duplex port per rank into a switch (optional sub-switches with uplinks, optional backplane)."""
 
     port_bw: float = 25e9
     latency: float = 10e-6
@@ -221,8 +183,7 @@ class SwitchTopology(Topology):
 
 @dataclass
 class MeshTopology(Topology):
-    """A dedicated link per ordered pair, ``link_bw`` per direction; ``port_bw`` optionally caps what one rank
-    injects / ejects in total."""
+    """A dedicated link per ordered pair, ``link_bw`` per direction (``port_bw``: an optional cap per rank)."""
 
     link_bw: float = 25e9
     latency: float = 10e-6
@@ -261,9 +222,7 @@ class MeshTopology(Topology):
 
 @dataclass
 class RingTopology(Topology):
-    """Links only between neighbours (``r <-> r+1``), ``link_bw`` per direction, ``latency`` per hop. A flow
-    takes the shorter way round (clockwise on a tie) and loads every link it crosses (cut-through: the hops
-    pipeline, so a flow's time is its most loaded link, not the sum)."""
+    """Links only between neighbours (``r <-> r+1``); a flow takes the shorter way and loads every link on it."""
 
     link_bw: float = 25e9
     latency: float = 10e-6
@@ -283,9 +242,7 @@ class RingTopology(Topology):
         return self._ways(src, dst)[1] * self.latency
 
     def _routes(self, src, dst):
-        """Links a flow crosses: clockwise link ``i`` (``i -> i+1``) is resource ``i``, counter-clockwise link
-        ``i`` (``i -> i-1``) resource ``P + i`` (``flow_times`` computes loads directly; this serves the
-        simulator's queued variant)."""
+        """Links a flow crosses (clockwise link ``i``: resource ``i``; counter-clockwise: ``P + i``)."""
         P = self.P
         fwd, hops = self._ways(src, dst)
         fi = np.repeat(np.arange(src.size), hops)
@@ -302,9 +259,7 @@ class RingTopology(Topology):
         P = self.P
         fwd, hops = self._ways(src, dst)
         worst = np.zeros(src.size)
-        # Clockwise link i carries i -> i+1; counter-clockwise link i carries i -> i-1. A clockwise flow from a
-        # crosses links a .. a+h-1; a counter-clockwise one crosses a, a-1, .., a-h+1 (ccw link index j means
-        # j -> j-1), i.e. the interval [a-h+1, a] of ccw links.
+        # a clockwise flow from a crosses links a .. a+h-1, a counter-clockwise one ccw links [a-h+1, a]
         for sel, first in ((fwd, src), (~fwd, (src - hops + 1) % P)):
             ids = np.nonzero(sel & (hops > 0))[0]
             if not ids.size:
@@ -342,9 +297,7 @@ def _range_max(arr: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 @dataclass
 class ClusterTopology(Topology):
-    """``P / node.P`` nodes of ``node`` joined by a non-blocking fabric: traffic between nodes leaves through
-    the sender's NIC and enters through the receiver's (``nic_bw`` per direction; ``nics_per_node`` NICs
-    per node, rank ``r`` uses NIC ``(r % node.P) % nics_per_node``)."""
+    """``P / node.P`` nodes of ``node`` joined through NICs by a non-blocking fabric."""
 
     node: Topology = None
     nic_bw: float = 50e9
@@ -410,9 +363,7 @@ class ClusterTopology(Topology):
 
 @dataclass
 class GraphTopology(Topology):
-    """User-defined: ``links`` = list of ``(u, v, bw, latency)`` directed edges between nodes (ranks are nodes
-    ``0..P-1``; switches, bridges and so on are any other names). Routes are fewest-hop paths (ties broken by
-    node order), computed once. A shared path is simply an edge that several routes cross."""
+    """User-defined: ``links`` = ``(u, v, bw, latency)`` directed edges; routes are fewest-hop paths."""
 
     links: list = field(default_factory=list)
 
@@ -467,14 +418,14 @@ class GraphTopology(Topology):
 # ---------------------------------------------------------------------------------------------------------
 # Presets. Effective rates = nominal x achievable fraction (stated per preset).
 
-TESTBED_EFFICIENCY = 1.0  # 64 KB frames: 8.4 MB at 100 Mbit/s took 660 ms (12.7 MB/s, the nominal rate + burst)
-TESTBED_LATENCY = 150e-6  # gloo over TCP on veth, per message (order of magnitude; small next to the payloads)
-LOOPBACK_BW = 1.4e9  # docs/DESIGN.md: loopback moves ~1.4 GB/s on 2 cores in total, both directions together
+TESTBED_EFFICIENCY = 1.0  # the testbed's figures: docs/sim.md, "Topologies"
+TESTBED_LATENCY = 150e-6
+LOOPBACK_BW = 1.4e9
 
-# Inter-node fabrics for presets grown beyond one node.
-_IB_NDR = dict(nic_bw=0.9 * 400e9 / 8, nic_latency=15e-6)  # ConnectX-7 NDR 400 Gb/s per GPU (DGX H100)
-_ROCE_200 = dict(nic_bw=0.9 * 200e9 / 8, nic_latency=20e-6)  # 200GE RoCE per NPU (Atlas 800T A2: 8 x 200GE)
-_ROCE_400 = dict(nic_bw=0.85 * 400e9 / 8, nic_latency=20e-6)  # 400GbE RoCE per GPU (MI300X platforms: 8 x 400G)
+# inter-node fabrics for presets grown beyond one node (docs/sim.md)
+_IB_NDR = dict(nic_bw=0.9 * 400e9 / 8, nic_latency=15e-6)
+_ROCE_200 = dict(nic_bw=0.9 * 200e9 / 8, nic_latency=20e-6)
+_ROCE_400 = dict(nic_bw=0.85 * 400e9 / 8, nic_latency=20e-6)
 
 
 def _a10(P=4):
@@ -576,9 +527,7 @@ def _mi300x(P=8):
 
 
 def host_cpu_per_byte(P: int, threads: int = 1, cores: int | None = None) -> float:
-    """Wall seconds a local rank spends per byte it sends or receives through the host's network stack:
-    the loopback moves LOOPBACK_BW with all cores busy (docs/DESIGN.md), half the work at each end, stretched by
-    the rank's share of the cores when ``P x threads`` exceeds them."""
+    """Wall seconds a local rank spends per byte it sends or receives through the host's network stack."""
     cores = cores or os.cpu_count() or 1
     share = min(1.0, cores / max(1, P * threads))
     return cores / LOOPBACK_BW / 2 / share
@@ -601,7 +550,7 @@ def _testbed(kind: str, rate=200e6 / 8, P=4, efficiency=TESTBED_EFFICIENCY):
         ready_notice=True,
         fair_share=True,
     )
-    if kind == "switch":  # every byte crosses two veth pairs and the bridge: twice the host's work per byte
+    if kind == "switch":  # two veth pairs and the bridge: twice the host's work per byte
         return SwitchTopology(f"switch:{rate}", P, port_bw=bw, **dict(common, cpu_per_byte=2 * host_cpu_per_byte(P)))
     if kind == "mesh":
         return MeshTopology(f"mesh:{rate}", P, link_bw=bw, **common)
@@ -611,8 +560,7 @@ def _testbed(kind: str, rate=200e6 / 8, P=4, efficiency=TESTBED_EFFICIENCY):
 
 
 def _testbed_cluster(P=4, node=2, intra="400mbit", inter="100mbit", efficiency=TESTBED_EFFICIENCY):
-    """The two-level testbed (``tokenring testbed --topology cluster``): nodes of ``node`` ranks joined inside by
-    a mesh at ``intra``, each node's inter-node traffic through one NIC link at ``inter`` per direction."""
+    """The two-level testbed (``tokenring testbed --topology cluster``)."""
     n = int(node)
     mesh = MeshTopology(
         f"mesh:{intra}", n, link_bw=parse_rate(intra) * efficiency, latency=TESTBED_LATENCY, device="cpu"
@@ -651,8 +599,7 @@ def _loopback(P=4):
     )
 
 
-# GPU models by name, for a topology built from the machine (tokenring.sim.auto, when none is set): the kernel
-# model's device name and the NVLink bandwidth per direction per GPU (datasheets; 80% of it achievable).
+# GPU models by name, for a topology built from the machine (docs/sim.md)
 _GPU_MODELS = (  # (name contains, kernel model, NVLink B/s per direction)
     ("H200", "h200", 450e9),
     ("H100", "h100", 450e9),
@@ -678,10 +625,7 @@ def gpu_model(name: str) -> tuple[str, float, str]:
 
 
 def detected_topology(gpu, P: int) -> Topology:
-    """The topology of ``P`` ranks on GPUs like ``gpu`` (a :class:`tokenring.device.GPU`): nodes of
-    ``gpu.per_node`` GPUs (capped at ``P``) on NVSwitch (``link="nvlink"``; MI300X: its xGMI mesh) or on PCIe
-    (one x16 port each, 80% achievable, GPUs in pairs under a PCIe switch as in common 4- and 8-GPU servers);
-    between nodes one 400 Gb/s InfiniBand NIC per GPU."""
+    """The topology of ``P`` ranks on GPUs like ``gpu`` (a :class:`tokenring.device.GPU`): docs/sim.md."""
     device, nvlink, note = gpu_model(gpu.name)
     n = max(1, min(int(gpu.per_node or P), P))
     name = f"detected-{device}-{gpu.link}-{n}"
@@ -743,8 +687,7 @@ PROFILE_FORMAT = "tokenring-profile/1"  # a calibration profile file (tokenring.
 
 
 def topology_to_dict(topo: Topology) -> dict:
-    """JSON-ready form of a switch, mesh or ring topology (what :func:`tokenring.calibrate` produces); the
-    inverse of :func:`topology_from_dict`. Infinite rates are left out (they are the defaults)."""
+    """JSON-ready form of a switch, mesh or ring topology; the inverse of :func:`topology_from_dict`."""
     kinds = {SwitchTopology: "switch", MeshTopology: "mesh", RingTopology: "ring"}
     if type(topo) not in kinds:
         raise ValueError(f"only switch, mesh and ring topologies are written out, not {type(topo).__name__}")
@@ -769,19 +712,8 @@ def _profile(d: dict, P: int | None) -> Topology:
 
 
 def topology_from_dict(d: dict, P: int | None = None) -> Topology:
-    """From JSON/YAML data. Either ``{"preset": "mesh", "rate": "100mbit", "P": 4}`` or a kind with its
-    parameters (rates as numbers of bytes/s or strings like ``"25GB/s"``, times like ``"10us"``)::
-
-        {"kind": "switch", "P": 8, "port_bw": "300GB/s", "latency": "10us"}
-        {"kind": "mesh",   "P": 8, "link_bw": "50GB/s"}
-        {"kind": "ring",   "P": 8, "link_bw": "50GB/s"}
-        {"kind": "graph",  "P": 4, "links": [[0, "sw", "25GB/s", "5us"], ["sw", 0, "25GB/s", "5us"], ...],
-         "duplex": false}
-        {"kind": "cluster", "P": 16, "node": {...}, "nic_bw": "50GB/s"}
-
-    Any kind also takes ``"queued"`` (default true), ``"fair_share"`` and ``"ready_notice"`` (default false;
-    true for gloo over TCP, as on the testbeds): see :class:`Topology`.
-    """
+    """A topology from JSON/YAML data: a preset with a rate, or a kind with its parameters (examples:
+    docs/sim.md, "Topologies")."""
     d = dict(d)
     if "format" in d:
         return _profile(d, P)
@@ -847,9 +779,8 @@ def _preset(name: str, P: int | None = None, **kw) -> Topology:
 
 
 def get_topology(spec, P: int | None = None) -> Topology:
-    """A topology from a :class:`Topology` (resized to ``P``), a dict, a preset name, ``"kind:RATE"`` for the
-    testbed kinds (``"mesh:200mbit"``), a path to a ``.json`` / ``.yaml`` file (a topology, or a profile written
-    by :func:`tokenring.calibrate`), or a calibration :class:`~tokenring.calibrate.Profile`."""
+    """A topology from a :class:`Topology`, a dict, a preset name, ``"kind:RATE"``, a JSON/YAML file or a
+    calibration profile."""
     if isinstance(getattr(spec, "topology", None), Topology):  # a calibration Profile
         spec = spec.topology
     if isinstance(spec, Topology):

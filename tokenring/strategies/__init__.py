@@ -1,17 +1,5 @@
-"""Strategy registry: a spec string -> :class:`~tokenring.strategies.base.Strategy`.
-
-Specs: a family name (``token_ring``, ``ring``, ``ulysses``, ``ring_bidir``), optionally with a mode and
-parameters: ``token_ring:relay`` (alias ``token_ring_paper``, the paper's schedule), ``token_ring:direct,c=4,k=3``,
-``ring:direct,c=2,k=3``, ``ring:auto``. ``token_ring`` alone (like ``ring:auto``) names a *family choice*: the
-cost model picks the variant (see :func:`tokenring.api.attention`). Hierarchical families run over nodes of
-``n`` ranks: ``usp:n=8``, ``double_ring:n=8`` (``double_ring:direct,c=1,k=7,n=8``), ``token_ring_2d:n=8`` (a
-family choice; ``token_ring_2d:relay,n=8``, ``token_ring_2d:direct,c=2,k=1,n=8``); without ``n=`` the node
-size comes from ``inner_size=`` / ``$LOCAL_WORLD_SIZE``. ``keep`` (``double_ring:n=8,keep``,
-``token_ring_2d:keep``): a two-level strategy keeps the K/V that crossed nodes in forward for its backward
-(memory for inter-node bytes; ``auto`` never adds it). ``o=2`` (``double_ring:n=8,o=2``): each visiting round
-runs as 2 sub-rounds over the K/V block's row halves, so compute starts on the first rows to cross. A new
-strategy is one new module with a ``STRATEGY`` object, listed in ``_MODULES``; everything else (the public
-API, ``auto``, the simulator, the benchmark, the demo, the tests) reads this registry.
+"""Strategy registry: a spec string -> :class:`~tokenring.strategies.base.Strategy`. The specs, and how to add a
+strategy (one module with a ``STRATEGY`` object, listed in ``_MODULES``): docs/schedules.md, "Strategy specs".
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The strategy interface and what the schedule-driven strategies share: the store of visiting tensors, the
-forward/backward ``Ops`` that give a schedule's computes and messages their meaning, and the autograd Function.
-
-Forward: a compute of my queries merges into my accumulator; a compute of a visitor's queries becomes an
-``out`` partial waiting to go home, and an ``out`` that arrives is merged. Backward: my dQ accumulates
-locally, a visitor's dQ becomes a ``dq`` partial going home; dK/dV for my own K/V accumulate locally, those
-for another rank's K/V accumulate in a ``dkv`` buffer that travels (ring) until it reaches its owner.
-Pass-KV (``ring``) and pass-Q (``token_ring``) differ only in their schedules.
+"""The strategy interface and what the schedule-driven strategies share: the store of visiting tensors and the
+forward/backward ``Ops`` that give a schedule's computes and messages their meaning (docs/schedules.md).
 """
 
 from __future__ import annotations
@@ -59,8 +53,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BlockDims:
-    """What one compute costs, for the simulator: ``B*nq`` query rows (batch folded in) against ``nk`` key rows
-    over ``H`` query / ``Hkv`` K/V heads, plus ``copies``: sizes in bytes of data reshuffled around it."""
+    """The size of one compute, for the simulator: query rows (batch folded in), key rows, heads, copies."""
 
     rows_q: int
     rows_k: int
@@ -71,23 +64,7 @@ class BlockDims:
 
 
 class Strategy:
-    """One way to run exact attention over ranks. Subclasses give the schedules and the execution.
-
-    - ``name``: the spec that :func:`tokenring.strategies.get` parses back (``"token_ring:direct,c=2,k=3"``);
-      ``family``: the registry name it belongs to; ``mode``/``chunks``/``lookahead``: its parameters;
-    - ``variants(P)``: the concrete strategies a cost model chooses among (itself, unless ``mode="auto"``);
-    - ``check(H, Hkv, P, s=None, zigzag=False)``: why these heads (and local length ``s``, halves of it when
-      ``zigzag`` causal) cannot run on ``P`` ranks (a message saying what to do instead), or ``None``;
-    - ``prepare(q, k, v, P)``: differentiable input adjustments before the call (Ulysses repeats K/V heads);
-    - ``build_schedule(P, layout, causal, backward)``: the :class:`~tokenring.schedules.Schedule` (plain data,
-      cached by :meth:`schedule`) that the executor runs and the simulator costs;
-    - ``block_dims(c, sh)``: the size of one compute, for the simulator;
-    - ``forward(q, k, v, cfg)`` -> ``(out, saved)`` and ``backward(dout, saved, cfg)`` -> ``(dq, dk, dv,
-      dsinks)`` (``dsinks`` ``None`` without ``cfg.sinks``);
-    - ``saved_extra(saved)`` / ``saved_full(extra, q, k, v, out)``: ``saved`` less / plus what the custom op
-      keeps anyway (its inputs and output), and ``extra_like(q, k, v, cfg)``: empty tensors shaped like
-      ``saved_extra`` (the op's fake); ``unprepare(dk, dv, Hkv)`` undoes ``prepare`` on the gradients.
-    """
+    """One way to run exact attention over ranks; its members are listed in docs/schedules.md."""
 
     name: str = ""
     family: str = ""
@@ -108,8 +85,7 @@ class Strategy:
         return Spec(self.family or self.name, self.mode, self.chunks, self.lookahead, self.inner, self.keep, self.outer)
 
     def make(self, spec: Spec) -> "Strategy":
-        """The member of this family that ``spec`` names (registry use: :func:`tokenring.strategies.get`, which
-        checks first that ``spec`` sets only :attr:`PARAMS`)."""
+        """The member of this family that ``spec`` names (for :func:`tokenring.strategies.get`)."""
         return type(self)(**{f: getattr(spec, f) for f in self.PARAMS}) if self.PARAMS else self
 
     @property
@@ -143,18 +119,15 @@ class Strategy:
     def build_schedule(
         self, P: int, layout: str, causal: bool, backward: bool, mask=None, only: int | None = None
     ) -> Schedule:
-        """The schedule; ``only``: rank ``only``'s part of it where the strategy can build that alone (its
-        computes, and its messages posted at the same steps as in the whole), else the whole."""
+        """The schedule; ``only``: rank ``only``'s part of it where the strategy can build that alone."""
         raise NotImplementedError
 
     def schedule(self, P: int, layout: str, causal: bool, backward: bool, mask=None) -> Schedule:
-        """The schedule, built once per ``(P, layout, causal, backward, mask)`` (treat it as read-only).
-        ``mask``: a :class:`tokenring.masks.Mask` (documents, window): blocks nobody sees are left out."""
+        """The schedule, built once per ``(P, layout, causal, backward, mask)`` (treat it as read-only)."""
         return _cached_schedule(self, P, layout, causal, backward, mask)
 
     def rank_schedule(self, P: int, layout: str, causal: bool, backward: bool, mask, rank: int) -> Schedule:
-        """What rank ``rank`` runs: the whole schedule, built once per shape, or with a mask (packed documents
-        change it every step) the rank's part alone, which costs ``O(P)`` blocks instead of ``O(P^2)``."""
+        """What rank ``rank`` runs: the whole schedule, or with a mask the rank's part alone (``O(P)`` blocks)."""
         if mask is None:
             return self.schedule(P, layout, causal, backward)
         return _cached_rank_schedule(self, P, layout, causal, backward, mask, rank)
@@ -170,13 +143,11 @@ class Strategy:
         return self.schedule(P, layout, causal, True, mask)
 
     def payload(self, kind: str, part: str, sh: Shapes, heads: str = "all"):
-        """The tensors of one of this strategy's messages, for the simulator (:func:`tokenring.schedules.payload`
-        unless the strategy reshapes the problem between its phases, as USP does)."""
+        """The tensors of one of this strategy's messages, for the simulator."""
         return payload(kind, part, sh, heads)
 
     def block_dims(self, c: Compute, sh: Shapes, mask=None, layout: str = "contiguous") -> BlockDims:
-        """Row blocks of the local shard; a head half halves both head counts. With a ``mask`` (and the
-        ``layout`` the shards were cut with), also the kernel calls its tiles make (:mod:`tokenring.masks`)."""
+        """The size of compute ``c`` (with a ``mask``, also its tiles' kernel calls)."""
         h = 1 if c.heads == "all" else 2
         dims = BlockDims(sh.B * part_rows(c.q_part, sh.s), part_rows(c.kv_part, sh.s), sh.H // h, sh.Hkv // h)
         if mask is None:
@@ -196,16 +167,13 @@ class Strategy:
         return f"<strategy {self.name}>"
 
 
-# Variant parameters a cost model tries (small sets: each variant is one more simulation per decision, and a
-# direct schedule has about P*P*c computes, so large groups try fewer).
+# variant parameters a cost model tries: small sets, fewer on large groups
 def chunk_choices(P: int) -> tuple[int, ...]:
     return (1, 2, 4) if P <= 16 else (1, 2) if P <= 64 else (1,)
 
 
 def outer_choices(m: int) -> tuple[int, ...]:
-    """Sub-rounds per visiting round that a cost model tries for a two-level schedule over ``m`` nodes: cutting
-    the K/V block that crosses nodes lets compute start on its first rows (and, in backward, their dK/dV
-    leave) while the rest is on the wire, which matters when a call has few rounds."""
+    """Sub-rounds per visiting round a cost model tries for a two-level schedule over ``m`` nodes."""
     return (1, 2, 4) if m <= 2 else (1, 2) if m <= 4 else (1,)
 
 
@@ -231,8 +199,7 @@ def _cached_rank_schedule(strategy: Strategy, P: int, layout: str, causal: bool,
 
 
 def tile_dims(tiles, B: int) -> tuple[tuple[int, int, str], ...]:
-    """``(rows_q, rows_k, kind)`` per kernel call of a masked block (batch folded into the rows), for
-    :attr:`BlockDims.tiles`."""
+    """``(rows_q, rows_k, kind)`` per kernel call of a masked block, for :attr:`BlockDims.tiles`."""
     return tuple((B * (t.q1 - t.q0), t.k1 - t.k0, t.kind) for t in tiles)
 
 
@@ -252,7 +219,7 @@ class Config:
 
     @property
     def documents(self):
-        """The documents' bounds when the layout shards by document (``zigzag_docs``: positions need them)."""
+        """The documents' bounds under ``zigzag_docs``, else ``None``."""
         return self.mask.bounds if self.layout == "zigzag_docs" else None
 
     def held(self, what: str) -> list | None:
@@ -270,9 +237,7 @@ class Config:
 
 
 class Store:
-    """Tensors held on this rank, keyed ``(kind, owner, heads)``. An entry is a list of *pieces*, each covering
-    some rows (``part``) and heads, so visiting row chunks of one owner can arrive one by one; a reader asks
-    for any rows and heads that one piece covers (a rank's own inputs are stored whole)."""
+    """Tensors held on this rank, keyed ``(kind, owner, heads)``, each a list of row pieces (docs/schedules.md)."""
 
     def __init__(self, sh: Shapes, me: int):
         self.sh, self.me = sh, me
@@ -288,9 +253,7 @@ class Store:
         self._prune()
 
     def take_kv(self, owner: int, part: str, heads: str, g: int) -> list[torch.Tensor]:
-        """K and V rows ``part`` of ``owner`` with each head repeated ``g`` times, for kernels that need as
-        many K/V heads as query heads: made once per stored piece and rows (not once per block that reads
-        them) and dropped with the piece."""
+        """K and V rows ``part`` of ``owner`` with each head repeated ``g`` times, made once per stored piece."""
         if g == 1:
             return self.take("kv", owner, part, heads)
         piece = self.find("kv", owner, part, heads)
@@ -338,11 +301,7 @@ class Store:
         return out
 
     def release(self, step: int, reads: dict[tuple[str, int], list[tuple[int, str, int]]]) -> None:
-        """Drop every piece that no read after ``step`` needs (``reads`` from :meth:`Schedule.reads`: a piece
-        stays while a later read asks for rows it shares, e.g. a dK/dV piece that a wider one will absorb,
-        unless those rows arrive or are computed afresh before that read); this rank's own inputs live for
-        the whole call. Visiting row chunks are so freed one by one, as soon as they have been computed or
-        sent on."""
+        """Drop every piece that no read after ``step`` needs (``reads``: :meth:`Schedule.reads`)."""
         for key in [k for k in self.entries if k[1] != self.me]:
             later = [part for t, part, since in reads.get(key[:2], ()) if t > step and since <= step]
             pieces = [p for p in self.entries[key] if any(overlaps(p[0], part) for part in later)]
@@ -372,8 +331,7 @@ class _OpsBase:
         self.store.release(step, reads)
 
     def held_bytes(self) -> int:
-        """Bytes held here beyond this rank's own tensors: other ranks' data (visiting blocks, partials waiting to
-        go home) and K/V copies with repeated heads."""
+        """Bytes held here beyond this rank's own tensors (other ranks' data, K/V with repeated heads)."""
         held = sum(
             t.numel() * t.element_size()
             for key, pieces in self.store.entries.items()
@@ -412,8 +370,7 @@ class _OpsBase:
         return tiled_forward(q, k, v, *self.tiles(c), self.cfg.scale)
 
     def attend_backward(self, c: Compute, dout, q, k, v, lse, delta, out=None):
-        """Backward of compute ``c``; ``out``: the final output of those query rows, if at hand (fused kernels
-        take it instead of forming an equivalent from ``delta``)."""
+        """Backward of compute ``c``; ``out``: the final output of those query rows, if at hand."""
         if self.cfg.mask is None:
             return self.block_backward(dout, q, k, v, lse, delta, c.diag, out)
         return tiled_backward(
@@ -422,8 +379,7 @@ class _OpsBase:
 
 
 class ForwardOps(_OpsBase):
-    """``keep``: owners whose K/V pieces arriving here are also kept (in ``kept``, by ``(owner, rows)``) beyond
-    their last read, for the backward pass to reuse instead of receiving them again."""
+    """Forward ops; ``keep``: owners whose arriving K/V pieces are also kept (``kept``) for the backward."""
 
     def __init__(self, q, k, v, sh: Shapes, cfg: Config, keep: frozenset = frozenset()):
         super().__init__(sh, cfg, q.device)
@@ -484,9 +440,7 @@ class BackwardOps(_OpsBase):
         self.g = self.kv_repeat(q, cfg.hooks.backward_kernel)
 
     def _add_dkv(self, owner: int, part: str, heads: str, dk, dv) -> None:
-        """Add a dK/dV contribution for rows ``part`` of ``owner``'s K/V (head half ``heads``): into this rank's
-        own gradients, or into a ``dkv`` piece for another rank (created on first use, in the accumulator
-        dtype; widened when a contribution covers rows the piece does not, e.g. ``lo`` then ``all``)."""
+        """Add a dK/dV contribution for rows ``part`` of ``owner``'s K/V: into this rank's own, or a ``dkv`` piece."""
         if owner == self.me:
             sl, hs = self.rows(part), head_slice(heads, self.sh.Hkv)
             self.dk[:, sl, hs] += dk
@@ -548,12 +502,10 @@ def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 class ScheduledStrategy(Strategy):
-    """A strategy run by :class:`ForwardOps` / :class:`BackwardOps`: merge partials of my queries, ship others'
-    home, accumulate dK/dV. Subclasses only give ``build_schedule`` (and ``check`` where heads constrain)."""
+    """A strategy run by :class:`ForwardOps` / :class:`BackwardOps`; subclasses give ``build_schedule``."""
 
     def kept_pieces(self, cfg: Config) -> list[tuple[int, str]]:
-        """``(owner, rows)`` of the K/V pieces this rank receives in forward and keeps for backward (whose
-        schedule then does not send them again); none unless the strategy keeps K/V."""
+        """``(owner, rows)`` of the K/V pieces this rank keeps from forward for backward (none by default)."""
         return []
 
     def forward(self, q, k, v, cfg: Config):
@@ -594,10 +546,7 @@ class ScheduledStrategy(Strategy):
 
 
 class RelayOrDirect(ScheduledStrategy):
-    """A family with a relay schedule and direct variants (:func:`~tokenring.strategies.token_ring.direct`): ``mode`` is
-    ``"relay"``, ``"direct"`` (``chunks`` row chunks per visiting block, ``lookahead`` blocks sent ahead) or
-    ``"auto"`` (the cost model picks among :meth:`variants`). Subclasses set ``family``, ``default_mode``,
-    ``mover`` (``"q"`` or ``"kv"``) and ``relay_schedule``."""
+    """A family with a relay schedule and direct variants; ``mode`` is ``"relay"``, ``"direct"`` or ``"auto"``."""
 
     default_mode = "relay"
     mover = ""

@@ -56,10 +56,8 @@ class Shards:
 
 
 def split_new(counts: list[int], T: int) -> list[tuple[int, int]]:
-    """Which of ``T`` new tokens each rank computes and stores, given the rows ``counts[r]`` it holds:
-    contiguous ranges in rank order, ``T // P`` tokens each and the remainder to the ranks holding the fewest
-    rows (ties: the lowest rank). Shards that differ by at most one row stay so; with ``T >= P`` every rank
-    gets a token. The same answer on every rank."""
+    """Which of ``T`` new tokens each rank computes and stores: contiguous ranges in rank order, the remainder
+    to the ranks holding the fewest rows."""
     P = len(counts)
     extra = set(sorted(range(P), key=lambda r: (counts[r], r))[: T % P])
     out, a = [], 0

@@ -1,15 +1,5 @@
-"""Ring attention (pass-KV): queries stay home, K/V travel ``r -> r + 1`` one hop per step.
-
-At step ``t`` rank ``r`` attends its queries to the K/V of ``i = r - t`` and merges the partial locally.
-Backward: K/V travel the same way; dQ accumulates locally; the dK/dV of ``K/V_i`` accumulate (in float32) in
-a buffer that travels with them from one contributing rank to the next and finally to ``i``.
-
-:func:`pass_kv` takes *lanes*: ``(head half, direction)`` pairs; ring is one lane, ``ring_bidir`` two.
-
-``ring:direct,c=C,k=K`` (:func:`tokenring.strategies.token_ring.direct` with ``mover="kv"``): every owner sends its K/V
-straight to every rank in ``c`` row chunks, up to ``k`` blocks ahead (``k = P-1``: an all-gather overlapped
-with compute); partials merge locally, and in backward each chunk's dK/dV goes straight home. ``ring`` alone
-is the classic ring above; ``ring:auto`` lets the cost model pick among the variants.
+"""Ring attention (pass-KV): queries stay home, K/V travel ``r -> r + 1`` one hop per step; ``ring:direct`` and
+``ring:auto`` as for TokenRing (docs/schedules.md, "Ring attention").
 """
 
 from __future__ import annotations
@@ -49,9 +39,8 @@ def pass_kv(
 
 
 def pass_kv_steps(P: int, pair, backward: bool, lanes=ONE_WAY, only: int | None = None) -> list[Step]:
-    """The steps of :func:`pass_kv` for blocks that meet as ``pair(q_owner, kv_owner)`` says (``only``: just
-    what rank ``only`` computes, sends and receives)."""
-    steps = [Step() for _ in range(P + 1)]  # the extra step only brings the last dK/dV home
+    """The steps of :func:`pass_kv` for blocks that meet as ``pair`` says (``only``: that rank's part alone)."""
+    steps = [Step() for _ in range(P + 1)]
     table = getattr(pair, "table", None)  # masked: row ranges for the unions without building parts
     for i in range(P):
         if only in (None, i):
@@ -85,15 +74,14 @@ def pass_kv_steps(P: int, pair, backward: bool, lanes=ONE_WAY, only: int | None 
     if only is not None:
         for st in steps:
             st.computes = [c for c in st.computes if c.rank == only]
-    # Computes were appended per K/V owner; order them by rank for readable traces (semantics unaffected).
+    # order computes by rank for readable traces
     for st in steps:
         st.computes.sort(key=lambda c: c.rank)
     return steps
 
 
 def _dkv_chain(i: int, path: list[int], heads: str, pairs) -> list[tuple[int, Message]]:
-    """The dK/dV accumulator of K/V_i: from each contributor on ``path`` (``pairs``: ``pair(r, i)`` per path
-    rank) to the next one, then home to ``i``, carrying the rows contributed so far."""
+    """The dK/dV accumulator of K/V_i: from each contributor on ``path`` to the next, then home to ``i``."""
     out, acc, holder, t_held = [], None, None, 0
     for t, (r, got) in enumerate(zip(path, pairs), start=1):
         if got is None:
@@ -107,8 +95,7 @@ def _dkv_chain(i: int, path: list[int], heads: str, pairs) -> list[tuple[int, Me
 
 
 def _dkv_chain_through(i: int, path: list[int], heads: str, need, s: int, only: int) -> list[tuple[int, Message]]:
-    """The messages of :func:`_dkv_chain` to and from rank ``only``, from ``need = (live, lo, hi)`` per rank
-    (:meth:`tokenring.masks.PairTable.needs` of K/V_i): scans the path only up to ``only``'s successor."""
+    """The messages of :func:`_dkv_chain` to and from rank ``only``, from ``need = (live, lo, hi)`` per rank."""
     live, lo_of, hi_of = need
     out, lo, hi, holder, t_held = [], None, None, None, 0
     for t, r in enumerate(path, start=1):

@@ -1,8 +1,5 @@
-"""Bidirectional pass-KV: the first half of the K/V heads travels ``r -> r + 1`` and the second half
-``r -> r - 1``, each meeting the query heads that attend to it (GQA groups are contiguous).
-
-Every link direction then carries half of ring's bytes per step, without a full mesh and keeping GQA's small
-K/V messages. Needs an even ``Hkv``. The schedule is :func:`~tokenring.strategies.ring.pass_kv` with two lanes.
+"""Bidirectional pass-KV: half of the K/V heads travel ``r -> r + 1``, the other half ``r -> r - 1``; needs an
+even ``Hkv`` (docs/schedules.md, "Ring attention").
 """
 
 from __future__ import annotations

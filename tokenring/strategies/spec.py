@@ -1,9 +1,5 @@
-"""A strategy spec as a value: :meth:`Spec.parse` reads ``"token_ring:direct,c=2,k=3"``, :meth:`Spec.text`
-writes the canonical form, :meth:`Spec.code` gives the numbers that travel with the cross-rank signature.
-
-Grammar: ``family[:mode][,c=C][,k=K][,n=N][,keep][,o=O]`` (the mode first when given: ``relay``, ``direct``
-or ``auto``; ``c``/``k``: chunks and lookahead of a direct schedule; ``n``: ranks per node, ``keep`` and ``o``:
-the two-level strategies' options).
+"""A strategy spec as a value: :meth:`Spec.parse`, :meth:`Spec.text` (canonical), :meth:`Spec.code` (the numbers
+of the cross-rank signature). Grammar ``family[:mode][,c=C][,k=K][,n=N][,keep][,o=O]``: docs/schedules.md.
 """
 
 from __future__ import annotations

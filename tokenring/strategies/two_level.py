@@ -1,27 +1,5 @@
-"""Two-level (hierarchical) schedules over an ``m x n`` grid of ranks: ``n`` ranks per node, ``m`` nodes.
-
-Rank ``r = a*n + l`` is local rank ``l`` of node ``a``. A flat schedule over ``P`` ranks sends every block
-across the slow inter-node links as often as across the fast intra-node ones; a two-level one moves K/V
-between nodes only once per *round* and runs a whole flat schedule inside each node meanwhile.
-
-:func:`two_level` composes any flat schedule builder (``pass_kv_steps``, ``pass_q_steps``,
-``direct_steps``: they take a ``pair(q_owner, kv_owner)`` function) with a ring of K/V between nodes::
-
-    round o = 0 .. m-1 (steps o*L .. o*L + L - 1, L = the inner schedule's compute steps)
-      rank (a, l) holds K/V of (a - o, l): its own in round 0, then what (a - 1, l) held in round o - 1
-      inner schedule of node a over its n ranks, K/V owner l read as (a - o, l), queries as (a, j)
-      meanwhile: (a, l) sends the K/V it holds to (a + 1, l), due by the end of round o (overlapped)
-      backward: the dK/dV the node made for (a - o, l) gathers on (a, l) and goes home, due one round later
-
-``keep`` (``double_ring:n=8,keep``): every rank keeps the K/V blocks the outer ring brought it in forward, and
-the backward schedule has no outer ring of K/V: only dK/dV cross the nodes in backward. It costs ``m - 1``
-visiting K/V blocks per rank held from forward to backward, and saves the inter-node link a K/V block per
-rank per round in backward (half of its backward bytes).
-
-Each round's inner schedule is built for that round's blocks (zigzag halves, masks), so only rows some query
-sees travel. Memory per rank: the inner schedule's, plus the K/V held for the round and the next round's in
-flight (two blocks), plus in backward one dK/dV block travelling home.
-The executor and the simulator run the result like any flat schedule (the ranks in it are global).
+"""Two-level (hierarchical) schedules over an ``m x n`` grid of ranks: ``n`` ranks per node, ``m`` nodes; any flat
+schedule inside each node, K/V moving between nodes once per round (docs/schedules.md, "Two-level schedules").
 """
 
 from __future__ import annotations
@@ -84,8 +62,7 @@ def two_level(
     outer: int = 1,
 ) -> Schedule:
     """Compose ``inner(pair) -> list[Step]`` (a flat schedule over ``n`` local ranks) with a ring of K/V between
-    the ``P / n`` nodes, as the module docstring draws it (``keep``: none in backward, forward's is reused;
-    ``outer``: each visiting round cut into that many sub-rounds by K/V rows)."""
+    the ``P / n`` nodes (``keep``, ``outer``: docs/schedules.md)."""
     m = P // n
     s = None if mask is None else mask.S // P
 
@@ -93,8 +70,7 @@ def two_level(
         return (a % m) * n + l
 
     def cut(pairs: tuple, i: int) -> tuple:
-        """Sub-round ``i`` of a visiting round: each pair's K/V rows within chunk ``i`` of ``outer`` of the rows
-        the round needs of that K/V block (one grid per block, so the sub-rounds' pieces of it never overlap)."""
+        """Sub-round ``i`` of a visiting round: each pair's K/V rows within chunk ``i`` of ``outer``."""
         hull = [None] * n
         for x, got in enumerate(pairs):
             if got is not None:
@@ -105,9 +81,7 @@ def two_level(
             out.append(None if kv is None or (s is not None and not part_rows(kv, s)) else (got[0], kv, got[2]))
         return tuple(out)
 
-    # Slots, in time order: the own round (o = 0) whole, each visiting round o as `outer` sub-rounds (o, i).
-    # With keep, backward holds every K/V block from the start, so the visiting rounds go first and the own
-    # round last: its compute then hides the trip home of the last visitor's dK/dV.
+    # slots in time order: the own round, then each visiting round's sub-rounds (keep's backward: own round last)
     visits = [(o, i) for o in range(1, m) for i in range(outer)]
     late = backward and keep
     order = visits + [(0, 0)] if late else [(0, 0)] + visits
@@ -208,10 +182,8 @@ def _held_rows(steps: list[Step], n: int) -> list[str | None]:
 
 
 class TwoLevel(RelayOrDirect):
-    """A flat family run inside each node of ``inner`` ranks, with a ring of K/V between nodes
-    (:func:`two_level`). ``mode`` / ``chunks`` / ``lookahead`` choose the inner schedule as for the flat
-    family (relay, or direct with ``lookahead`` up to ``inner - 1``); ``inner=0``: the node size is not known
-    yet (``tokenring.attention`` takes it from ``inner_size=`` or ``$LOCAL_WORLD_SIZE``)."""
+    """A flat family run inside each node of ``inner`` ranks (0: not known yet), with a ring of K/V between
+    nodes (:func:`two_level`)."""
 
     hierarchical = True
     PARAMS = ("mode", "chunks", "lookahead", "inner", "keep", "outer")
@@ -248,8 +220,7 @@ class TwoLevel(RelayOrDirect):
         ]
 
     def kept_pieces(self, cfg) -> list[tuple[int, str]]:
-        """With ``keep``: the K/V pieces the outer ring brings this rank in forward (owners in other nodes, at
-        this rank's place in them), in schedule order."""
+        """With ``keep``: the K/V pieces the outer ring brings this rank in forward, in schedule order."""
         return _kept(self, cfg.P, cfg.layout, cfg.causal, cfg.mask, cfg.rank) if self.keep else []
 
     def check(self, H: int, Hkv: int, P: int, s: int | None = None, zigzag: bool = False) -> str | None:
@@ -267,8 +238,7 @@ class TwoLevel(RelayOrDirect):
             )
         if self.mode != "direct":
             return None
-        # A visiting K/V block at a rank's own place (rounds after the first) may meet half of its queries,
-        # and that half is cut into as many pieces as the own block: none may be empty.
+        # a visiting block at a rank's own place may meet half its queries, cut like the own block
         own = all_own_pieces(self.chunks, self.inner, self.mover)
         if any(part_rows(chunk(h, a, n, b), s) == 0 for h in halves for a, b, n in own):
             smallest = min(Fraction(b - a, n) for a, b, n in own)

@@ -1,12 +1,5 @@
-"""Ulysses (DeepSpeed-Ulysses): all-to-all from sequence shards to head shards and back.
-
-Step 0 sends rank ``p`` the ``p``-th group of ``H/P`` query heads (and ``Hkv'/P`` K/V heads) of my rows; step
-1 runs full-sequence attention on my head group; step 2 returns each rank its rows of my heads. K/V heads
-are repeated beforehand (in ``prepare``, differentiably) to ``Hkv'``, the fewest that split evenly over ``P``.
-The all-to-alls are point-to-point messages run by the same executor as the rings, so they share byte
-accounting, timeouts and traces, and the simulator sees them too.
-
-It is USP (:mod:`.usp`) with a single node of all ``P`` ranks: the ring over nodes shrinks to one compute.
+"""Ulysses (DeepSpeed-Ulysses): all-to-all from sequence shards to head shards and back; USP with one node of
+all ``P`` ranks (docs/schedules.md, "Ulysses").
 """
 
 from __future__ import annotations

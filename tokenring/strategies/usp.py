@@ -1,20 +1,5 @@
-"""USP (yunchang's unified sequence parallelism): Ulysses inside each node of ``n`` ranks, ring between nodes.
-
-Rank ``r = a*n + l`` (node ``a``, local rank ``l``). ::
-
-    step 0        all-to-all inside node a: rank (a, l) gets head group l (H/n query heads, Hkv'/n K/V heads)
-                  of every row the node holds, n*s rows, sorted into global order (which is exactly node a's
-                  shard of the same layout over m = P/n "ranks": zigzag stays zigzag, at node granularity)
-    steps 1..m    ring attention over nodes among the ranks of head group l: K/V of head group l travel
-                  (a, l) -> (a + 1, l), one node's rows per step (backward: dK/dV follow, then go home)
-    last step     all-to-all back: my rows of every head group
-
-So the inter-node link carries K/V of ``1/n`` of the heads for ``n`` times the rows: the same bytes as a flat
-ring over nodes, but in ``m`` steps instead of ``P``, each with ``n^2`` times the compute to hide them behind.
-Needs ``H % n == 0``; K/V heads are repeated (differentiably) to ``Hkv'``, the fewest that split over ``n``.
-``usp:n=8`` names the node size; ``tokenring.attention(strategy="usp", inner_size=8)`` or
-``$LOCAL_WORLD_SIZE`` give it otherwise. Ulysses (:mod:`.ulysses`) is the case of one node of all ``P`` ranks:
-the ring phase is then a single compute over the whole sequence.
+"""USP (yunchang's unified sequence parallelism): Ulysses inside each node of ``n`` ranks, ring between nodes
+(docs/schedules.md, "USP").
 """
 
 from __future__ import annotations
@@ -52,16 +37,14 @@ _A2A = ("u_qkv", "u_out", "u_dout", "u_grad")
 
 
 def node_shapes(sh: Shapes, n: int) -> Shapes:
-    """What one rank holds between the all-to-alls: ``n * s`` rows of ``H/n`` query and ``Hkv'/n`` K/V heads, on
-    a ring of ``P/n`` nodes."""
+    """What one rank holds between the all-to-alls: ``n * s`` rows of its head group, on a ring of nodes."""
     return Shapes(sh.B, sh.s * n, sh.H // n, ulysses_kv_heads(sh.H, sh.Hkv, n) // n, sh.d, sh.dtype, sh.P // n)
 
 
 def _schedule(
     name: str, P: int, n: int, layout: str, causal: bool, backward: bool, mask, only: int | None = None
 ) -> Schedule:
-    """``only``: just rank ``only``'s all-to-all messages and its head group's ring (the ring over the nodes is
-    still built whole: it has ``(P/n)^2`` blocks, and its length places the all-to-all back)."""
+    """The USP schedule (``only``: rank ``only``'s all-to-all messages and its head group's ring)."""
     m = P // n
     first, last = ("u_dout", "u_grad") if backward else ("u_qkv", "u_out")
     nodes = range(m) if only is None else (only // n,)
@@ -144,8 +127,7 @@ class _NodeBackward(_NodeTiles, BackwardOps):
 
 @lru_cache(maxsize=64)
 def _node_rows(S: int, P: int, node: int, n: int, layout: str, docs, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index tensors on ``device``: ``order`` takes the concatenation of node ``node``'s ``n`` shards to its rows
-    in global order, ``inverse`` back. Built and checked on the host once per shape, not per call."""
+    """Index tensors: ``order`` from node ``node``'s concatenated shards to global order, ``inverse`` back."""
     pos = torch.cat([local_positions(S, P, node * n + j, layout, None, docs) for j in range(n)])
     order = torch.argsort(pos)
     if not torch.equal(pos[order], local_positions(S, P // n, node, layout, None, docs)):
@@ -154,8 +136,7 @@ def _node_rows(S: int, P: int, node: int, n: int, layout: str, docs, device) -> 
 
 
 class _UspOps:
-    """The all-to-alls here; the ring between them is :class:`ForwardOps` / :class:`BackwardOps` over the node's
-    rows (``self.ring``, made once the first all-to-all has arrived)."""
+    """The all-to-alls; the ring between them is :class:`ForwardOps` / :class:`BackwardOps` (``self.ring``)."""
 
     def __init__(self, sh: Shapes, cfg: Config, n: int, device, local: dict[str, list[torch.Tensor]], make_ring):
         self.sh, self.cfg, self.n, self.device = sh, cfg, n, device
@@ -279,8 +260,7 @@ class Usp(Strategy):
         return flat_payload(kind, part, node_shapes(sh, n), heads)
 
     def block_dims(self, c: Compute, sh: Shapes, mask=None, layout: str = "contiguous") -> BlockDims:
-        """A block of node rows over one head group; the rank's first block also pays for the all-to-alls'
-        reshuffles (cat + reorder of Q/K/V, and of the result)."""
+        """A block of node rows over one head group (the first also pays for the all-to-alls' reshuffles)."""
         n = self.node_size(sh.P)
         ns = node_shapes(sh, n)
         e = sh.dtype.itemsize
