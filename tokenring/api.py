@@ -50,42 +50,16 @@ def attention(
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across the ranks of ``group``.
 
-    ``q``: (B, s, H, d), ``k``: (B, s, Hkv, d), ``v``: (B, s, Hkv, dv), this rank's shard (laid out by
-    ``layout``; default ``"zigzag"`` when causal, else ``"contiguous"``, and it must match how the caller
-    sharded); ``dv`` may differ from ``d`` (MLA; zero columns fill the gap, so the shorter side's bytes grow).
-    Returns (B, s, H, dv) in ``q.dtype``: the same rows of single-device attention over the whole sequence.
-    Differentiable in ``q``, ``k``, ``v`` (and ``sinks``). ``strategy``: ``"token_ring"`` (the TokenRing
-    variant the cost model predicts fastest), ``"token_ring_paper"`` (= ``"token_ring:relay"``), an explicit
-    variant such as ``"token_ring:direct,c=2,k=3"`` or ``"ring:direct,c=1,k=3"``, ``"ring"``, ``"ring:auto"``,
-    ``"ring_bidir"``, ``"ulysses"`` or ``"auto"`` (every strategy and variant). Choices are made on rank 0 and
-    shared. With no process group initialised (or one rank) plain attention runs.
-
-    Packed sequences and sliding windows (flash-attn's conventions, over the *global* sequence of
-    ``S = s * P`` tokens, whatever the layout): ``cu_seqlens`` ``[0, end_1, ..., S]`` (1-D ints, the same on
-    every rank) puts documents one after another, a query seeing keys of its own document only (for every
-    row of the batch); ``window=(left, right)`` lets query ``i`` see keys ``i-left .. i+right`` (``-1``:
-    unbounded; ``causal`` caps ``right`` at 0). Every strategy takes both; blocks no query sees are neither
-    computed nor sent (Ulysses skips the computation only: its all-to-alls move every row).
-    ``layout="zigzag_docs"`` (with ``cu_seqlens``, every document a multiple of ``2P`` tokens; shard with
-    ``tokenring.shard(x, layout="zigzag_docs", cu_seqlens=cu)``) zigzags each document over the ranks, which
-    balances causal work whatever the document lengths.
-
-    ``sinks``: gpt-oss style attention sinks, a (H,) tensor of logits (one per query head, not scaled by
-    ``softmax_scale``) added to every row's softmax denominator: the output of a row is
-    ``sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``. The sink is one more partial in the merge; its
-    gradient on each rank is that rank's rows' share (sum it over the ranks like any replicated weight's).
-
-    Under ``torch.autocast`` the inputs are cast to the autocast dtype first, as ``scaled_dot_product_attention``
-    does. Under ``torch.compile`` the call is one custom op (``tokenring::attention_fwd``, no graph break);
-    ``"auto"`` and family choices are then made when the graph is traced, from this rank's cost model unless an
-    eager call with the same shapes already agreed on one (ranks that traced different choices are refused
-    at run time).
-
-    Beyond one node: ``"usp"`` (Ulysses inside a node, ring between nodes), ``"double_ring"`` and
-    ``"token_ring_2d"`` (ring / TokenRing inside a node, K/V ring between nodes) run over nodes of
-    ``inner_size`` ranks (default ``$LOCAL_WORLD_SIZE``, which torchrun sets): ranks ``a*n .. a*n+n-1`` of
-    the group form node ``a``. With a node size known (or a multi-node topology set), ``"auto"`` considers
-    them too.
+    ``q`` (B, s, H, d), ``k`` (B, s, Hkv, d), ``v`` (B, s, Hkv, dv): this rank's shard, laid out by ``layout``
+    (default ``"zigzag"`` when causal, else ``"contiguous"``: as the caller sharded). Returns (B, s, H, dv) in
+    ``q.dtype``, the rows of single-device attention over the whole sequence; differentiable in q, k, v, sinks.
+    ``strategy``: ``"auto"`` (the cost model's pick, made on rank 0 and shared), a family (``"token_ring"``,
+    ``"ring"``, ``"ring_bidir"``, ``"ulysses"``; over nodes of ``inner_size`` ranks ``"usp"``, ``"double_ring"``,
+    ``"token_ring_2d"``) or a variant (``"token_ring:direct,c=2,k=3"``). ``cu_seqlens`` ``[0, ..., S]`` packs
+    documents and ``window=(left, right)`` bounds what a query sees, over the global sequence (flash-attn's
+    conventions); ``sinks``: (H,) gpt-oss sink logits. Runs under ``torch.autocast`` and ``torch.compile``.
+    Every rank calls with the same shapes and options; what is refused is a ValueError on every rank.
+    The full reference: docs/internals.md, "attention()".
     """
     q, k, v, softmax_scale, dv = attention_inputs(q, k, v, softmax_scale)
     if dv is not None:  # MLA: the value head dim differs from q/k's; run with zero columns, keep dv of them
@@ -96,30 +70,10 @@ def attention(
     compiling = torch.compiler.is_compiling()
     rank, P = group_info(group)
     cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) or cu_seqlens is None else None
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
     try:
-        _check_local(q, k, v, rank)
-        _check_sinks(sinks, q, rank)
-        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
-        if cu is not None:
-            check_bounds_tensor(cu)
-        call = plan(
-            tuple(q.shape),
-            tuple(k.shape),
-            q.dtype,
-            device_kind(q),
-            strategy,
-            causal,
-            softmax_scale,
-            layout,
-            None if cu_seqlens is None or cu is not None else _frozen(cu_seqlens),
-            cu is not None,
-            _frozen(window),
-            sinks is not None,
-            _group_name(group),
-            inner_size,
-            backward,
-            compiling,
-        )
+        call = _checked_plan(q, k, v, sinks, cu, cu_seqlens, strategy, causal, softmax_scale, layout, window, group,
+                             inner_size, backward, compiling)  # fmt: skip
     except ValueError as e:
         if P == 1 or compiling:
             raise _ranked(e, rank) from None
@@ -138,3 +92,18 @@ def attention(
     out = attention_op(q, k, v, sinks, cu, call)
     del holder  # the op's autograd context keeps it while backward may still run
     return out
+
+
+def _checked_plan(q, k, v, sinks, cu, cu_seqlens, strategy, causal, softmax_scale, layout, window, group, inner_size,
+                  backward: bool, compiling: bool):  # fmt: skip
+    """This rank's checks of its arguments, then :func:`tokenring.ops.plan` (ValueError for what it refuses)."""
+    rank = group_info(group)[0]
+    _check_local(q, k, v, rank)
+    _check_sinks(sinks, q, rank)
+    if cu is not None:
+        check_bounds_tensor(cu)
+    frozen_cu = None if cu_seqlens is None or cu is not None else _frozen(cu_seqlens)
+    return plan(
+        tuple(q.shape), tuple(k.shape), q.dtype, device_kind(q), strategy, causal, softmax_scale, layout, frozen_cu,
+        cu is not None, _frozen(window), sinks is not None, _group_name(group), inner_size, backward, compiling,
+    )  # fmt: skip

@@ -66,24 +66,9 @@ def decode_attention(
             sinks=sinks, window=window, positions=positions, start=start,
         )[..., :dv]  # fmt: skip
     rank, P = group_info(group)
-    check_rows(q, k, v, rank, "decode_attention")
-    B, t, H, d = q.shape
-    n = k.shape[1]
-    a, b = new if new is not None else (0, 0)
-    if not (0 <= a <= b <= t) or b - a > n:
-        raise ValueError(
-            f"rank {rank}: new={new} must name token indices 0 <= a <= b <= t={t} stored as the "
-            f"last {b - a} of this rank's {n} rows"
-        )
-    q, scale = fold_scale(q, softmax_scale_of(softmax_scale, d))
-    old = n - (b - a)
+    a, b = _check_step(q, k, v, new, window, positions, start, rank)
+    q, scale = fold_scale(q, softmax_scale_of(softmax_scale, q.shape[3]))
     mask = RowMask(-1 if window is None else int(window))
-    if window is not None and (positions is None or positions.shape != (old,) or start is None):
-        raise ValueError(
-            f"rank {rank}: a window needs positions=, the global positions of this rank's {old} cached rows, and "
-            f"start=, the position of the step's first new token (got positions "
-            f"{None if positions is None else tuple(positions.shape)}, start={start})"
-        )
     # every cached row precedes every new token; new tokens a..b-1 stored here: queries a..b-1 see them
     # causally, later queries in full
     o, lse = attend_rows(q, 0, k, v, positions, a, b, start or 0, mask, scale)
@@ -91,34 +76,59 @@ def decode_attention(
         if sinks is not None:
             merge_sink_(o, lse, sinks)
         return o.to(q.dtype)
-    device = collective_device(group)
     if check:
+        B, t, H, d = q.shape
         rows = exchange(
             [B, t, H, k.shape[2], d, code(q.dtype), *map(float, state)], group, rank, P, _WHO, "the step's shapes"
         )
-        names = ["batch", "new tokens", "query heads", "key/value heads", "head dim", "dtype"]
         require_same(
-            rows,
-            names + [f"state[{i}]" for i in range(len(state))],
-            rank,
-            _WHO,
-            "Every rank must run the same step on the same new tokens with caches from the same prefill "
-            "(tokenring.hf.prefill on every rank with the same prompt)",
-            doing="decodes",
+            rows, _HEADER + [f"state[{i}]" for i in range(len(state))], rank, _WHO, _SAME_STEP, doing="decodes"
         )
-    flat = torch.cat([o.reshape(-1), lse.reshape(-1)]).to(device)
-    parts = [torch.empty_like(flat) for _ in range(P)]
-    work = dist.all_gather(parts, flat, group=group, async_op=True)
-    _wait(work, rank, "the partial outputs", group)
-    if log is not None:
-        log.append({"bytes": (P - 1) * flat.numel() * flat.element_size()})
-    out, out_lse = new_accumulator(B, t, H, d, q.dtype, q.device)
-    for part in parts:  # rank order: the same bits on every rank
-        part = part.to(q.device)
-        merge_(out, out_lse, part[: o.numel()].view_as(o), part[o.numel() :].view_as(lse))
+    out, out_lse = _merged_everywhere(o, lse, q, group, rank, P, log)
     if sinks is not None:
         merge_sink_(out, out_lse, sinks)
     return out.to(q.dtype)
+
+
+_HEADER = ["batch", "new tokens", "query heads", "key/value heads", "head dim", "dtype"]
+_SAME_STEP = (
+    "Every rank must run the same step on the same new tokens with caches from the same prefill "
+    "(tokenring.hf.prefill on every rank with the same prompt)"
+)
+
+
+def _check_step(q, k, v, new, window, positions, start, rank: int) -> tuple[int, int]:
+    """This rank's new tokens ``(a, b)``, or a ValueError for rows, new tokens or a window it cannot run."""
+    check_rows(q, k, v, rank, "decode_attention")
+    t, n = q.shape[1], k.shape[1]
+    a, b = new if new is not None else (0, 0)
+    if not (0 <= a <= b <= t) or b - a > n:
+        raise ValueError(
+            f"rank {rank}: new={new} must name token indices 0 <= a <= b <= t={t} stored as the "
+            f"last {b - a} of this rank's {n} rows"
+        )
+    old = n - (b - a)
+    if window is not None and (positions is None or positions.shape != (old,) or start is None):
+        raise ValueError(
+            f"rank {rank}: a window needs positions=, the global positions of this rank's {old} cached rows, and "
+            f"start=, the position of the step's first new token (got positions "
+            f"{None if positions is None else tuple(positions.shape)}, start={start})"
+        )
+    return a, b
+
+
+def _merged_everywhere(o, lse, q, group, rank: int, P: int, log):
+    """Every rank's partial ``(o, lse)`` all-gathered and merged in rank order: the same bits on every rank."""
+    flat = torch.cat([o.reshape(-1), lse.reshape(-1)]).to(collective_device(group))
+    parts = [torch.empty_like(flat) for _ in range(P)]
+    _wait(dist.all_gather(parts, flat, group=group, async_op=True), rank, "the partial outputs", group)
+    if log is not None:
+        log.append({"bytes": (P - 1) * flat.numel() * flat.element_size()})
+    out, out_lse = new_accumulator(*q.shape, q.dtype, q.device)
+    for part in parts:
+        part = part.to(q.device)
+        merge_(out, out_lse, part[: o.numel()].view_as(o), part[o.numel() :].view_as(lse))
+    return out, out_lse
 
 
 def _wait(work, rank: int, what: str, group) -> None:

@@ -384,6 +384,45 @@ def _choose(shards: Shards, B, H, Hkv, d, q, rank: int, P: int, group, agree: bo
 _SCHEDULES = {"pass_q": _pass_q, "pass_q_relay": _pass_q_relay, "pass_kv": _pass_kv, "ulysses": _ulysses}
 
 
+def _check_turn(q, k, v, new, mask, positions, strategy: str, rank: int, P: int) -> None:
+    """ValueError, before any rank is asked, for rows, new tokens, positions or a strategy this rank refuses."""
+    check_rows(q, k, v, rank, "extend_attention")
+    t, H = q.shape[1], q.shape[2]
+    Hkv, n = k.shape[2], k.shape[1]
+    if new[1] - new[0] != t or t > n:
+        raise ValueError(
+            f"rank {rank}: new={new} must be the token indices of this rank's {t} queries, stored as the last "
+            f"{t} of its {n} rows"
+        )
+    if not mask.plain and (positions is None or positions.shape != (n - t,)):
+        raise ValueError(
+            f"rank {rank}: a window or documents need positions=, the global positions of this rank's "
+            f"{n - t} cached rows (got {None if positions is None else tuple(positions.shape)})"
+        )
+    if strategy != "auto" and strategy not in STRATEGIES:
+        raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or 'auto'")
+    if P > 1 and strategy == "ulysses" and (H % P or Hkv % P):
+        raise ValueError(
+            f"tokenring extend: ulysses splits the heads over the ranks and needs query heads ({H}) and key/value "
+            f"heads ({Hkv}) divisible by P={P}; use strategy='pass_q'"
+        )
+
+
+def _agreed_shards(header: tuple, shards, checked: bool, rank: int, P: int, group):
+    """Every rank's shards and cached position range: from the header exchange when ``checked``, else from
+    ``shards=`` (and, with a window, one small exchange of the ranges)."""
+    got = _exchange_header(*header, rank, P, group) if checked else None
+    if got is not None:
+        return got
+    if shards is None:
+        raise ValueError(f"rank {rank}: on PyTorch's fake process group extend_attention needs shards=")
+    pos_range, mask = header[11], header[9]
+    if mask.plain:
+        return shards, [pos_range] * P  # not used without a window
+    rows = exchange(pos_range, group, rank, P, _WHO, "the cached positions")
+    return shards, [tuple(x) for x in rows] if rows is not None else [pos_range] * P  # fake group: shapes only
+
+
 def extend_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -411,23 +450,11 @@ def extend_attention(
             positions=positions, sinks=sinks, group=group, shards=shards, state=state, log=log,
         )[..., :dv]  # fmt: skip
     rank, P = group_info(group)
-    check_rows(q, k, v, rank, "extend_attention")
     B, t, H, d = q.shape
     Hkv, n = k.shape[2], k.shape[1]
     a, b = new
-    if b - a != t or t > n:
-        raise ValueError(
-            f"rank {rank}: new={new} must be the token indices of this rank's {t} queries, stored as the last "
-            f"{t} of its {n} rows"
-        )
     mask = RowMask(-1 if window is None else int(window), tuple(int(x) for x in cu_seqlens) if cu_seqlens else ())
-    if not mask.plain and (positions is None or positions.shape != (n - t,)):
-        raise ValueError(
-            f"rank {rank}: a window or documents need positions=, the global positions of this rank's "
-            f"{n - t} cached rows (got {None if positions is None else tuple(positions.shape)})"
-        )
-    if strategy != "auto" and strategy not in STRATEGIES:
-        raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or 'auto'")
+    _check_turn(q, k, v, new, mask, positions, strategy, rank, P)
     scale = softmax_scale_of(softmax_scale, d)
     q, scale = fold_scale(q, scale)
     if P == 1:
@@ -438,29 +465,11 @@ def extend_attention(
     pos_range = (
         (float(positions.min()), float(positions.max())) if positions is not None and len(positions) else (-1.0, -1.0)
     )
-    ranges = None
     checked = shards is None or state is not None
-    got = None
-    if checked:
-        got = _exchange_header(
-            B, t, n, H, Hkv, d, q.dtype, new, strategy, mask, scale, pos_range, state or (), rank, P, group
-        )
-    if got is not None:
-        shards, ranges = got
-    elif shards is None:
-        raise ValueError(f"rank {rank}: on PyTorch's fake process group extend_attention needs shards=")
-    elif mask.plain:
-        ranges = [pos_range] * P  # not used without a window
-    if ranges is None:  # a window needs every rank's cached positions: one small all-gather
-        rows = exchange(pos_range, group, rank, P, _WHO, "the cached positions")
-        ranges = [tuple(x) for x in rows] if rows is not None else [pos_range] * P  # fake group: shapes only
+    header = (B, t, n, H, Hkv, d, q.dtype, new, strategy, mask, scale, pos_range, state or ())
+    shards, ranges = _agreed_shards(header, shards, checked, rank, P, group)
     if strategy == "auto":
         strategy = _choose(shards, B, H, Hkv, d, q, rank, P, group, agree=checked)
-    if strategy == "ulysses" and (H % P or Hkv % P):
-        raise ValueError(
-            f"tokenring extend: ulysses splits the heads over the ranks and needs query heads ({H}) and key/value "
-            f"heads ({Hkv}) divisible by P={P}; use strategy='pass_q'"
-        )
     run = _Run(q, k, v, positions, shards, ranges, mask, scale, rank, group, log)
     run.sinks = sinks
     out, lse = _SCHEDULES[strategy](run)

@@ -239,23 +239,9 @@ def _frozen(x):
 
 @torch._dynamo.assume_constant_result
 def plan(
-    q_shape,
-    k_shape,
-    dtype,
-    device_type: str,
-    strategy: str,
-    causal: bool,
-    softmax_scale,
-    layout,
-    cu_list,
-    cu_tensor: bool,
-    window,
-    sinks: bool,
-    group_name: str,
-    inner_size,
-    backward: bool,
-    compiling: bool,
-):
+    q_shape, k_shape, dtype, device_type: str, strategy: str, causal: bool, softmax_scale, layout, cu_list,
+    cu_tensor: bool, window, sinks: bool, group_name: str, inner_size, backward: bool, compiling: bool,
+):  # fmt: skip
     """What can be decided from the call's constants (shapes, dtypes, options), before any value is read or a
     rank is asked: ``(strategy, scale, layout, window, node size, cu_seqlens list, plain)``. Under
     ``torch.compile`` it runs once per trace (a constant of the graph) and also picks the concrete strategy
@@ -268,11 +254,26 @@ def plan(
     if strategy != "auto":  # unknown names fail here, before any communication
         strategy = with_node_size(get_strategy(strategy), n).name
     check_layout(layout)
-    B, s, H, d = q_shape
-    Hkv = k_shape[2]
+    s, d = q_shape[1], q_shape[3]
     scale = softmax_scale_of(softmax_scale, d)
     cu_list = whole_numbers(cu_list, "cu_seqlens") if cu_list is not None else None
     window = list(window_pair(window)) if window is not None else None
+    _check_shards(q_shape[2], k_shape[2], s, P, strategy, causal, layout)
+    if cu_list is not None or layout == "zigzag_docs" or window is not None:
+        _mask_of(s, P, cu_list, window, causal, layout)  # malformed documents / windows fail here
+    masked = (
+        cu_list is not None or cu_tensor or layout == "zigzag_docs" or make_mask(s, None, window, causal) is not None
+    )
+    plain = P == 1 and not masked and not sinks
+    if compiling and P > 1:
+        documents = cu_list is not None or cu_tensor
+        strategy = trace_choice(q_shape, k_shape, dtype, device_type, strategy, causal, layout, window, documents,
+                                backward, group, n, scale, sinks)  # fmt: skip
+    return strategy, scale, layout, window, n, cu_list, plain
+
+
+def _check_shards(H: int, Hkv: int, s: int, P: int, strategy: str, causal: bool, layout: str) -> None:
+    """ValueError when the local length does not fit the layout or a named strategy cannot run these heads."""
     if P > 1 and layout == "zigzag" and s % 2:
         raise ValueError(
             f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; pad the "
@@ -282,34 +283,6 @@ def plan(
         why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
         if why:
             raise ValueError(why)
-    if cu_list is not None or layout == "zigzag_docs" or window is not None:
-        _mask_of(s, P, cu_list, window, causal, layout)  # malformed documents / windows fail here
-    plain = (
-        P == 1
-        and cu_list is None
-        and not cu_tensor
-        and not sinks
-        and layout != "zigzag_docs"
-        and make_mask(s, None, window, causal) is None
-    )
-    if compiling and P > 1:
-        strategy = trace_choice(
-            q_shape,
-            k_shape,
-            dtype,
-            device_type,
-            strategy,
-            causal,
-            layout,
-            window,
-            cu_list is not None or cu_tensor,
-            backward,
-            group,
-            n,
-            scale,
-            sinks,
-        )
-    return strategy, scale, layout, window, n, cu_list, plain
 
 
 def trace_choice(

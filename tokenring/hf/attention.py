@@ -115,6 +115,31 @@ def _gathered(t: torch.Tensor, layout: str, group, device) -> torch.Tensor:
     return gather(t.to(device), dim=1, layout=layout, group=group).cpu()
 
 
+def _check_heads(module, heads: list, mask_problem: str | None, rank: int) -> None:
+    """The ranks' exchanged flags (mask accepted, batch, local length, positions given, padded, mask rows):
+    a refusal on every rank alike when one rank refused its mask or the ranks' shapes differ."""
+    if not all(h[0] for h in heads):  # every rank stops here: no rank goes on to the gather below
+        raise _refuse(
+            module,
+            f"rank {rank}: {mask_problem}"
+            if mask_problem is not None
+            else f"rank {rank}: another rank refused its attention mask (see that rank's error)",
+        )
+    for i, what in (
+        (2, "local lengths (tokens per rank)"),
+        (1, "batch sizes of their position ids"),
+        (3, "position ids (given on some ranks only)"),
+        (5, "attention masks (batch size, or given on some ranks only)"),
+    ):
+        if len({h[i] for h in heads}) > 1:
+            raise _refuse(
+                module,
+                f"rank {rank}: the ranks pass different {what}: "
+                f"{ {r: int(h[i]) for r, h in enumerate(heads)} }. Every rank must hold S/P tokens of "
+                f"the same sequences: shard them with tokenring.hf.shard_batch or tokenring.shard",
+            )
+
+
 def _check_inputs(
     module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group, device, causal: bool = True
 ) -> list[int] | None:
@@ -140,26 +165,7 @@ def _check_inputs(
         local_default = pos is not None and bool((pos.cpu() == torch.arange(s)).all())
         head = [int(mask_problem is None), B, s, int(pos is not None), int(padded), mask_rows, int(local_default)]
         heads = exchange(head, group, rank, P, "the attention layers", "attention masks and position ids")
-        if not all(h[0] for h in heads):  # every rank stops here: no rank goes on to the gather below
-            raise _refuse(
-                module,
-                f"rank {rank}: {mask_problem}"
-                if mask_problem is not None
-                else f"rank {rank}: another rank refused its attention mask (see that rank's error)",
-            )
-        for i, what in (
-            (2, "local lengths (tokens per rank)"),
-            (1, "batch sizes of their position ids"),
-            (3, "position ids (given on some ranks only)"),
-            (5, "attention masks (batch size, or given on some ranks only)"),
-        ):
-            if len({h[i] for h in heads}) > 1:
-                raise _refuse(
-                    module,
-                    f"rank {rank}: the ranks pass different {what}: "
-                    f"{ {r: int(h[i]) for r, h in enumerate(heads)} }. Every rank must hold S/P tokens of "
-                    f"the same sequences: shard them with tokenring.hf.shard_batch or tokenring.shard",
-                )
+        _check_heads(module, heads, mask_problem, rank)
         if any(h[4] for h in heads):  # a padding mask on some rank: is it right padding of the whole batch?
             full_mask = _gathered(attention_mask.to(torch.int64).reshape(-1, s), layout, group, device)
             problem = _padding_problem(full_mask, causal)
