@@ -498,6 +498,19 @@ def _call(rank: int, P: int, case: dict):
     return [out.detach(), q.grad, k.grad, v.grad], ref
 
 
+def refusal_then_call(rank: int, P: int, kinds: list, case: dict) -> dict:
+    """A valid call, then each refused call of ``kinds`` (a ValueError here) followed by the valid call again:
+    {kind: the outputs and gradients after it are bit for bit those before}, and the valid call's error
+    against the float64 reference."""
+    before, ref = _call(rank, P, case)
+    same = {}
+    for kind in kinds:
+        expect_error(rank, P, kind)
+        after, _ = _call(rank, P, case)
+        same[kind] = all(torch.equal(x, y) for x, y in zip(before, after))
+    return dict(same=same, err=rel_err(before[0].double(), ref))
+
+
 def repeat_case(rank: int, P: int, case: dict) -> bool:
     """Two calls on the same inputs give bitwise-identical outputs and gradients on this rank."""
     a, _ = _call(rank, P, case)

@@ -144,6 +144,8 @@ def refusals(rank: int, P: int, S: int) -> dict:
     ids = tokens(S, model.config.vocab_size)
     batch = thf.shard_batch(ids)
     msgs = {}
+    with torch.no_grad():
+        baseline = model(**batch).logits
 
     def expect(name, fn):
         try:
@@ -152,6 +154,9 @@ def refusals(rank: int, P: int, S: int) -> dict:
             msgs[name] = str(e)
         else:
             raise AssertionError(f"rank {rank}: {name} was not refused")
+        with torch.no_grad():  # the refusal left nothing behind: the next plain forward is bit for bit the same
+            if not torch.equal(model(**batch).logits, baseline):
+                raise AssertionError(f"rank {rank}: a forward after the {name} refusal differs")
 
     with torch.no_grad():
         # padding on one rank's shard only: every rank must refuse

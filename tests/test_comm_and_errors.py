@@ -180,6 +180,22 @@ def test_one_rank_refusing_raises_on_every_rank(pools, kind, needle):
         assert (needle in msg) if kind == "head_dim_zero" else ("rank(s) [0] refused" in msg), msg
 
 
+@pytest.mark.parametrize("P", [2, 3])
+def test_refusals_leave_nothing_behind(pools, P):
+    """Every refusal of attention's arguments (all ranks refusing, one rank refusing, ranks that differ), each
+    followed by a valid call: that call's outputs and gradients are bit for bit those of the same call before
+    any refusal, and they match the float64 reference (1e-5, float32)."""
+    kinds = [
+        "head_ratio", "batch", "length", "head_dim", "dtype", "device", "ranks_differ", "zigzag_odd", "bidir_odd_kv",
+        "bad_strategy", "bad_layout", "cu_sum", "cu_ranks_differ", "cu_bad_on_one_rank", "window_bad",
+        "zigzag_odd_one_rank", "bad_strategy_one_rank", "chunks_one_rank", "shape_one_rank", "scale_one_rank",
+        "head_dim_zero", "window_one_rank",
+    ]  # fmt: skip
+    case = dict(B=1, s=8, H=4, Hkv=2, d=16, dtype="float32", causal=True, layout="zigzag", strategy="token_ring")
+    for r in pools(P).run(cases.refusal_then_call, kinds, {**case, "seed": 3}):
+        assert all(r["same"].values()) and r["err"] < 1e-5, r
+
+
 @pytest.mark.parametrize(
     "kind,needle",
     [
