@@ -395,6 +395,10 @@ def extend_refusals(rank: int, P: int) -> dict:
             thf.extend(model, cache, convo)
         except ValueError as e:
             msgs[name] = str(e)
+    try:  # 4 query heads do not split over 3 ranks: refused, and the advised retry works
+        thf.extend(model, cache, torch.cat([ids, tokens(5, V)], dim=1), strategy="ulysses")
+    except ValueError as e:
+        msgs["ulysses"] = str(e)
     thf.extend(model, cache, torch.cat([ids, tokens(5, V)], dim=1))  # and the cache still works
     msgs["held"] = cache.layers[0].total
     return msgs
@@ -500,3 +504,19 @@ def tiled_loss_keeps_head_hooks(rank: int, P: int) -> bool:
     ids = tokens(8 * P, model.config.vocab_size)
     thf.causal_lm_loss(model, thf.shard_batch(ids, labels=ids), chunk=4).backward()
     return head.__dict__.get("forward") is hooked and len(calls) > 0
+
+
+def large_ids(rank: int, P: int) -> dict:
+    """Token ids near 2**63: shard_batch's batch check takes them (same ids everywhere), and refuses them on every
+    rank when one rank's ids differ; the message of each."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(2**62, 2**63 - 1, (2, 8 * P), generator=gen)
+    batch = thf.shard_batch(ids, labels=ids, verify=True)
+    other = ids.clone()
+    if rank == P - 1:
+        other[0, 0] -= 1
+    try:
+        thf.shard_batch(other, labels=other, verify=True)
+    except ValueError as e:
+        return dict(shape=tuple(batch["input_ids"].shape), error=str(e))
+    return dict(shape=tuple(batch["input_ids"].shape), error=None)

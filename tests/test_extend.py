@@ -145,4 +145,5 @@ def test_extend_refusals(pools):
         assert "already holds" in msgs["nothing"], msgs
         assert "different conversation" in msgs["ranks"], msgs
         assert "batch of 1" in msgs["batch"], msgs
+        assert "divisible by P=3" in msgs["ulysses"], msgs
         assert msgs["held"] == 24 + 5

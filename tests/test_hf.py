@@ -231,3 +231,9 @@ def test_any_length_and_right_padding(pools, P):
 
 def test_tiled_loss_puts_back_an_instance_forward(pools):
     assert all(pools(2).run(hf_cases.tiled_loss_keeps_head_hooks))
+
+
+def test_large_token_ids_in_the_batch_check(pools):
+    """Token ids near 2**63 neither overflow the batch checksum nor let a one-id difference through."""
+    for r in pools(2).run(hf_cases.large_ids):
+        assert r["shape"] == (2, 8) and r["error"] is not None and "different samples" in r["error"], r

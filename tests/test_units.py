@@ -492,3 +492,15 @@ def test_a_kernel_backend_is_one_registry_entry(monkeypatch):
         dim=1,
     )
     assert (out - ref).abs().max() < 1e-12
+
+
+def test_checksum_of_large_and_permuted_values():
+    """agreement.checksum: the same number for equal tensors whatever their values' size, another for a
+    permutation, a one-unit change, a dtype or a shape."""
+    from tokenring.agreement import checksum
+
+    x = torch.tensor([[2**63 - 1, -(2**63), 5, 7]])
+    assert checksum(x) == checksum(x.clone())
+    assert len({checksum(x), checksum(x.flip(-1)), checksum(x + (x == 5)), checksum(x.view(2, 2))}) == 4
+    f = torch.randn(3, 5)
+    assert checksum(f) == checksum(f.clone()) != checksum(f.double()) and checksum(f) != checksum(-f)

@@ -145,6 +145,22 @@ class ShardedCache(Cache):
         if self.rank:
             torch.cuda.set_rng_state(buf.cpu(), device) if cuda else torch.set_rng_state(buf.cpu())
 
+    def snapshot(self) -> tuple:
+        """What :meth:`restore` puts back after a failed step: every layer's rows, positions, counts, total and
+        skip, and the spans (tensors are replaced, never written in place, so references suffice)."""
+        layers = [
+            (layer, {k: list(v) if isinstance(v, list) else v for k, v in vars(layer).items()}) for layer in self.layers
+        ]
+        return layers, len(self.layers), list(self.spans)
+
+    def restore(self, snap: tuple) -> None:
+        layers, n, spans = snap
+        for layer, state in layers:
+            vars(layer).clear()
+            vars(layer).update(state)
+        del self.layers[n:]
+        self.spans[:] = spans
+
     def _new_layer(self) -> ShardedLayer:
         return ShardedLayer(self, len(self.layers))
 

@@ -106,29 +106,34 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
             raise ValueError(
                 f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}, 'auto' or 'replicated'"
             )
-    for layer in cache.layers:
-        layer.skip = 0  # the new tokens start right after the cached ones
-    B = input_ids.shape[0]
-    with torch.no_grad():
-        few = T <= REPLICATE_PER_RANK * P and strategy in (None, "auto")
-        if T < P or few or strategy == "replicated":  # too few to share: every rank runs them, as a decode step
-            pos = torch.arange(held, held + T, device=input_ids.device).expand(B, -1)
-            model(input_ids=input_ids[:, held:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
-        else:
-            ranges = split_new(counts, T)
-            a, b = ranges[rank]
-            pos = torch.arange(held + a, held + b, device=input_ids.device).expand(B, -1)
-            cache.extending, cache.strategy, cache._chosen = ranges, strategy or "auto", None
-            try:
-                model(
-                    input_ids=input_ids[:, held + a : held + b],
-                    position_ids=pos,
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-            finally:
-                cache.extending = None
+    snap = cache.snapshot()
+    try:
+        for layer in cache.layers:
+            layer.skip = 0  # the new tokens start right after the cached ones
+        B = input_ids.shape[0]
+        with torch.no_grad():
+            few = T <= REPLICATE_PER_RANK * P and strategy in (None, "auto")
+            if T < P or few or strategy == "replicated":  # too few to share: every rank runs them, as a decode step
+                pos = torch.arange(held, held + T, device=input_ids.device).expand(B, -1)
+                model(input_ids=input_ids[:, held:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+            else:
+                ranges = split_new(counts, T)
+                a, b = ranges[rank]
+                pos = torch.arange(held + a, held + b, device=input_ids.device).expand(B, -1)
+                cache.extending, cache.strategy, cache._chosen = ranges, strategy or "auto", None
+                try:
+                    model(
+                        input_ids=input_ids[:, held + a : held + b],
+                        position_ids=pos,
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                finally:
+                    cache.extending = None
+    except BaseException:  # a refused or failed turn leaves the cache as it was: the caller can retry
+        cache.restore(snap)
+        raise
     for layer in cache.layers:
         layer.skip = 1  # model.generate feeds the last token again: that step stores nothing
     cache.spans.append((held, input_ids.shape[1], checksum(input_ids[:, held:])))
