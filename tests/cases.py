@@ -82,8 +82,9 @@ def case_inputs(rank: int, P: int, case: dict) -> tuple[list[torch.Tensor], torc
     return full, local_positions(S, P, rank, case["layout"], cu_seqlens=case.get("cu_seqlens"))
 
 
-def check_case(rank: int, P: int, case: dict) -> dict:
-    """Compare out, dq, dk, dv of one configuration with the reference; raise AssertionError on mismatch."""
+def check_case(rank: int, P: int, case: dict, tol: float | None = None) -> dict:
+    """Compare out, dq, dk, dv of one configuration with the reference; raise AssertionError on mismatch
+    (``tol``: instead of the dtype's tolerance)."""
     d, dtype = case["d"], getattr(torch, case["dtype"])
     causal, layout, strategy, scale = case["causal"], case["layout"], case["strategy"], case.get("scale")
     (*full, dout_full), idx = case_inputs(rank, P, case)
@@ -127,7 +128,7 @@ def check_case(rank: int, P: int, case: dict) -> dict:
             else:
                 os.environ[key] = value
     out.backward(dout_full.index_select(1, idx))
-    tol = TOL[dtype]
+    tol = TOL[dtype] if tol is None else tol
     errs = {}
     for name, got, ref, like in (
         ("out", out, ref_out, dout_full),
@@ -140,7 +141,10 @@ def check_case(rank: int, P: int, case: dict) -> dict:
             f"{None if got is None else tuple(got.shape)}"
         )
         r = ref.index_select(1, idx)
-        e = rel_err(got, r, 1e-3 * ref.abs().max().item())  # this rank's rows, at least 1e-3 of the whole
+        # this rank's rows, relative to at least 1e-3 of the whole and to 0.1 * sqrt(d): the inputs are O(1), and
+        # a gradient that is exactly 0 in theory (dq where every query sees only itself: a one-token document, a
+        # window of 0) comes out as the rounding noise of (dO.V - delta), dot products of length d
+        e = rel_err(got, r, max(1e-3 * ref.abs().max().item(), 0.1 * d**0.5))
         errs[name] = e
         if not (e <= tol):  # also catches NaN
             worst = (got.double() - r).abs().argmax().item()
