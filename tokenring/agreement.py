@@ -19,7 +19,16 @@ import torch.distributed as dist
 from .comm import get_timeout, group_store
 from .device import collective_device, values_travel
 
-__all__ = ["code", "checksum", "exchange", "require_same", "differences", "Verified", "forget_groups"]
+__all__ = [
+    "code",
+    "checksum",
+    "exchange",
+    "ranks_differing",
+    "require_same",
+    "differences",
+    "Verified",
+    "forget_groups",
+]
 
 _exchanges: dict = {}  # per group: exchanges so far (the same count on every rank in step)
 
@@ -84,6 +93,13 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
             f"destroy it and start the ranks again."
         ) from e
     return [e.tolist() for e in every]
+
+
+def ranks_differing(values: Sequence[float], group, rank: int, P: int, who: str, what: str) -> list[int]:
+    """The ranks whose ``values`` (checksums, shapes) differ from rank 0's, the same list on every rank (empty on
+    the fake process group)."""
+    rows = exchange(values, group, rank, P, who, what)
+    return [r for r, row in enumerate(rows or []) if row != rows[0]]
 
 
 def _shown(name: str, value: float) -> str:

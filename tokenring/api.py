@@ -73,7 +73,7 @@ def attention(
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
     try:
         call = _checked_plan(q, k, v, sinks, cu, cu_seqlens, strategy, causal, softmax_scale, layout, window, group,
-                             inner_size, backward, compiling)  # fmt: skip
+                             inner_size, backward, compiling, rank)  # fmt: skip
     except ValueError as e:
         if P == 1 or compiling:
             raise _ranked(e, rank) from None
@@ -95,9 +95,8 @@ def attention(
 
 
 def _checked_plan(q, k, v, sinks, cu, cu_seqlens, strategy, causal, softmax_scale, layout, window, group, inner_size,
-                  backward: bool, compiling: bool):  # fmt: skip
+                  backward: bool, compiling: bool, rank: int):  # fmt: skip
     """This rank's checks of its arguments, then :func:`tokenring.ops.plan` (ValueError for what it refuses)."""
-    rank = group_info(group)[0]
     _check_local(q, k, v, rank)
     _check_sinks(sinks, q, rank)
     if cu is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from ..agreement import checksum, exchange
+from ..agreement import checksum, ranks_differing
 from ..layouts import check_layout, group_info
 from ..strategies import get as get_strategy
 from ..strategies import node_size
@@ -93,8 +93,8 @@ def same_batch(group, tensors: list) -> None:
     rank, P = group_info(group)
     if P == 1:
         return
-    rows = exchange([checksum(t) for t in tensors] + [len(tensors)], group, rank, P, "tokenring.hf", "batches")
-    differ = [r for r, row in enumerate(rows or []) if row != rows[0]]
+    values = [checksum(t) for t in tensors] + [len(tensors)]
+    differ = ranks_differing(values, group, rank, P, "tokenring.hf", "batches")
     if differ:
         raise ValueError(
             f"tokenring: the ranks of one sequence-parallel group hold different samples (ranks "

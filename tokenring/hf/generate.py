@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import mixers
-from ..agreement import checksum, exchange
+from ..agreement import checksum, ranks_differing
 from ..layouts import group_info, local_positions
 from ..strategies.extend import STRATEGIES, split_new
 from .batch import shard_batch
@@ -60,8 +60,8 @@ def _same_everywhere(input_ids: torch.Tensor, group, rank: int, P: int, who: str
     """The same tokens on every rank, or a ValueError on every rank."""
     if P == 1:
         return
-    rows = exchange([checksum(input_ids), *input_ids.shape], group, rank, P, f"tokenring.hf.{who}", f"the {what}")
-    bad = [r for r, row in enumerate(rows or []) if row != rows[0]]
+    values = [checksum(input_ids), *input_ids.shape]
+    bad = ranks_differing(values, group, rank, P, f"tokenring.hf.{who}", f"the {what}")
     if bad:
         raise ValueError(
             f"tokenring.hf.{who} (rank {rank}): rank(s) {bad} pass a different {what} than rank 0 (shape or "
