@@ -192,6 +192,7 @@ def _single(rank: int, P: int, spec: dict, ref_path: str, show: bool) -> dict:
 
 def _rank(rank: int, P: int, spec: dict, strategies: list, ref_path: str, show: bool) -> dict:
     import tokenring.hf as thf
+    import tokenring.hf.config as hf_config
     from tokenring.comm import Trace
     from tokenring.layouts import local_positions
 
@@ -202,7 +203,7 @@ def _rank(rank: int, P: int, spec: dict, strategies: list, ref_path: str, show: 
     warm = thf.shard_batch(ids[:, : 16 * P])
     traced_layer = model.config.num_hidden_layers // 2
     trace = {}
-    thf._settings.config_fn = lambda m: (
+    hf_config._settings.config_fn = lambda m: (
         dict(trace=trace["t"]) if "t" in trace and getattr(m, "layer_idx", None) == traced_layer else None
     )
     with torch.no_grad():
@@ -229,7 +230,7 @@ def _rank(rank: int, P: int, spec: dict, strategies: list, ref_path: str, show: 
         del logits
         res[name] = dict(time=dt, peak=peak, body=body["peak"] - base, err=err, events=trace.pop("t").events)
     progress.close()
-    thf._settings.config_fn = None
+    hf_config._settings.config_fn = None
     return res
 
 
