@@ -668,7 +668,7 @@ def extend_case(rank: int, P: int, case: dict) -> float:
     rows = mine.tolist() + list(range(n + a, n + b))
     window, cu = case.get("window"), case.get("cu_seqlens")
     sinks = torch.linspace(-1.5, 2.0, H, dtype=torch.float64).to(dtype) if case.get("sinks") else None
-    import tokenring.extend as ext
+    import tokenring.strategies.extend as ext
 
     old_rows, ext.BATCH_ROWS = ext.BATCH_ROWS, case.get("batch_rows", ext.BATCH_ROWS)  # groups of query rows
     try:

@@ -1,19 +1,18 @@
 """Decoding over a sequence-sharded KV cache: new tokens' queries attend every rank's cached keys, exactly; the
-partials are all-gathered and merged in rank order, the same bits on every rank (docs/internals.md, "Decoding").
+partials go to every rank (the ``replicated`` schedule, on the executor) and are merged in rank order, the same
+bits on every rank (docs/internals.md, "Decoding").
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .agreement import code, exchange, require_same
-from .comm import wait_collective
-from .device import collective_device
-from .extend import RowMask, attend_rows, check_rows
+from .extend import RowMask, RowsOps, attend_rows, check_rows, run_schedule
 from .kernels import attention_inputs, fold_scale, softmax_scale_of
 from .layouts import group_info
-from .merge import merge_, merge_sink_, new_accumulator
+from .merge import merge_sink_
+from .strategies.extend import decode_schedule
 
 __all__ = ["decode_attention", "place_new", "step_bytes"]
 
@@ -69,10 +68,8 @@ def decode_attention(
     a, b = _check_step(q, k, v, new, window, positions, start, rank)
     q, scale = fold_scale(q, softmax_scale_of(softmax_scale, q.shape[3]))
     mask = RowMask(-1 if window is None else int(window))
-    # every cached row precedes every new token; new tokens a..b-1 stored here: queries a..b-1 see them
-    # causally, later queries in full
-    o, lse = attend_rows(q, 0, k, v, positions, a, b, start or 0, mask, scale)
-    if P == 1:
+    if P == 1:  # every cached row precedes every new token; queries a..b-1 see new tokens a..b-1 causally
+        o, lse = attend_rows(q, 0, k, v, positions, a, b, start or 0, mask, scale)
         if sinks is not None:
             merge_sink_(o, lse, sinks)
         return o.to(q.dtype)
@@ -84,7 +81,8 @@ def decode_attention(
         require_same(
             rows, _HEADER + [f"state[{i}]" for i in range(len(state))], rank, _WHO, _SAME_STEP, doing="decodes"
         )
-    out, out_lse = _merged_everywhere(o, lse, q, group, rank, P, log)
+    ops = RowsOps("replicated", q, k, v, positions, None, mask, scale, rank, own=(0, a, b, start or 0))
+    out, out_lse = run_schedule(decode_schedule(P), ops, group, "decode", log)
     if sinks is not None:
         merge_sink_(out, out_lse, sinks)
     return out.to(q.dtype)
@@ -115,23 +113,3 @@ def _check_step(q, k, v, new, window, positions, start, rank: int) -> tuple[int,
             f"{None if positions is None else tuple(positions.shape)}, start={start})"
         )
     return a, b
-
-
-def _merged_everywhere(o, lse, q, group, rank: int, P: int, log):
-    """Every rank's partial ``(o, lse)`` all-gathered and merged in rank order: the same bits on every rank."""
-    flat = torch.cat([o.reshape(-1), lse.reshape(-1)]).to(collective_device(group))
-    parts = [torch.empty_like(flat) for _ in range(P)]
-    _wait(dist.all_gather(parts, flat, group=group, async_op=True), rank, "the partial outputs", group)
-    if log is not None:
-        log.append({"bytes": (P - 1) * flat.numel() * flat.element_size()})
-    out, out_lse = new_accumulator(*q.shape, q.dtype, q.device)
-    for part in parts:
-        part = part.to(q.device)
-        merge_(out, out_lse, part[: o.numel()].view_as(o), part[o.numel() :].view_as(lse))
-    return out, out_lse
-
-
-def _wait(work, rank: int, what: str, group) -> None:
-    wait_collective(
-        work, group, f"tokenring decode (rank {rank}): exchanging {what}", "a rank died or is not decoding this step"
-    )

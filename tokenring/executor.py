@@ -24,7 +24,7 @@ __all__ = ["Ops", "execute"]
 class Ops(Protocol):
     def payload(self, m: Message) -> list[torch.Tensor]: ...  # tensors to send for ``m``
     def empty(self, m: Message) -> list[torch.Tensor]: ...  # receive buffers for ``m``
-    def compute(self, c: Compute) -> None: ...
+    def compute(self, c: Compute) -> None: ...  # (or ``compute_all(cs)``: a step's computes in one go)
     def receive(self, m: Message, tensors: list[torch.Tensor]) -> None: ...
     def release(self, step: int, reads: dict) -> None: ...  # free what no later step reads
 
@@ -33,6 +33,26 @@ class Ops(Protocol):
 def _rank_plan(sched: Schedule, rank: int, early: bool):
     """This rank's per-step (computes, sends, receives to post) and every read of a stored entry."""
     return sched.postings(rank, early), sched.reads(rank)
+
+
+def _compute(ops: Ops, computes: list[Compute], trace, t: int) -> None:
+    """The step's computes, one by one or, where the ``Ops`` batch them (``compute_all``), together."""
+    together = getattr(ops, "compute_all", None)
+    runs = [computes] if together is not None else [[c] for c in computes]
+    for run in runs:
+        t0 = trace.now() if trace is not None else None
+        together(run) if together is not None else ops.compute(run[0])
+        for c in run if trace is not None else ():
+            trace.add(
+                "compute",
+                f"Q{c.q_owner}.{c.q_part} x KV{c.kv_owner}.{c.kv_part}",
+                t0,
+                trace.now(),
+                step=t,
+                q_owner=c.q_owner,
+                kv_owner=c.kv_owner,
+                diag=c.diag,
+            )
 
 
 def execute(sched: Schedule, comm: Comm, ops: Ops, held: list | None = None) -> None:
@@ -49,20 +69,8 @@ def execute(sched: Schedule, comm: Comm, ops: Ops, held: list | None = None) -> 
             t, [(m, ops.payload(m), at) for m, *at in sends], [(m, ops.empty(m), at) for m, *at in recvs]
         ):
             inflight.setdefault(pending.due, []).append(pending)
-        for c in computes:
-            t0 = trace.now() if trace is not None else None
-            ops.compute(c)
-            if trace is not None:
-                trace.add(
-                    "compute",
-                    f"Q{c.q_owner}.{c.q_part} x KV{c.kv_owner}.{c.kv_part}",
-                    t0,
-                    trace.now(),
-                    step=t,
-                    q_owner=c.q_owner,
-                    kv_owner=c.kv_owner,
-                    diag=c.diag,
-                )
+        if computes:
+            _compute(ops, computes, trace, t)
         for pending in inflight.pop(t, []):
             pending.wait()
             for m, bufs in pending.recvs:

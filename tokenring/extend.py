@@ -11,14 +11,25 @@ import torch
 from .agreement import code, exchange, require_same
 from .comm import Comm, buffers
 from .device import values_travel
+from .executor import execute
 from .kernels import attention_inputs, block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .masks import TILE_ROWS
 from .merge import acc_dtype, merge_, merge_sink_, new_accumulator
 from .schedules import Message
-from .strategies.extend import BATCH_ROWS, STRATEGIES, Shards, batches, extend_bytes, split_new  # noqa: F401
+from .strategies.extend import STRATEGIES, Shards, extend_bytes, schedule, sees, split_new  # noqa: F401
 
-__all__ = ["STRATEGIES", "Shards", "RowMask", "split_new", "attend_rows", "extend_attention", "extend_bytes"]
+__all__ = [
+    "STRATEGIES",
+    "Shards",
+    "RowMask",
+    "RowsOps",
+    "split_new",
+    "attend_rows",
+    "run_schedule",
+    "extend_attention",
+    "extend_bytes",
+]
 
 
 def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, who: str) -> None:
@@ -87,20 +98,6 @@ def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowM
     return o, lse
 
 
-def _meets(shards: Shards, ranges, mask: RowMask, qj: int, kj: int) -> bool:
-    """Whether rank ``qj``'s queries see any row of rank ``kj`` (``ranges[j]``: its cached positions' range)."""
-    a, b = shards.new[qj]
-    if a == b:
-        return False
-    ka, kb = shards.new[kj]
-    sees_new = kb > ka and ka < b
-    if not shards.cached(kj):
-        return sees_new
-    if mask.left >= 0 and ranges[kj][1] < shards.start + a - mask.left:
-        return sees_new  # every cached row of kj is out of the window of qj's first query
-    return True
-
-
 _HEADER = ["batch", "query heads", "key/value heads", "head dim", "dtype", "strategy", "window", "documents", "scale"]
 _WHO = "tokenring extend"
 
@@ -130,30 +127,117 @@ def _exchange_header(
     return shards, [(x[k + 4], x[k + 5]) for x in rows]
 
 
-class _Run:
-    """One call on one rank: the inputs, the shards, and the messages (through :class:`Comm`)."""
+class RowsOps:
+    """The executor's ``Ops`` for inference: what the computes and messages of an extend or decode schedule
+    (:mod:`tokenring.strategies.extend`) mean on rank ``rank``. ``own = (qa, ka, kb, start)`` overrides this
+    rank's query and new-row indices and the step's first position (decode, where ``shards`` is ``None``)."""
 
-    def __init__(self, q, k, v, kpos, shards, ranges, mask, scale, rank, group, log):
-        self.q, self.k, self.v, self.kpos = q, k, v, kpos
-        self.shards, self.ranges, self.mask, self.scale = shards, ranges, mask, scale
-        self.rank, self.P = rank, shards.P
-        self.comm = Comm(group, what="extend")
-        self.log = log
+    def __init__(self, strategy, q, k, v, kpos, shards, mask: RowMask, scale, rank: int, sinks=None, own=None):
+        self.strategy, self.q, self.k, self.v, self.shards = strategy, q, k, v, shards
+        self.mask, self.scale, self.rank, self.sinks, self.device = mask, scale, rank, sinks, q.device
+        self.qa, ka, kb, self.start = own or (shards.new[rank][0], *shards.new[rank], shards.start)
+        self.own_new = (ka, kb)
+        self.store = {("q", rank): [q], ("kv", rank): [k, v]}
+        if not mask.plain:
+            self.store["pos", rank] = [kpos]
+        self.made: dict = {}  # q owner -> the partial (o, lse) this rank computed for it
+        self.partials: dict = {}  # kv owner -> a partial of this rank's queries (its own, or come home)
+        self.acc = None  # pass_kv: this rank's running output
+        self.pieces: dict = {}  # ulysses: rank -> its rows of my head group (q, k, v), then of my output
+        self.last: dict | None = None
 
-    def attend(self, q, qa, k, v, kpos, kj):
-        ka, kb = self.shards.new[kj]
-        return attend_rows(q, qa, k, v, kpos, ka, kb, self.shards.start, self.mask, self.scale)
+    # the executor's interface
+    def payload(self, m: Message) -> list[torch.Tensor]:
+        if m.kind == "out":
+            return list(self.made[m.owner] if m.owner != self.rank else self.partials[self.rank])
+        if m.kind == "u_qkv":
+            return [self._group(x, m.dst) for x in (self.q, self.k, self.v)]
+        if m.kind == "u_out":
+            return [self.u_out[:, slice(*self.shards.new[m.dst])]]
+        return self.store[m.kind, m.owner]
 
-    def attend_many(self, qs: list, qas: list[int]) -> list[tuple]:
-        """This rank's rows attended by several ranks' queries, the cached block in one kernel call for all."""
+    def empty(self, m: Message) -> list[torch.Tensor]:
+        B, tq, H, d = self.q.shape
+        Hkv, sh, j = self.k.shape[2], self.shards, m.owner
+        dt, kdt, acc = self.q.dtype, self.k.dtype, acc_dtype(self.q.dtype)
+        specs = {
+            "q": lambda: [((B, sh.t(j), H, d), dt)],
+            "kv": lambda: [((B, sh.rows[j], Hkv, d), kdt)] * 2,
+            "pos": lambda: [((sh.cached(j),), torch.int64)],
+            "out": lambda: [((B, tq, H, d), acc), ((B, H, tq), acc)],
+            "u_qkv": lambda: [((B, sh.t(j), H // sh.P, d), dt)] + [((B, sh.rows[j], Hkv // sh.P, d), kdt)] * 2,
+            "u_out": lambda: [((B, tq, H // sh.P, d), dt)],
+        }
+        return buffers(specs[m.kind](), self.device)
+
+    def receive(self, m: Message, tensors: list[torch.Tensor]) -> None:
+        if m.kind == "out":
+            self.partials[m.src] = tensors
+        elif m.kind in ("u_qkv", "u_out"):
+            self.pieces[m.src] = tensors
+        else:
+            self.store[m.kind, m.owner] = tensors
+
+    def compute_all(self, cs: list) -> None:
+        if self.strategy == "ulysses":
+            return self._ulysses()
         r = self.rank
-        if len(qs) == 1 or not self.mask.plain:
-            return [self.attend(q, qa, self.k, self.v, self.kpos, r) for q, qa in zip(qs, qas)]
-        ka, kb = self.shards.new[r]
+        if len(cs) > 1 and self.mask.plain and all(c.kv_owner == r for c in cs):
+            parts = self._attend_many([self.store["q", c.q_owner][0] for c in cs], [self._qa(c.q_owner) for c in cs])
+        else:
+            parts = [self._attend(self.store["q", c.q_owner][0], self._qa(c.q_owner), c.kv_owner) for c in cs]
+        for c, part in zip(cs, parts):
+            if c.q_owner != r:
+                self.made[c.q_owner] = part
+            elif self.strategy != "pass_kv":
+                self.partials[c.kv_owner] = part
+            else:
+                if self.acc is None:
+                    self.acc = new_accumulator(*self.q.shape, self.q.dtype, self.device)
+                merge_(*self.acc, *part)
+
+    def release(self, step: int, reads: dict) -> None:
+        """Drop other ranks' queries, rows and positions that no later step reads."""
+        if self.last is None:
+            self.last = {key: max(t for t, *_ in uses) for key, uses in reads.items()}
+        for key in [key for key in self.store if key[1] != self.rank]:
+            if self.last.get(("kv", key[1]) if key[0] == "pos" else key, -1) <= step:
+                del self.store[key]
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's output and lse (``None`` for ulysses, whose sinks are already merged)."""
+        if self.strategy == "ulysses":
+            return torch.cat([self.pieces[j][0] for j in range(self.shards.P)], dim=2), None
+        if self.acc is not None or self.strategy == "pass_kv":
+            return self.acc or new_accumulator(*self.q.shape, self.q.dtype, self.device)
+        out, out_lse = new_accumulator(*self.q.shape, self.q.dtype, self.device)
+        for j in sorted(self.partials):  # rank order: the same bits wherever the partials were made
+            merge_(out, out_lse, *self.partials[j])
+        return out, out_lse
+
+    # the attention of queries to rows
+    def _qa(self, j: int) -> int:
+        return self.qa if j == self.rank else self.shards.new[j][0]
+
+    def _new(self, j: int) -> tuple[int, int]:
+        return self.own_new if j == self.rank else self.shards.new[j]
+
+    def _attend(self, q, qa: int, kj: int, k=None, v=None):
+        """``q`` (queries ``qa..``) against rank ``kj``'s rows (held here, or ``k``, ``v`` given)."""
+        if k is None:
+            k, v = self.store["kv", kj]
+        kpos = self.store.get(("pos", kj), [None])[0]
+        if kpos is None and not self.mask.plain:  # no cached rows: no positions travelled
+            kpos = torch.empty(0, dtype=torch.int64, device=self.device)
+        return attend_rows(q, qa, k, v, kpos, *self._new(kj), self.start, self.mask, self.scale)
+
+    def _attend_many(self, qs: list, qas: list[int]) -> list[tuple]:
+        """This rank's rows attended by several ranks' queries, the cached block in one kernel call for all."""
+        ka, kb = self._new(self.rank)
         old = self.k.shape[1] - (kb - ka)
         B, _, H, d = qs[0].shape
         rows = [q.shape[1] for q in qs]
-        o, lse = new_accumulator(B, sum(rows), H, d, qs[0].dtype, qs[0].device)
+        o, lse = new_accumulator(B, sum(rows), H, d, qs[0].dtype, self.device)
         if old:
             merge_(o, lse, *block_forward(torch.cat(qs, 1), self.k[:, :old], self.v[:, :old], False, self.scale))
         out, at, after = [], 0, []
@@ -175,199 +259,37 @@ class _Run:
                 at += n
         return out
 
-    def meets(self, qj, kj) -> bool:
-        return _meets(self.shards, self.ranges, self.mask, qj, kj)
+    def _group(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        """Head group ``j`` of ``x`` (query or K/V heads), for Ulysses."""
+        n = x.shape[2] // self.shards.P
+        return x[:, :, j * n : (j + 1) * n].contiguous()
 
-    def post(self, step: int, sends=(), recvs=()):
-        """Post messages ``(Message, tensors)``: every message's tag comes from its (step, kind, owner)."""
-        tagged = lambda items: [(m, ts, (m.ready if m.ready >= 0 else step, m.owner)) for m, ts in items]  # noqa: E731
-        return self.comm.start(step, tagged(sends), tagged(recvs))
-
-    def done(self, strategy: str):
-        if self.log is not None:
-            got = sum(x["bytes"] for x in self.comm.log if x["direction"] == "recv")
-            devices = sorted({x["device"] for x in self.comm.log})  # where the message buffers were
-            self.log.append({"bytes": got, "strategy": strategy, "devices": devices})
-
-    def q_like(self, j):
-        B, _, H, d = self.q.shape
-        return [torch.empty(B, self.shards.t(j), H, d, dtype=self.q.dtype, device=self.q.device)]
-
-    def out_like(self, j):
-        B, _, H, d = self.q.shape
-        t, acc = self.shards.t(j), acc_dtype(self.q.dtype)
-        return buffers([((B, t, H, d), acc), ((B, H, t), acc)], self.q.device)
-
-    def kv_like(self, j):
-        B, _, Hkv, d = self.k.shape
-        n, dev = self.shards.rows[j], self.k.device
-        specs = [((B, n, Hkv, d), self.k.dtype)] * 2
-        if not self.mask.plain:
-            specs.append(((self.shards.cached(j),), torch.int64))
-        return buffers(specs, dev)
-
-    def kv_mine(self):
-        return [self.k, self.v] + ([self.kpos] if not self.mask.plain else [])
+    def _ulysses(self) -> None:
+        """Head group ``r`` of every rank's queries against every rank's rows of it, then the sinks."""
+        r, sh = self.rank, self.shards
+        self.pieces[r] = [self._group(x, r) for x in (self.q, self.k, self.v)]
+        B, _, h, d = self.pieces[r][0].shape
+        q_all = torch.empty(B, sh.T, h, d, dtype=self.q.dtype, device=self.device)
+        for j in range(sh.P):
+            q_all[:, slice(*sh.new[j])] = self.pieces[j][0]
+        o, lse = new_accumulator(B, sh.T, h, d, self.q.dtype, self.device)
+        for j in range(sh.P):
+            merge_(o, lse, *self._attend(q_all, 0, j, *self.pieces[j][1:]))
+        if self.sinks is not None:  # this head group's sinks, on finished rows
+            merge_sink_(o, lse, self.sinks[r * h : (r + 1) * h])
+        self.u_out = o.to(self.q.dtype)
+        self.pieces = {r: [self.u_out[:, slice(*sh.new[r])]]}
 
 
-def _wait_all(pending) -> None:
-    for p in pending:
-        p.wait()
-
-
-def _merge_home(run: _Run, own, partials: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """My queries' partials, mine and those that came home, merged in rank order."""
-    out, out_lse = new_accumulator(*run.q.shape, run.q.dtype, run.q.device)
-    for j in range(run.P):
-        if j == run.rank and own is not None:
-            merge_(out, out_lse, *own)
-        elif j in partials:
-            merge_(out, out_lse, *partials[j])
-    return out, out_lse
-
-
-def _pass_q(run: _Run) -> torch.Tensor:
-    """Direct: queries straight to every rank at once, partials straight home, merged in rank order."""
-    r, P, sh = run.rank, run.P, run.shards
-    peers = [(r + i) % P for i in range(1, P)]
-    visitors = [j for j in peers if run.meets(j, r)]  # whose queries I attend, in this order (step i)
-    helpers = [j for j in peers if run.meets(r, j)]  # who attends mine
-    step_of = {j: 1 + (r - j) % P for j in peers}  # the step at which rank j attends my queries (its order)
-    got = {j: run.q_like(j) for j in visitors}
-    partials = {j: run.out_like(r) for j in helpers}
-    out_recvs = [(Message(j, r, "out", r, due=P + 1, ready=step_of[j]), partials[j]) for j in helpers]
-    pend = run.post(
-        0,
-        sends=[(Message(r, j, "q", r), [run.q]) for j in helpers],
-        recvs=[(Message(j, r, "q", j, due=1 + (j - r) % P), got[j]) for j in visitors]
-        + (out_recvs if run.comm.early_receives else []),
-    )
-    waits = {p.due: p for p in pend}
-    sent, own = [], None
-    for group in batches([r] * run.meets(r, r) + visitors, sh):  # own rows first, while queries arrive
-        for j in group:
-            if j != r:
-                waits.pop(1 + (j - r) % P).wait()
-        qs = [run.q if j == r else got.pop(j)[0] for j in group]
-        for j, part in zip(group, run.attend_many(qs, [sh.new[j][0] for j in group])):
-            if j == r:
-                own = part
-            else:
-                i = 1 + (j - r) % P
-                sent += run.post(i, sends=[(Message(r, j, "out", j, ready=i), list(part))])
-    rest = list(waits.values()) + (run.post(P, recvs=out_recvs) if not run.comm.early_receives else [])
-    _wait_all(rest + sent)
-    return _merge_home(run, own, partials)
-
-
-def _pass_q_relay(run: _Run) -> torch.Tensor:
-    """The paper's schedule: queries travel ``r+1 -> r``, partials go straight home."""
-    r, P, sh = run.rank, run.P, run.shards
-    nxt, prv = (r + 1) % P, (r - 1) % P
-    helpers = [j for j in range(P) if j != r and run.meets(r, j)]
-    partials = {j: run.out_like(r) for j in helpers}
-    out_recvs = [(Message(j, r, "out", r, due=P + 1, ready=(r - j) % P), partials[j]) for j in helpers]
-    pend = run.post(0, recvs=out_recvs) if run.comm.early_receives else []
-    held, sent = [run.q], []
-    own = None
-    for i in range(P):
-        j = (r + i) % P
-        step = []
-        if i + 1 < P:  # the queries of r+i+1 arrive from r+1; those I hold go on to r-1 (not back to their owner)
-            incoming = run.q_like((j + 1) % P)
-            step = run.post(
-                i,
-                sends=[(Message(r, prv, "q", j), held)] if i + 1 < P and prv != j else [],
-                recvs=[(Message(nxt, r, "q", (j + 1) % P), incoming)],
-            )
-        if run.meets(j, r):
-            part = run.attend(held[0], sh.new[j][0], run.k, run.v, run.kpos, r)
-            if j == r:
-                own = part
-            else:
-                sent += run.post(i, sends=[(Message(r, j, "out", j, ready=i), list(part))])
-        _wait_all(step)
-        if i + 1 < P:
-            held = incoming
-    if not run.comm.early_receives:
-        pend = run.post(P, recvs=out_recvs)
-    _wait_all(pend + sent)
-    return _merge_home(run, own, partials)
-
-
-def _pass_kv(run: _Run) -> torch.Tensor:
-    """Ring attention: K/V rows travel ``r -> r+1`` while each rank attends its queries to them."""
-    r, P, sh = run.rank, run.P, run.shards
-    nxt, prv = (r + 1) % P, (r - 1) % P
-    a = sh.new[r][0]
-    out, out_lse = new_accumulator(*run.q.shape, run.q.dtype, run.q.device)
-    held = run.kv_mine()
-    for i in range(P):
-        j = (r - i) % P
-        step = []
-        if i + 1 < P:
-            incoming = run.kv_like((j - 1) % P)
-            step = run.post(
-                i,
-                sends=[(Message(r, nxt, "kv", j), held)] if nxt != j else [],
-                recvs=[(Message(prv, r, "kv", (j - 1) % P), incoming)],
-            )
-        if sh.t(r) and run.meets(r, j):
-            kpos = held[2] if len(held) > 2 else None
-            merge_(out, out_lse, *run.attend(run.q, a, held[0], held[1], kpos, j))
-        _wait_all(step)
-        if i + 1 < P:
-            held = list(incoming)
-    return out, out_lse
-
-
-def _ulysses(run: _Run) -> torch.Tensor:
-    """All-to-all by heads, attend, and all-to-all each rank's rows of the output back."""
-    r, P, sh = run.rank, run.P, run.shards
-    B, t, H, d = run.q.shape
-    Hkv = run.k.shape[2]
-    h, hk = H // P, Hkv // P
-    qg = lambda x, j: x[:, :, j * h : (j + 1) * h].contiguous()  # noqa: E731
-    kg = lambda x, j: x[:, :, j * hk : (j + 1) * hk].contiguous()  # noqa: E731
-    extra = [run.kpos] if not run.mask.plain else []
-    pos_spec = lambda j: [((sh.cached(j),), torch.int64)] if extra else []  # noqa: E731
-    got = {
-        j: buffers(
-            [((B, sh.t(j), h, d), run.q.dtype)] + [((B, sh.rows[j], hk, d), run.k.dtype)] * 2 + pos_spec(j),
-            run.q.device,
-        )
-        for j in range(P)
-        if j != r
-    }
-    _wait_all(
-        run.post(
-            0,
-            sends=[(Message(r, j, "u_qkv", r), [qg(run.q, j), kg(run.k, j), kg(run.v, j), *extra]) for j in got],
-            recvs=[(Message(j, r, "u_qkv", j), got[j]) for j in got],
-        )
-    )
-    got[r] = [qg(run.q, r), kg(run.k, r), kg(run.v, r), *extra]
-    q_all = torch.empty(B, sh.T, h, d, dtype=run.q.dtype, device=run.q.device)
-    for j in range(P):
-        a, b = sh.new[j]
-        q_all[:, a:b] = got[j][0]
-    o, lse = new_accumulator(B, sh.T, h, d, run.q.dtype, run.q.device)
-    for j in range(P):
-        part = got[j]
-        merge_(o, lse, *run.attend(q_all, 0, part[1], part[2], part[3] if extra else None, j))
-    if run.sinks is not None:  # this head group's sinks, on finished rows
-        merge_sink_(o, lse, run.sinks[r * h : (r + 1) * h])
-    o = o.to(run.q.dtype)
-    back = {j: [torch.empty(B, t, h, d, dtype=run.q.dtype, device=run.q.device)] for j in range(P) if j != r}
-    _wait_all(
-        run.post(
-            1,
-            sends=[(Message(r, j, "u_out", j), [o[:, slice(*sh.new[j])]]) for j in back],
-            recvs=[(Message(j, r, "u_out", r), back[j]) for j in back],
-        )
-    )
-    back[r] = [o[:, slice(*sh.new[r])]]
-    return torch.cat([back[j][0] for j in range(P)], dim=2), None
+def run_schedule(sched, ops: RowsOps, group, what: str, log: list | None):
+    """Run ``sched`` on the executor through :class:`Comm`; log the bytes received and where the buffers were."""
+    comm = Comm(group, what=what)
+    execute(sched, comm, ops)
+    if log is not None:
+        got = sum(x["bytes"] for x in comm.log if x["direction"] == "recv")
+        devices = sorted({x["device"] for x in comm.log})
+        log.append({"bytes": got, "strategy": sched.strategy, "devices": devices})
+    return ops.result()
 
 
 def _choose(shards: Shards, B, H, Hkv, d, q, rank: int, P: int, group, agree: bool) -> str:
@@ -379,9 +301,6 @@ def _choose(shards: Shards, B, H, Hkv, d, q, rank: int, P: int, group, agree: bo
         return mine
     rows = exchange([float(STRATEGIES.index(mine))], group, rank, P, _WHO, "the chosen schedule")
     return STRATEGIES[int(rows[0][0])]
-
-
-_SCHEDULES = {"pass_q": _pass_q, "pass_q_relay": _pass_q_relay, "pass_kv": _pass_kv, "ulysses": _ulysses}
 
 
 def _check_turn(q, k, v, new, mask, positions, strategy: str, rank: int, P: int) -> None:
@@ -470,10 +389,9 @@ def extend_attention(
     shards, ranges = _agreed_shards(header, shards, checked, rank, P, group)
     if strategy == "auto":
         strategy = _choose(shards, B, H, Hkv, d, q, rank, P, group, agree=checked)
-    run = _Run(q, k, v, positions, shards, ranges, mask, scale, rank, group, log)
-    run.sinks = sinks
-    out, lse = _SCHEDULES[strategy](run)
+    sched = schedule(strategy, shards, sees(shards, ranges, mask.left), not mask.plain)
+    ops = RowsOps(strategy, q, k, v, positions, shards, mask, scale, rank, sinks)
+    out, lse = run_schedule(sched, ops, group, "extend", log)
     if lse is not None and sinks is not None:
         merge_sink_(out, lse, sinks)
-    run.done(strategy)
     return out.to(q.dtype)

@@ -10,7 +10,10 @@ Tensor specs name a row shape per message row ``n`` (``B`` batch, ``H`` query he
 - ``q``: (B, n, H, d) in the input dtype; ``kv``: (B, n, Hkv, d) in the input dtype;
 - ``stat``: (B, H, n) row statistics (lse, delta) in the accumulator dtype;
 - ``kv_acc``: (B, n, Hkv, d) in the accumulator dtype (a travelling dK/dV accumulator);
-- ``uq`` / ``ukv``: Ulysses' head groups, (B, n, H/P, d) and (B, n, Hkv'/P, d), input dtype.
+- ``uq`` / ``ukv``: Ulysses' head groups, (B, n, H/P, d) and (B, n, Hkv'/P, d), input dtype;
+- ``pos``: (n,) int64 global positions of cached rows (extend under a window or documents).
+
+Inference sizes its buffers by the uneven shards of its cache (:mod:`tokenring.extend`), kinds as here.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ _ROWS = (
         Handling.ADD,
         "a dK/dV accumulator travelling from contributor to contributor, then home",
     ),
+    Kind("pos", ("pos",), Flow.DATA, Receive.STORE, None, "cached rows' global positions, travelling with K/V"),
     Kind("u_qkv", ("uq", "ukv", "ukv"), Flow.DATA, Receive.COLLECT, None, "Ulysses: my rows of your Q/K/V head group"),
     Kind(
         "u_out", ("uq",), Flow.RESULTS, Receive.COLLECT, Handling.COPY, "Ulysses: your rows of my head group's output"

@@ -543,6 +543,7 @@ def payload(kind: str, part: str, sh: Shapes, heads: str = "all") -> list[tuple[
         "kv_acc": ((B, n, Hkv, d), acc, 1),
         "uq": ((B, n, H // sh.P, d), dt, 1),
         "ukv": ((B, n, ulysses_kv_heads(H, Hkv, sh.P) // sh.P, d), dt, 1),
+        "pos": ((n,), torch.int64, 0),
     }
     return [shapes[t] for t in spec.tensors]
 

@@ -1,5 +1,6 @@
-"""The simulator for :mod:`tokenring.extend`: its schedules as steps, costed as the simulator costs the symmetric
-ones (docs/sim.md, "Extend's simulator").
+"""The simulator for inference over a sharded cache: the very schedules :mod:`tokenring.extend` and
+:mod:`tokenring.decode` run (:mod:`tokenring.strategies.extend`), costed step by step as the simulator costs the
+symmetric ones (docs/sim.md, "Extend's simulator").
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..strategies.extend import STRATEGIES, Shards, batches, extend_bytes
+from ..strategies.extend import STRATEGIES, Shards, extend_bytes, schedule
 from .auto import _kernel, get_current_topology
 from .kernel_model import KernelModel
 from .topology import Topology
@@ -52,94 +53,85 @@ def _rows_time(km: KernelModel, B, tq, qa, n, ka, kb, H, Hkv, d, elem) -> float:
     )
 
 
-def _steps(strategy: str, sh: Shards, B, H, Hkv, d, elem, km):
-    """``[(compute seconds per rank, [(src, dst, bytes), ...]), ...]`` for one call."""
-    P = sh.P
-    acc = 8 if elem == 8 else 4
-    qbytes = [B * sh.t(j) * H * d * elem for j in range(P)]
-    obytes = [B * sh.t(j) * H * (d + 1) * acc for j in range(P)]
+def _message_bytes(strategy: str, sh: Shards, B, H, Hkv, d, elem):
+    """``bytes(m)`` of an extend message, sized by the shards as :class:`tokenring.extend.RowsOps` sizes it."""
+    acc, P = 8 if elem == 8 else 4, sh.P
+    h, hk = H // P, Hkv // P
 
-    def att(qj, kj):  # rank qj's queries against rank kj's rows
-        a, b = sh.new[qj]
-        return _rows_time(km, B, b - a, a, sh.rows[kj], *sh.new[kj], H, Hkv, d, elem) if b > a else 0.0
+    def size(m) -> int:
+        j = m.owner
+        if m.kind == "out":  # replicated: every query's partial; else the partial of the receiver's queries
+            return B * (sh.T if strategy == "replicated" else sh.t(m.dst)) * H * (d + 1) * acc
+        return {
+            "q": lambda: B * sh.t(j) * H * d * elem,
+            "kv": lambda: 2 * B * sh.rows[j] * Hkv * d * elem,
+            "pos": lambda: 8 * sh.cached(j),
+            "u_qkv": lambda: B * (sh.t(j) * h + 2 * sh.rows[j] * hk) * d * elem,
+            "u_out": lambda: B * sh.t(m.dst) * h * d * elem,
+        }[m.kind]()
 
-    steps = []
-    if strategy == "pass_q":  # groups of at least BATCH_ROWS query rows, own rows first (extend._batches)
-        groups = [batches([(r + i) % P for i in range(P)], sh) for r in range(P)]
+    return size
 
-        def group_time(r: int, g: list[int]) -> float:
-            rows, cached = sum(sh.t(j) for j in g), sh.cached(r)
-            t = km.block_time(B * rows, cached, H, Hkv, d, False, False, elem) if rows and cached else 0.0
-            new = sh.rows[r] - cached  # then each rank's queries against my new rows
-            return t + sum(_rows_time(km, B, sh.t(j), sh.new[j][0], new, *sh.new[r], H, Hkv, d, elem) for j in g)
 
-        last = max(len(g) for g in groups)
-        for x in range(last + 1):
-            comp = [group_time(r, groups[r][x]) if x < len(groups[r]) else 0.0 for r in range(P)]
-            msgs = [(r, j, qbytes[r]) for r in range(P) for j in range(P) if j != r] if x == 0 else []
-            if x:  # the previous group's partials go home
-                msgs += [
-                    (r, j, obytes[j]) for r in range(P) if x - 1 < len(groups[r]) for j in groups[r][x - 1] if j != r
-                ]
-            steps.append((comp, msgs))
-    elif strategy == "pass_q_relay":
-        for i in range(P):
-            comp = [att((r + i) % P, r) for r in range(P)]
-            hop = [((r + 1) % P, r, qbytes[(r + i + 1) % P]) for r in range(P)] if i + 1 < P else []
-            back = [(r, (r + i - 1) % P, obytes[(r + i - 1) % P]) for r in range(P)] if i > 1 else []
-            steps.append((comp, hop + back))
-        steps.append(([0.0] * P, [(r, (r + P - 1) % P, obytes[(r + P - 1) % P]) for r in range(P)]))
-    elif strategy == "pass_kv":
-        for i in range(P):
-            comp = [att(r, (r - i) % P) for r in range(P)]
-            hop = (
-                [(r, (r + 1) % P, 2 * B * sh.rows[(r - i) % P] * Hkv * d * elem) for r in range(P)] if i + 1 < P else []
-            )
-            steps.append((comp, hop))
-    elif strategy == "ulysses":
-        h, hk = H // P, Hkv // P
-        a2a = [(r, j, B * (sh.t(r) * h + 2 * sh.rows[r] * hk) * d * elem) for r in range(P) for j in range(P) if j != r]
-        steps.append(([0.0] * P, a2a))
-        comp = sum(_rows_time(km, B, sh.T, 0, sh.rows[j], *sh.new[j], h, hk, d, elem) for j in range(P))
-        steps.append(([comp] * P, []))
-        steps.append(([0.0] * P, [(r, j, B * sh.t(j) * h * d * elem) for r in range(P) for j in range(P) if j != r]))
-    elif strategy == "replicated":
-        comp = [_rows_time(km, B, sh.T, 0, sh.rows[r], *sh.new[r], H, Hkv, d, elem) for r in range(P)]
-        steps.append((comp, [(r, j, B * sh.T * H * (d + 1) * acc) for r in range(P) for j in range(P) if j != r]))
-    else:
-        raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    return steps
+def _compute_time(strategy: str, sh: Shards, r: int, cs: list, B, H, Hkv, d, elem, km) -> float:
+    """Seconds of rank ``r``'s computes of one step, batched as :class:`tokenring.extend.RowsOps` batches them."""
+    if strategy in ("ulysses", "replicated"):  # every rank's queries (of one head group) against rows of kv_owner
+        h, hk = (H // sh.P, Hkv // sh.P) if strategy == "ulysses" else (H, Hkv)
+        return sum(_rows_time(km, B, sh.T, 0, sh.rows[c.kv_owner], *sh.new[c.kv_owner], h, hk, d, elem) for c in cs)
+    if len(cs) > 1 and all(c.kv_owner == r for c in cs):  # the cached block once for the batch, then new rows
+        rows, cached = sum(sh.t(c.q_owner) for c in cs), sh.cached(r)
+        t = 0.0
+        if rows and cached:
+            t = km.block_time(B * rows, cached, H, Hkv, d, False, False, elem) + km.merge_time(B * rows * H * d)
+        new = sh.rows[r] - cached
+        return t + sum(
+            _rows_time(km, B, sh.t(c.q_owner), sh.new[c.q_owner][0], new, *sh.new[r], H, Hkv, d, elem) for c in cs
+        )
+    return sum(
+        _rows_time(km, B, sh.t(c.q_owner), sh.new[c.q_owner][0], sh.rows[c.kv_owner], *sh.new[c.kv_owner], H, Hkv,
+                   d, elem)
+        for c in cs
+    )  # fmt: skip
 
 
 def simulate_extend(
     strategy: str, sh: Shards, B: int, H: int, Hkv: int, d: int, elem: int, topo: Topology, km: KernelModel
 ) -> ExtendResult:
-    """Seconds per call of ``strategy`` on ``topo`` with kernels ``km`` (docs/sim.md)."""
+    """Seconds per call of ``strategy`` on ``topo`` with kernels ``km``: the schedule the executor runs
+    (:func:`tokenring.strategies.extend.schedule`), step by step (docs/sim.md)."""
     P = sh.P
     if strategy == "ulysses" and (H % P or Hkv % P):
         raise ValueError(f"ulysses needs query heads ({H}) and key/value heads ({Hkv}) divisible by P={P}")
     topo = topo.with_P(P) if topo.P != P else topo
-    T = np.zeros(P)
-    busy = np.zeros(P)
-    for comp, msgs in _steps(strategy, sh, B, H, Hkv, d, elem, km):
-        comp = np.asarray(comp, dtype=float) + km.step
-        end = T + comp
-        if msgs:
-            src, dst, nb = (np.array(x) for x in zip(*msgs))
-            fin = np.maximum(T[src], T[dst]) + topo.flow_times(src, dst, nb)
+    size = _message_bytes(strategy, sh, B, H, Hkv, d, elem)
+    T, busy = np.zeros(P), np.zeros(P)
+    starts, due = [], {}  # each step's start per rank; due step -> [(src, dst, finish)]
+    for t, step in enumerate(schedule(strategy, sh).steps):
+        starts.append(T.copy())
+        comp = np.full(P, km.step)
+        for r in range(P):
+            mine = [c for c in step.computes if c.rank == r]
+            comp[r] += _compute_time(strategy, sh, r, mine, B, H, Hkv, d, elem, km) if mine else 0.0
+        if step.messages:
+            src, dst = (np.array([getattr(m, x) for m in step.messages]) for x in ("src", "dst"))
+            nb = np.array([size(m) for m in step.messages], dtype=float)
+            posted = np.array([starts[m.ready if m.ready >= 0 else t][m.dst] for m in step.messages])
+            fin = np.maximum(T[src], posted) + topo.flow_times(src, dst, nb)
             if topo.cpu_per_byte:
-                moved = np.bincount(src, weights=nb, minlength=P) + np.bincount(dst, weights=nb, minlength=P)
-                comp = comp + topo.cpu_per_byte * moved
-                end = T + comp
-            np.maximum.at(end, src, fin)
-            np.maximum.at(end, dst, fin)
+                comp += topo.cpu_per_byte * (
+                    np.bincount(src, weights=nb, minlength=P) + np.bincount(dst, weights=nb, minlength=P)
+                )
+            for m, f in zip(step.messages, fin):
+                due.setdefault(m.due if m.due >= 0 else t, []).append((m.src, m.dst, f))
+        end = T + comp
+        for s_, d_, f in due.pop(t, ()):
+            end[s_], end[d_] = max(end[s_], f), max(end[d_], f)
         busy += comp
         T = end
     last = int(np.argmax(T))
-    moved = 0
     if strategy in STRATEGIES:
         moved = extend_bytes(strategy, sh, B, H, Hkv, d, elem)
-    elif strategy == "replicated":
+    else:  # replicated
         moved = (P - 1) * B * sh.T * H * (d + 1) * (8 if elem == 8 else 4)
     return ExtendResult(strategy, float(T[last]), float(busy[last]), moved)
 

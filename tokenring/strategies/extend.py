@@ -1,13 +1,29 @@
-"""The plan of an extend step over a sequence-sharded KV cache (:mod:`tokenring.extend` runs it,
-:mod:`tokenring.sim.extend` costs it): what every rank holds (:class:`Shards`), the schedules' names, which new
-tokens each rank takes, how visitors' queries are batched, and the bytes each schedule moves.
+"""The schedules of inference over a sequence-sharded KV cache, as :class:`~tokenring.schedules.Schedule` data
+that the executor runs (:mod:`tokenring.extend`, :mod:`tokenring.decode`) and the simulator costs
+(:mod:`tokenring.sim.extend`): what every rank holds (:class:`Shards`), which ranks' rows meet (:func:`sees`),
+the five schedules (:data:`SCHEDULES`), which new tokens each rank takes, how visitors' queries are batched, and
+the bytes each schedule moves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-__all__ = ["STRATEGIES", "BATCH_ROWS", "Shards", "split_new", "extend_bytes", "batches"]
+from ..schedules import Compute, Message, Schedule, Step, drop_empty_tail, relay
+
+__all__ = [
+    "STRATEGIES",
+    "BATCH_ROWS",
+    "Shards",
+    "split_new",
+    "extend_bytes",
+    "batches",
+    "sees",
+    "schedule",
+    "decode_schedule",
+    "SCHEDULES",
+]
 
 
 STRATEGIES = ("pass_q", "pass_q_relay", "pass_kv", "ulysses")
@@ -93,14 +109,146 @@ def extend_bytes(strategy: str, shards: Shards, B: int, H: int, Hkv: int, d: int
     raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or 'auto'")
 
 
-def batches(order: list[int], sh: Shards) -> list[list[int]]:
-    """Consecutive ranks of ``order`` whose queries are attended together, at least :data:`BATCH_ROWS` query rows
-    per group: one kernel call over the cached rows for the group instead of one per rank."""
+def batches(order: list[int], sh: Shards, per: int | None = None) -> list[list[int]]:
+    """Consecutive ranks of ``order`` whose queries are attended together, at least ``per`` (default
+    :data:`BATCH_ROWS`) query rows per group: one kernel call over the cached rows for the group, not one per rank."""
+    per = BATCH_ROWS if per is None else per
     groups, cur, rows = [], [], 0
     for j in order:
         cur.append(j)
         rows += sh.t(j)
-        if rows >= BATCH_ROWS:
+        if rows >= per:
             groups.append(cur)
             cur, rows = [], 0
     return groups + [cur] if cur else groups
+
+
+def sees(shards: Shards, ranges=None, left: int = -1) -> tuple[tuple[bool, ...], ...]:
+    """``sees[qj][kj]``: whether rank ``qj``'s queries see any row of rank ``kj`` (``ranges[j]``: rank j's cached
+    positions' (min, max), needed with a window of ``left`` tokens)."""
+
+    def meets(qj: int, kj: int) -> bool:
+        a, b = shards.new[qj]
+        if a == b:
+            return False
+        ka, kb = shards.new[kj]
+        sees_new = kb > ka and ka < b
+        if not shards.cached(kj):
+            return sees_new
+        if left >= 0 and ranges is not None and ranges[kj][1] < shards.start + a - left:
+            return sees_new  # every cached row of kj is out of the window of qj's first query
+        return True
+
+    return tuple(tuple(meets(qj, kj) for kj in range(shards.P)) for qj in range(shards.P))
+
+
+def _at(r: int, q_owner: int, kv_owner: int) -> Compute:
+    return Compute(r, q_owner, "all", kv_owner, "all")
+
+
+def _pass_q(sh: Shards, see, positions: bool, per: int) -> list[Step]:
+    """Direct: queries straight to every rank that holds rows they see, own rows first while they travel, then
+    visitors in :func:`batches` (one step each), each batch's partials straight home the step after."""
+    P = sh.P
+    groups = [batches([(r + i) % P for i in range(1, P) if see[(r + i) % P][r]], sh, per) for r in range(P)]
+    last = 1 + max(len(g) for g in groups)  # the step that posts the last batch's partials
+    steps = [Step() for _ in range(last + 1)]
+    for r in range(P):
+        if see[r][r]:
+            steps[0].computes.append(_at(r, r, r))
+        for k, group in enumerate(groups[r]):
+            for j in group:  # j's queries: due before the step that attends them; partials home after it
+                steps[0].messages.append(Message(j, r, "q", j, due=k, ready=0))
+                steps[k + 1].computes.append(_at(r, j, r))
+                steps[k + 2].messages.append(Message(r, j, "out", j, due=last, ready=0))
+    return steps
+
+
+def _pass_q_relay(sh: Shards, see, positions: bool, per: int = 0) -> list[Step]:
+    """The paper's schedule: queries travel ``r+1 -> r`` (as far as a rank further on sees them), rank r attends
+    rank ``r+i``'s at step i, and partials go straight home the step after."""
+    P = sh.P
+    steps = [Step() for _ in range(P + 1)]
+    for j in range(P):
+        path = [(j - i) % P for i in range(1, P)]
+        for t, m in relay(j, path, ["all" if see[j][x] else None for x in path], "q"):
+            steps[t].messages.append(Message(m.src, m.dst, "q", j, due=t))
+        for i, x in enumerate([j] + path):
+            if see[j][x]:
+                steps[i].computes.append(_at(x, j, x))
+                if x != j:
+                    steps[i + 1].messages.append(Message(x, j, "out", j, due=P, ready=0))
+    return steps
+
+
+def _pass_kv(sh: Shards, see, positions: bool, per: int = 0) -> list[Step]:
+    """Ring attention: rows travel ``r -> r+1`` (as far as a rank further on sees them) while each rank attends
+    its queries to the rows it holds; cached positions travel with them when a mask needs them."""
+    P = sh.P
+    steps = [Step() for _ in range(P)]
+    for o in range(P):
+        path = [(o + i) % P for i in range(1, P)]
+        for t, m in relay(o, path, ["all" if see[x][o] else None for x in path], "kv"):
+            steps[t].messages.append(Message(m.src, m.dst, "kv", o, due=t))
+            if positions and sh.cached(o):
+                steps[t].messages.append(Message(m.src, m.dst, "pos", o, due=t))
+        for i, x in enumerate([o] + path):
+            if see[x][o]:
+                steps[i].computes.append(_at(x, x, o))
+    return steps
+
+
+def _ulysses(sh: Shards, see, positions: bool, per: int = 0) -> list[Step]:
+    """All-to-all by head groups (rank r takes head group r of every rank's rows), attend, and all-to-all each
+    rank's rows of the output back."""
+    P = sh.P
+    steps = [Step() for _ in range(3)]
+    for r in range(P):
+        steps[1].computes += [_at(r, r, j) for j in range(P)]
+        for j in range(P):
+            if j != r:
+                steps[0].messages.append(Message(r, j, "u_qkv", r, due=0))
+                if positions and sh.cached(r):
+                    steps[0].messages.append(Message(r, j, "pos", r, due=0))
+                steps[2].messages.append(Message(r, j, "u_out", j, due=2))
+    return steps
+
+
+def _replicated(sh: Shards, see, positions: bool, per: int = 0) -> list[Step]:
+    """Decode: every rank holds every query; each attends its own rows and sends the partial to every rank."""
+    P = sh.P
+    steps = [Step(), Step()]
+    for r in range(P):
+        steps[0].computes.append(_at(r, r, r))
+        steps[1].messages += [Message(r, j, "out", r, due=1) for j in range(P) if j != r]
+    return steps
+
+
+SCHEDULES = {
+    "pass_q": _pass_q,
+    "pass_q_relay": _pass_q_relay,
+    "pass_kv": _pass_kv,
+    "ulysses": _ulysses,
+    "replicated": _replicated,
+}
+
+
+@lru_cache(maxsize=64)
+def decode_schedule(P: int) -> Schedule:
+    """The ``replicated`` schedule on ``P`` ranks: a decode step (every rank holds every query)."""
+    steps = _replicated(Shards((0,) * P, ((0, 0),) * P), (), False)  # the steps need P alone
+    return Schedule("replicated", P, "extend", True, False, "q", steps)
+
+
+def schedule(strategy: str, shards: Shards, see: tuple | None = None, positions: bool = False) -> Schedule:
+    """The :class:`Schedule` of ``strategy`` for these shards (``see``: :func:`sees`, default every pair that
+    meets without a window; ``positions``: cached positions travel with K/V, for a window or documents)."""
+    if strategy not in SCHEDULES:
+        raise ValueError(f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or 'auto'")
+    return _schedule(strategy, shards, sees(shards) if see is None else see, positions, BATCH_ROWS)
+
+
+@lru_cache(maxsize=256)
+def _schedule(strategy: str, shards: Shards, see: tuple, positions: bool, per: int) -> Schedule:
+    steps = drop_empty_tail(SCHEDULES[strategy](shards, see, positions, per))
+    return Schedule(strategy, shards.P, "extend", True, False, "q", steps)
