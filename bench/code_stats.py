@@ -108,18 +108,29 @@ def overhead(rank: int, P: int, calls: int) -> dict:
     torch.manual_seed(rank)
     q, k, v = (torch.randn(1, 16, 4, 16, requires_grad=True) for _ in range(3))
     kw = dict(causal=True, strategy="token_ring:direct,c=1,k=1")
-    times = {"fwd": [], "fwdbwd": []}
+    qd, kd = torch.randn(1, 1, 4, 16), torch.randn(1, 16, 4, 16)  # a decode step: 1 token, 16 cached rows here
+    qe, ke = torch.randn(1, 4, 4, 16), torch.randn(1, 20, 4, 16)  # an extend turn: 4 new tokens per rank
+    calls_of = {
+        "fwd": lambda: _no_grad(lambda: tokenring.attention(q, k, v, **kw)),
+        "fwdbwd": lambda: tokenring.attention(q, k, v, **kw).sum().backward(),
+        "decode": lambda: tokenring.decode_attention(qd, kd, kd),
+        "extend": lambda: tokenring.extend_attention(qe, ke, ke, new=(4 * rank, 4 * rank + 4), strategy="pass_q"),
+    }
+    times = {kind: [] for kind in calls_of}
     for i in range(calls + 5):
-        t = time.perf_counter()
-        with torch.no_grad():
-            tokenring.attention(q, k, v, **kw)
-        t1 = time.perf_counter()
-        tokenring.attention(q, k, v, **kw).sum().backward()
-        t2 = time.perf_counter()
-        if i >= 5:
-            times["fwd"].append((t1 - t) * 1e3)
-            times["fwdbwd"].append((t2 - t1) * 1e3)
+        for kind, call in calls_of.items():
+            t = time.perf_counter()
+            call()
+            if i >= 5:
+                times[kind].append((time.perf_counter() - t) * 1e3)
     return times
+
+
+def _no_grad(fn):
+    import torch
+
+    with torch.no_grad():
+        return fn()
 
 
 def per_call(root: str, calls: int) -> dict:
@@ -156,7 +167,8 @@ def main(argv=None) -> int:
         machine=platform.processor() or platform.machine(),
         cores=os.cpu_count(),
         shape="B=1 s=16/rank H=4 d=16 fp32 causal, token_ring:direct,c=1,k=1, P=4 gloo; forward (no grad) and "
-        "forward+backward, interleaved",
+        "forward+backward; decode_attention of 1 token over 16 cached rows per rank; extend_attention pass_q of 4 "
+        "new tokens per rank over 16 cached rows per rank; interleaved",
     )
     with tempfile.TemporaryDirectory() as old:
         subprocess.run(f"git -C {ROOT} archive {a.base} tokenring | tar -x -C {old}", shell=True, check=True)
@@ -164,7 +176,7 @@ def main(argv=None) -> int:
         for label, root in roots.items():
             res[label] = static(root)
         imports = {k: [] for k in roots}
-        calls = {k: {"fwd": [], "fwdbwd": []} for k in roots}
+        calls = {k: {} for k in roots}
         for _ in range(a.rounds):  # interleaved
             for label, root in roots.items():
                 imports[label] += [
@@ -182,7 +194,7 @@ def main(argv=None) -> int:
                 ]
                 got = per_call(root, a.calls)
                 for kind in got:
-                    calls[label][kind] += got[kind]
+                    calls[label].setdefault(kind, []).extend(got[kind])
         for label in roots:
             res[label].update(
                 import_ms=imports[label],
@@ -194,7 +206,8 @@ def main(argv=None) -> int:
                 },
             )
     res["after_over_before"] = {
-        kind: res["after"]["call_median_ms"][kind] / res["before"]["call_median_ms"][kind] for kind in ("fwd", "fwdbwd")
+        kind: res["after"]["call_median_ms"][kind] / res["before"]["call_median_ms"][kind]
+        for kind in ("fwd", "fwdbwd", "decode", "extend")
     }
     with open(os.path.join(HERE, "results", "code_stats.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -206,7 +219,8 @@ def main(argv=None) -> int:
             f"{r['api_lines']} lines, {len(r['import_cycles'])} import cycles, {len(r['local_package_imports'])} "
             f"function-local package imports, crc32 in {sorted(r['crc32_sites'])}, import "
             f"{r['import_median_ms']:.0f} ms, call fwd {r['call_median_ms']['fwd']:.2f} ms, fwd+bwd "
-            f"{r['call_median_ms']['fwdbwd']:.2f} ms"
+            f"{r['call_median_ms']['fwdbwd']:.2f} ms, decode {r['call_median_ms']['decode']:.2f} ms, extend "
+            f"{r['call_median_ms']['extend']:.2f} ms"
         )
     print("per-call median, after / before: " + ", ".join(f"{k} {v:.3f}" for k, v in res["after_over_before"].items()))
     return 0

@@ -311,6 +311,27 @@ class Comm:
         """Whether ``t`` travels through host memory."""
         return self.stage == "always" or (bool(self.stage) and t.device.type != "cpu")
 
+    def _op(self, direction: str, m: Message, tensors, posted: int, nth: int, got: list, copies: list):
+        """The point-to-point operation of one message, its buffer, and whether it is staged through the host;
+        a receive adds itself to ``got`` and the copies to make after its wait to ``copies``."""
+        kind = message_kind(m.kind).tag * len(HEADS) + HEADS.index(m.heads)
+        tag = (posted * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + kind
+        staged = False
+        if direction == "send":
+            buf = pack(tensors)
+            if self._host(buf):
+                buf, staged = buf.to("cpu", copy=True), True
+        else:
+            buf, after = _flat(tensors)
+            if self._host(buf):  # land in host memory, then copy into the device buffer
+                host = torch.empty(buf.shape, dtype=buf.dtype, device="cpu")
+                copies.append((buf, host))
+                buf, staged = host, True
+            copies.extend(after)  # then out of a packed buffer that was not the caller's
+            got.append((m, tensors))
+        fn = dist.irecv if direction == "recv" else dist.isend
+        return dist.P2POp(fn, buf, self._global(_peer(direction, m)), self.group, tag), buf, staged
+
     def start(
         self,
         step: int,
@@ -323,35 +344,19 @@ class Comm:
         ops, meta = [], []
         groups: dict[int, tuple[list, list, list, list]] = {}  # due -> (op indices, records, received, copies)
         for direction, items in (("recv", recvs), ("send", sends)):
-            fn = dist.irecv if direction == "recv" else dist.isend
             for m, tensors, (posted, nth) in items:
                 due = posted if m.due < 0 else m.due
                 idx, records, got, copies = groups.setdefault(due, ([], [], [], []))
-                peer = _peer(direction, m)
-                kind = message_kind(m.kind).tag * len(HEADS) + HEADS.index(m.heads)
-                tag = (posted * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + kind
-                staged = False
-                if direction == "send":
-                    buf = pack(tensors)
-                    if self._host(buf):
-                        buf, staged = buf.to("cpu", copy=True), True
-                else:
-                    buf, after = _flat(tensors)
-                    if self._host(buf):  # land in host memory, then copy into the device buffer
-                        host = torch.empty(buf.shape, dtype=buf.dtype, device="cpu")
-                        copies.append((buf, host))
-                        buf, staged = host, True
-                    copies.extend(after)  # then out of a packed buffer that was not the caller's
-                    got.append((m, tensors))
+                op, buf, staged = self._op(direction, m, tensors, posted, nth, got, copies)
                 idx.append(len(ops))  # the buffer stays referenced in `meta` until the wait completes
-                ops.append(dist.P2POp(fn, buf, self._global(peer), self.group, tag))
+                ops.append(op)
                 meta.append((direction, m, buf))
                 records.append(
                     dict(
                         step=step,
                         due=due,
                         direction=direction,
-                        peer=peer,
+                        peer=_peer(direction, m),
                         kind=m.kind,
                         owner=m.owner,
                         part=str(m.part),

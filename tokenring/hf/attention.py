@@ -207,17 +207,7 @@ def attention_forward(
     """The function registered as ``attn_implementation="tokenring"``: ``query`` (B, H, s, d), ``key``/``value``
     (B, Hkv, s, d), this rank's shard; returns ``(out (B, s, H, d), None)``."""
     step = take_step(module, key)  # set when the layer's cache is a tokenring ShardedCache; taken before any refusal
-    if kwargs.get("softcap") is not None:
-        raise _refuse(module, "logit soft-capping (softcap) is not supported; use a model without it")
-    sinks = kwargs.get("s_aux")  # gpt-oss passes its per-head sink logits so
-    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
-        sinks = module.sinks
-    if kwargs.get("position_bias") is not None:
-        raise _refuse(module, "an additive position bias is not supported")
-    if dropout:
-        raise _refuse(module, f"attention dropout {dropout} is not supported; set config.attention_dropout = 0")
-    if kwargs.get("output_attentions"):
-        warnings.warn("tokenring never materialises attention weights; output_attentions returns None", stacklevel=2)
+    sinks = _sinks_or_refuse(module, dropout, kwargs)
     s = query.shape[2]
     if not torch.compiler.is_compiling():
         check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, mixers.model_on_stack(module))
@@ -237,19 +227,9 @@ def attention_forward(
             f"and pass its cache to model.generate (a sharded cache), or pass use_cache=False",
         )
     group = _settings.group
-    rank, P = group_info(group)
-    pos = kwargs.get("position_ids")
-    pos = pos if isinstance(pos, torch.Tensor) and pos.shape[-1] == s and _settings.check_positions else None
-    cu_q, cu_k = (_as_tensor(kwargs.get(name)) for name in ("cu_seq_lens_q", "cu_seq_lens_k"))
-    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-        raise _refuse(module, _mask_problem(attention_mask))
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    cu = None
-    if attention_mask is not None or pos is not None or cu_q is not None:
-        cu = hf_documents(
-            pos, attention_mask, cu_q, cu_k, s, _settings.layout, _group_name(group), _where(module), causal
-        )
+    cu = _documents(module, attention_mask, s, causal, kwargs)
     window = kwargs.get("sliding_window")
     # transformers' sliding layers: key j is visible from query i when i - W < j (and j <= i when causal)
     window = (window - 1, 0 if causal else window - 1) if window is not None else None
@@ -271,6 +251,37 @@ def attention_forward(
             inner_size=_settings.inner_size,
         )
     return out, None
+
+
+def _sinks_or_refuse(module, dropout: float, kwargs: dict):
+    """The layer's attention-sink logits (or ``None``); a refusal for options the engine does not run."""
+    if kwargs.get("softcap") is not None:
+        raise _refuse(module, "logit soft-capping (softcap) is not supported; use a model without it")
+    sinks = kwargs.get("s_aux")  # gpt-oss passes its per-head sink logits so
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        sinks = module.sinks
+    if kwargs.get("position_bias") is not None:
+        raise _refuse(module, "an additive position bias is not supported")
+    if dropout:
+        raise _refuse(module, f"attention dropout {dropout} is not supported; set config.attention_dropout = 0")
+    if kwargs.get("output_attentions"):
+        warnings.warn("tokenring never materialises attention weights; output_attentions returns None", stacklevel=3)
+    return sinks
+
+
+def _documents(module, attention_mask, s: int, causal: bool, kwargs: dict):
+    """The global ``cu_seqlens`` of the documents in this batch (positions, mask or HF's own), or ``None``."""
+    pos = kwargs.get("position_ids")
+    pos = pos if isinstance(pos, torch.Tensor) and pos.shape[-1] == s and _settings.check_positions else None
+    cu_q, cu_k = (_as_tensor(kwargs.get(name)) for name in ("cu_seq_lens_q", "cu_seq_lens_k"))
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise _refuse(module, _mask_problem(attention_mask))
+    if attention_mask is None and pos is None and cu_q is None:
+        return None
+    group = _settings.group
+    return hf_documents(
+        pos, attention_mask, cu_q, cu_k, s, _settings.layout, _group_name(group), _where(module), causal
+    )
 
 
 def _as_tensor(x):

@@ -72,6 +72,21 @@ def _same_everywhere(input_ids: torch.Tensor, group, rank: int, P: int, who: str
 def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | None = None) -> ShardedCache:
     """Prefill the tokens of ``input_ids`` (the whole conversation so far) that ``cache`` does not hold yet,
     sharded over the ranks; returns ``cache``, ready for ``model.generate`` (docs/hf.md)."""
+    held, T = _check_turn(model, cache, input_ids, strategy)
+    snap = cache.snapshot()
+    try:
+        _run_turn(model, cache, input_ids, held, T, strategy)
+    except BaseException:  # a refused or failed turn leaves the cache as it was: the caller can retry
+        cache.restore(snap)
+        raise
+    for layer in cache.layers:
+        layer.skip = 1  # model.generate feeds the last token again: that step stores nothing
+    cache.spans.append((held, input_ids.shape[1], checksum(input_ids[:, held:])))
+    return cache
+
+
+def _check_turn(model, cache: ShardedCache, input_ids: torch.Tensor, strategy) -> tuple[int, int]:
+    """The tokens the cache holds and the new ones; a ValueError on every rank for a turn it cannot take."""
     group = cache.group
     rank, P = cache.rank, cache.P
     mixers.refuse_generation(model, P, "tokenring.hf.extend")
@@ -94,47 +109,43 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
                 f"filled with (prefill / an earlier extend); pass the same conversation with the new turn "
                 f"appended (a chat template that renders earlier turns differently needs a new prefill)"
             )
-    counts = list(cache.layers[0].counts) if cache.layers else [0] * P
     T = input_ids.shape[1] - held
     if T <= 0:
         raise ValueError(
             f"tokenring.hf.extend: the cache already holds {held} tokens and input_ids has "
             f"{input_ids.shape[1]}: pass the whole conversation so far, ending with the new tokens"
         )
-    if strategy not in (None, "auto", "replicated"):
-        if strategy not in STRATEGIES:
-            raise ValueError(
-                f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}, 'auto' or 'replicated'"
-            )
-    snap = cache.snapshot()
-    try:
-        for layer in cache.layers:
-            layer.skip = 0  # the new tokens start right after the cached ones
-        B = input_ids.shape[0]
-        with torch.no_grad():
-            few = T <= REPLICATE_PER_RANK * P and strategy in (None, "auto")
-            if T < P or few or strategy == "replicated":  # too few to share: every rank runs them, as a decode step
-                pos = torch.arange(held, held + T, device=input_ids.device).expand(B, -1)
-                model(input_ids=input_ids[:, held:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
-            else:
-                ranges = split_new(counts, T)
-                a, b = ranges[rank]
-                pos = torch.arange(held + a, held + b, device=input_ids.device).expand(B, -1)
-                cache.extending, cache.strategy, cache._chosen = ranges, strategy or "auto", None
-                try:
-                    model(
-                        input_ids=input_ids[:, held + a : held + b],
-                        position_ids=pos,
-                        cache=cache,
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
-                finally:
-                    cache.extending = None
-    except BaseException:  # a refused or failed turn leaves the cache as it was: the caller can retry
-        cache.restore(snap)
-        raise
+    if strategy not in (None, "auto", "replicated") and strategy not in STRATEGIES:
+        raise ValueError(
+            f"unknown extend strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}, 'auto' or 'replicated'"
+        )
+    return held, T
+
+
+def _run_turn(model, cache: ShardedCache, input_ids: torch.Tensor, held: int, T: int, strategy) -> None:
+    """The model over the ``T`` new tokens: sharded over the ranks, or replicated when they are few."""
+    rank, P = cache.rank, cache.P
+    counts = list(cache.layers[0].counts) if cache.layers else [0] * P
     for layer in cache.layers:
-        layer.skip = 1  # model.generate feeds the last token again: that step stores nothing
-    cache.spans.append((held, input_ids.shape[1], checksum(input_ids[:, held:])))
-    return cache
+        layer.skip = 0  # the new tokens start right after the cached ones
+    B = input_ids.shape[0]
+    with torch.no_grad():
+        few = T <= REPLICATE_PER_RANK * P and strategy in (None, "auto")
+        if T < P or few or strategy == "replicated":  # too few to share: every rank runs them, as a decode step
+            pos = torch.arange(held, held + T, device=input_ids.device).expand(B, -1)
+            model(input_ids=input_ids[:, held:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        else:
+            ranges = split_new(counts, T)
+            a, b = ranges[rank]
+            pos = torch.arange(held + a, held + b, device=input_ids.device).expand(B, -1)
+            cache.extending, cache.strategy, cache._chosen = ranges, strategy or "auto", None
+            try:
+                model(
+                    input_ids=input_ids[:, held + a : held + b],
+                    position_ids=pos,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            finally:
+                cache.extending = None

@@ -65,6 +65,24 @@ def direct(
     return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(steps), mask, only)
 
 
+def _own_blocks(steps: list[Step], P: int, pair, causal, backward, mover, c: int, s, only) -> dict:
+    """Each rank's own rows in pieces (:func:`own_pieces`): the head at step 0, the tail at the last step; returns
+    the pieces for the bye rounds, per rank."""
+    byes: dict[int, list[list[Compute]]] = {}
+    n_byes = c if P % 2 else 0
+    for r in range(P) if only is None else (only,):
+        got = pair(r, r)
+        pieces = own_pieces(c, P, mover, backward, triangle=causal and got is not None and got[2])
+        computes = [
+            [x for x in _own_rows(r, a, b, n, got, causal) if s is None or part_rows(x.q_part, s)] for a, b, n in pieces
+        ]
+        steps[0].computes += computes[0]
+        byes[r] = computes[1 : 1 + n_byes]
+        for tail in computes[1 + n_byes :]:  # none when nothing goes home (forward pass-KV)
+            steps[-1].computes += tail
+    return byes
+
+
 def direct_steps(
     P: int,
     pair,
@@ -88,19 +106,7 @@ def direct_steps(
     rounds = pairings(P)
     last = 1 + c * len(rounds)
     steps = [Step() for _ in range(last + 1)]
-    # each rank's own rows in pieces (own_pieces): head at step 0, one per bye round, tail at the last step
-    byes: dict[int, list[Compute]] = {}
-    n_byes = c if P % 2 else 0
-    for r in range(P) if only is None else (only,):
-        got = pair(r, r)
-        pieces = own_pieces(c, P, mover, backward, triangle=causal and got is not None and got[2])
-        computes = [
-            [x for x in _own_rows(r, a, b, n, got, causal) if s is None or part_rows(x.q_part, s)] for a, b, n in pieces
-        ]
-        steps[0].computes += computes[0]
-        byes[r] = computes[1 : 1 + n_byes]
-        for tail in computes[1 + n_byes :]:  # none when nothing goes home (forward pass-KV)
-            steps[last].computes += tail
+    byes = _own_blocks(steps, P, pair, causal, backward, mover, c, s, only)
     x = 1
     for i, partner in itertools.product(range(c), rounds):  # chunk-major
         for r in range(P) if only is None else sorted({only, partner[only]}):  # partners pair both ways

@@ -64,94 +64,111 @@ def two_level(
     """Compose ``inner(pair) -> list[Step]`` (a flat schedule over ``n`` local ranks) with a ring of K/V between
     the ``P / n`` nodes (``keep``, ``outer``: docs/schedules.md)."""
     m = P // n
-    s = None if mask is None else mask.S // P
-
-    def g(a: int, l: int) -> int:
-        return (a % m) * n + l
-
-    def cut(pairs: tuple, i: int) -> tuple:
-        """Sub-round ``i`` of a visiting round: each pair's K/V rows within chunk ``i`` of ``outer``."""
-        hull = [None] * n
-        for x, got in enumerate(pairs):
-            if got is not None:
-                hull[x % n] = part_union(hull[x % n], got[1])
-        out = []
-        for x, got in enumerate(pairs):
-            kv = None if got is None else part_intersection(got[1], chunk(hull[x % n], i, outer))
-            out.append(None if kv is None or (s is not None and not part_rows(kv, s)) else (got[0], kv, got[2]))
-        return tuple(out)
-
     # slots in time order: the own round, then each visiting round's sub-rounds (keep's backward: own round last)
     visits = [(o, i) for o in range(1, m) for i in range(outer)]
     late = backward and keep
     order = visits + [(0, 0)] if late else [(0, 0)] + visits
     slot = {key: x for x, key in enumerate(order)}
+    rounds, built = _rounds(order, P, n, layout, causal, mask, inner, outer)
+    stride = max(1 + max((t for t, st in enumerate(sch) if st.computes), default=0) for sch in rounds.values())
+    out: list[Step] = []
+    home: list[tuple[int, Message]] = []  # (step to post, message): dK/dV a node made for another node's K/V
+    for (o, i, a), steps in rounds.items():
+        home += _place(out, steps, m, n, o, a, slot[o, i] * stride, backward)
+    end = max(len(out), max((t for t, _ in home), default=0) + 1)
+    for t, msg in home:  # due a round later (or at the end): the holder computes on meanwhile
+        _at(out, t).messages.append(replace(msg, due=min(t + outer * stride, end - 1)))
+    if not late:
+        _outer_ring(out, rounds, built, slot, stride, m, n, outer)
+    q_kind = "qgrad" if backward else "q"
+    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(out), mask)
+
+
+def _g(a: int, l: int, m: int, n: int) -> int:
+    """Global rank of local rank ``l`` on node ``a`` (mod the ``m`` nodes)."""
+    return (a % m) * n + l
+
+
+def _at(out: list[Step], t: int) -> Step:
+    """Step ``t`` of ``out``, growing it as needed."""
+    while len(out) <= t:
+        out.append(Step())
+    return out[t]
+
+
+def _cut(pairs: tuple, i: int, n: int, outer: int, s: int | None) -> tuple:
+    """Sub-round ``i`` of a visiting round: each pair's K/V rows within chunk ``i`` of ``outer``."""
+    hull = [None] * n
+    for x, got in enumerate(pairs):
+        if got is not None:
+            hull[x % n] = part_union(hull[x % n], got[1])
+    out = []
+    for x, got in enumerate(pairs):
+        kv = None if got is None else part_intersection(got[1], chunk(hull[x % n], i, outer))
+        out.append(None if kv is None or (s is not None and not part_rows(kv, s)) else (got[0], kv, got[2]))
+    return tuple(out)
+
+
+def _rounds(order, P: int, n: int, layout: str, causal: bool, mask, inner, outer: int) -> tuple[dict, dict]:
+    """The inner schedule of every (visit, sub-round, node), and the distinct ones by which blocks meet."""
+    m, s = P // n, None if mask is None else mask.S // P
     rounds, built = {}, {}
     for o, i in order:
         for a in range(m):
             b = a - o
-            pairs = tuple(block_pair(g(a, j), g(b, l), P, layout, causal, mask) for j in range(n) for l in range(n))
+            pairs = tuple(
+                block_pair(_g(a, j, m, n), _g(b, l, m, n), P, layout, causal, mask) for j in range(n) for l in range(n)
+            )
             if o and outer > 1:
-                pairs = cut(pairs, i)
+                pairs = _cut(pairs, i, n, outer, s)
             if pairs not in built:  # rounds whose blocks meet alike share one inner schedule (most of them)
                 built[pairs] = inner(lambda j, l, pairs=pairs: pairs[j * n + l])
             rounds[o, i, a] = built[pairs]
-    stride = max(1 + max((t for t, st in enumerate(sch) if st.computes), default=0) for sch in rounds.values())
-    out: list[Step] = []
+    return rounds, built
 
-    def at(t: int) -> Step:
-        while len(out) <= t:
-            out.append(Step())
-        return out[t]
 
-    home: list[tuple[int, Message]] = []  # (step to post, message): dK/dV a node made for another node's K/V
-    for (o, i, a), steps in rounds.items():
-        b, base = a - o, slot[o, i] * stride
-        last_add: dict[int, int] = {}  # local K/V owner -> last step its dK/dV grows on its holder this round
-        part: dict[int, str | None] = {}  # local K/V owner -> rows this node computed against
-        qa, kb = a % m * n, b % m * n  # node a's first rank (queries), node b's (K/V)
-        for t, st in enumerate(steps):
-            step = at(base + t)
-            for c in st.computes:
-                step.computes.append(
-                    Compute(qa + c.rank, qa + c.q_owner, c.q_part, kb + c.kv_owner, c.kv_part, c.diag, c.heads)
-                )
-                if backward:
-                    part[c.kv_owner] = part_union(part.get(c.kv_owner), c.kv_part)
-                    if c.rank == c.kv_owner:
-                        last_add[c.kv_owner] = max(last_add.get(c.kv_owner, 0), t)
-            for x in st.messages:
-                step.messages.append(
-                    Message(
-                        qa + x.src,
-                        qa + x.dst,
-                        x.kind,
-                        (kb if x.kind in _KV_SIDE else qa) + x.owner,
-                        x.part,
-                        x.heads,
-                        x.due + base if x.due >= 0 else -1,
-                        x.ready + base if x.ready >= 0 else -1,
-                    )
-                )
-                if x.kind == "dkv" and x.dst == x.owner:
-                    last_add[x.owner] = max(last_add.get(x.owner, 0), max(t, x.due))
-        if backward and o:
-            for l, rows_ in part.items():
-                home.append((base + last_add.get(l, 0) + 1, Message(g(a, l), g(b, l), "dkv", g(b, l), rows_)))
-    end = max(len(out), max((t for t, _ in home), default=0) + 1)
-    for t, msg in home:  # due a round later (or at the end): the holder computes on meanwhile
-        at(t).messages.append(replace(msg, due=min(t + outer * stride, end - 1)))
+def _place(out: list[Step], steps, m: int, n: int, o: int, a: int, base: int, backward: bool) -> list:
+    """Node ``a``'s round against node ``a - o``'s K/V, from step ``base`` of ``out``: its computes and messages
+    in global ranks; returns the dK/dV messages home (``(step to post, message)``) a visiting round makes."""
+    b = a - o
+    last_add: dict[int, int] = {}  # local K/V owner -> last step its dK/dV grows on its holder this round
+    part: dict[int, str | None] = {}  # local K/V owner -> rows this node computed against
+    qa, kb = a % m * n, b % m * n  # node a's first rank (queries), node b's (K/V)
+    for t, st in enumerate(steps):
+        step = _at(out, base + t)
+        for c in st.computes:
+            step.computes.append(
+                Compute(qa + c.rank, qa + c.q_owner, c.q_part, kb + c.kv_owner, c.kv_part, c.diag, c.heads)
+            )
+            if backward:
+                part[c.kv_owner] = part_union(part.get(c.kv_owner), c.kv_part)
+                if c.rank == c.kv_owner:
+                    last_add[c.kv_owner] = max(last_add.get(c.kv_owner, 0), t)
+        for x in st.messages:
+            owner = (kb if x.kind in _KV_SIDE else qa) + x.owner
+            due, ready = (y + base if y >= 0 else -1 for y in (x.due, x.ready))
+            step.messages.append(Message(qa + x.src, qa + x.dst, x.kind, owner, x.part, x.heads, due, ready))
+            if x.kind == "dkv" and x.dst == x.owner:
+                last_add[x.owner] = max(last_add.get(x.owner, 0), max(t, x.due))
+    if not (backward and o):
+        return []
+    return [
+        (base + last_add.get(l, 0) + 1, Message(_g(a, l, m, n), _g(b, l, m, n), "dkv", _g(b, l, m, n), rows_))
+        for l, rows_ in part.items()
+    ]
+
+
+def _outer_ring(out: list[Step], rounds: dict, built: dict, slot: dict, stride: int, m: int, n: int, outer: int):
+    """The outer ring: each K/V block visits the nodes after its own, one round each, sub-round by sub-round."""
     held = {id(steps): _held_rows(steps, n) for steps in built.values()}
-    for b in range(m if not late else 0):  # the outer ring: each K/V block visits the nodes after its own,
-        for l, i in itertools.product(range(n), range(outer)):  # one round each, sub-round by sub-round
-            path = [g(b + o, l) for o in range(1, m)]
+    for b in range(m):
+        for l, i in itertools.product(range(n), range(outer)):
+            path = [_g(b + o, l, m, n) for o in range(1, m)]
             needs = [held[id(rounds[o, i, (b + o) % m])][l] for o in range(1, m)]
-            for h, msg in relay(g(b, l), path, needs, "kv"):
+            for h, msg in relay(_g(b, l, m, n), path, needs, "kv"):
                 # posted a round before the sub-round that reads it (the first hop: at once), due just before
                 need = slot[h + 1, i]
-                at(max(0, need - outer) * stride).messages.append(replace(msg, due=need * stride - 1))
-    q_kind = "qgrad" if backward else "q"
-    return Schedule(name, P, layout, causal, backward, q_kind, drop_empty_tail(out), mask)
+                _at(out, max(0, need - outer) * stride).messages.append(replace(msg, due=need * stride - 1))
 
 
 @lru_cache(maxsize=1024)
