@@ -305,22 +305,9 @@ def calibrate(
         raise g.fail(None, e) from e
 
 
-def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_bytes, t_start) -> Profile:
+def _measure_links(g: _Group, phase, repeats, pair_seconds, message_bytes):
+    """Latency per pair, the message size, each pair's rate alone and each traffic pattern's time, in that order."""
     P = g.P
-    seconds = {}
-
-    def phase(name):
-        g.phase = name
-        seconds[name] = time.perf_counter()
-
-    # 1. kernels, every rank at once
-    phase("kernels")
-    rows_all = g.gather(_kernel_rows(g, s, H, Hkv, d, dtype, max(5, repeats)))
-    keys = ("k_fwd_ms", "k_fb_ms", "merge_ms")
-    rows = [dict(r, **{k: statistics.mean(x[i][k] for x in rows_all) for k in keys}) for i, r in enumerate(rows_all[0])]
-    mem_bw = statistics.mean(g.gather(_copy_bandwidth(g, 64 << 20, repeats)))
-
-    # 3. links: latency per pair (ping-pong), then the message size, then each pair alone
     phase("latency")
     latency = {}
     for a in range(P):
@@ -343,6 +330,26 @@ def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_by
                 pairs[f"{a}-{b}"] = nbytes / max(t - 2 * latency[f"{a}-{b}"], 1e-9)
     phase("patterns")
     patterns = {n: _pattern(g, flows, nbytes, max(1, repeats - 1)) for n, flows in _patterns(P).items()}
+    return latency, lat, nbytes, pairs, patterns
+
+
+def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_bytes, t_start) -> Profile:
+    P = g.P
+    seconds = {}
+
+    def phase(name):
+        g.phase = name
+        seconds[name] = time.perf_counter()
+
+    # 1. kernels, every rank at once
+    phase("kernels")
+    rows_all = g.gather(_kernel_rows(g, s, H, Hkv, d, dtype, max(5, repeats)))
+    keys = ("k_fwd_ms", "k_fb_ms", "merge_ms")
+    rows = [dict(r, **{k: statistics.mean(x[i][k] for x in rows_all) for k in keys}) for i, r in enumerate(rows_all[0])]
+    mem_bw = statistics.mean(g.gather(_copy_bandwidth(g, 64 << 20, repeats)))
+
+    # 3. links: latency per pair (ping-pong), then the message size, then each pair alone
+    latency, lat, nbytes, pairs, patterns = _measure_links(g, phase, repeats, pair_seconds, message_bytes)
 
     # 4. compute while an all-to-all is in flight
     phase("overlap")
@@ -378,6 +385,48 @@ def _calibrate(g: _Group, s, H, Hkv, d, dtype, repeats, pair_seconds, message_by
     return fit_profile(raw, machine, stamp)
 
 
+def _best_by_calls(scored: list, km: KernelModel, sh: Shapes, probes: dict, kinds: list) -> tuple:
+    """Among each link family's best candidate, the one whose real calls and patterns are predicted best together."""
+    fits, seen = [], set()
+    for i, (e, cand) in enumerate(scored):  # each kind's best, without and with a backplane
+        family = (type(cand), cand.backplane_bw == INF)
+        if family in seen:
+            continue
+        seen.add(family)
+        link, fitted, predicted, call_err = _fit_step(cand, km, sh, probes)
+        fits.append((call_err + e, call_err, e, cand, link, fitted, predicted))
+        kinds[i]["calls_error"] = round(call_err, 4)
+    return min(fits, key=lambda f: f[0])
+
+
+def _measured(raw: dict, alone: Topology, km: KernelModel, dtype, kinds: list, predicted: dict, link: float) -> dict:
+    """The measurements with the fitted model's prediction of each, as kept in the profile."""
+    patterns, nbytes, rows, probes = raw["patterns_s"], raw["message_bytes"], raw["kernel_rows"], raw["calls_s"]
+    flows = _patterns(raw["P"])
+    d, e = raw["shapes"]["d"], dtype.itemsize
+    return dict(
+        raw,
+        patterns={
+            n: dict(measured_s=t, predicted_s=_predict(alone, flows[n], nbytes), flows=len(flows[n]))
+            for n, t in patterns.items()
+        },
+        kinds=kinds,
+        kernel_rows=[
+            dict(
+                r,
+                model_fwd_ms=km.block_time(r["n"], r["n"], r["hq"], r["hkv"], d, r["causal"], False, e) * 1e3,
+                model_bwd_ms=km.block_time(r["n"], r["n"], r["hq"], r["hkv"], d, r["causal"], True, e) * 1e3,
+            )
+            for r in rows
+        ],
+        calls={
+            n: dict(measured_s=probes[n], predicted_s=predicted[n], factor=km.call_factor(*_probe(n))) for n in probes
+        },
+        step_s=km.step,
+        link_factor=link,
+    )
+
+
 def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
     """The profile from what :func:`calibrate` measured (``raw``); deterministic, so every rank fits the same."""
     from dataclasses import replace
@@ -401,16 +450,7 @@ def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
     km = replace(km, add=(km.merge[0] / 4, km.merge[1] / 4), step=raw["tiny_step_s"])
     # real calls decide between the link models that predict the patterns about as well, and fit the step
     probes = raw["calls_s"]
-    fits, seen = [], set()
-    for i, (e, cand) in enumerate(scored):  # each kind's best, without and with a backplane
-        family = (type(cand), cand.backplane_bw == INF)
-        if family in seen:
-            continue
-        seen.add(family)
-        link, fitted, predicted, call_err = _fit_step(cand, km, sh, probes)
-        fits.append((call_err + e, call_err, e, cand, link, fitted, predicted))
-        kinds[i]["calls_error"] = round(call_err, 4)
-    _, call_err, err, alone, link, km, predicted = min(fits, key=lambda f: f[0])
+    _, call_err, err, alone, link, km, predicted = _best_by_calls(scored, km, sh, probes, kinds)
     km = replace(km, call_factors=call_factors(probes, predicted))
     topo = scaled_links(alone, link)  # the patterns are predicted by the links alone, calls by the scaled ones
     lat = statistics.median(latency.values())
@@ -425,29 +465,7 @@ def fit_profile(raw: dict, machine: dict, stamp: str) -> Profile:
     )
     km = replace(km, source=f"{topo.source}; block kernels timed on every rank at once")
     topo.kernel = km
-    flows = _patterns(P)
-    d, e = shapes["d"], dtype.itemsize
-    measured = dict(
-        raw,
-        patterns={
-            n: dict(measured_s=t, predicted_s=_predict(alone, flows[n], nbytes), flows=len(flows[n]))
-            for n, t in patterns.items()
-        },
-        kinds=kinds,
-        kernel_rows=[
-            dict(
-                r,
-                model_fwd_ms=km.block_time(r["n"], r["n"], r["hq"], r["hkv"], d, r["causal"], False, e) * 1e3,
-                model_bwd_ms=km.block_time(r["n"], r["n"], r["hq"], r["hkv"], d, r["causal"], True, e) * 1e3,
-            )
-            for r in rows
-        ],
-        calls={
-            n: dict(measured_s=probes[n], predicted_s=predicted[n], factor=km.call_factor(*_probe(n))) for n in probes
-        },
-        step_s=km.step,
-        link_factor=link,
-    )
+    measured = _measured(raw, alone, km, dtype, kinds, predicted, link)
     topo.measured = dict(measured, machine=machine)
     return Profile(topo, km, machine, measured)
 

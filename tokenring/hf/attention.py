@@ -229,7 +229,7 @@ def attention_forward(
     group = _settings.group
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    cu = _documents(module, attention_mask, s, causal, kwargs)
+    cu = _cu_seqlens(module, attention_mask, s, causal, kwargs)
     window = kwargs.get("sliding_window")
     # transformers' sliding layers: key j is visible from query i when i - W < j (and j <= i when causal)
     window = (window - 1, 0 if causal else window - 1) if window is not None else None
@@ -269,7 +269,7 @@ def _sinks_or_refuse(module, dropout: float, kwargs: dict):
     return sinks
 
 
-def _documents(module, attention_mask, s: int, causal: bool, kwargs: dict):
+def _cu_seqlens(module, attention_mask, s: int, causal: bool, kwargs: dict):
     """The global ``cu_seqlens`` of the documents in this batch (positions, mask or HF's own), or ``None``."""
     pos = kwargs.get("position_ids")
     pos = pos if isinstance(pos, torch.Tensor) and pos.shape[-1] == s and _settings.check_positions else None

@@ -162,6 +162,43 @@ def _shape(x) -> tuple:
     return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x)
 
 
+def _print_setup(out, sh: Shapes, causal, layout, backward, strategy, device_type, topo: Topology, origin) -> None:
+    """The call, topology, kernel model and kernel backends a choice was made for, as ``explain``'s header."""
+    B, s, H, Hkv, d, dtype, P = sh.B, sh.s, sh.H, sh.Hkv, sh.d, sh.dtype, sh.P
+    print(
+        f"tokenring.auto: B={B} S={s * P} (s={s}/rank) H={H} Hkv={Hkv} d={d} {str(dtype).replace('torch.', '')} "
+        f"P={P} causal={causal} layout={layout} {'forward+backward' if backward else 'forward'}; "
+        f"strategy={strategy!r}",
+        file=out,
+    )
+    print(f"topology: {topo.describe()} [{origin}]; kernel model: {_kernel(topo, P).name}", file=out)
+    if topo.measured:
+        print(profile_summary(topo), file=out)
+    if device_type == "cuda":
+        print(f"block kernel: {_kernel_choice(dtype, d)}", file=out)
+    print("kernel backends, first that takes a block: " + "; ".join(b.describe() for b in REGISTRY.values()), file=out)
+
+
+def _print_table(out, results: list[SimResult]) -> None:
+    """Every candidate's predicted time and its parts, fastest first, as ``explain``'s table."""
+    best = min(r.time for r in results)
+    w = max(12, *(len(r.strategy) + 1 for r in results))
+    factors = any(r.factor != 1.0 for r in results)  # a calibrated profile's per-schedule corrections
+    print(
+        f"{'strategy':<{w}}{'predicted':>12}{'vs best':>9}{'compute':>12}{'exposed comm':>14}"
+        f"{'MB sent/rank':>14}  regime" + ("         measured factor" if factors else ""),
+        file=out,
+    )
+    for r in sorted(results, key=lambda r: r.time):
+        mb = sum(p.bytes_per_rank for p in r.passes) / 1e6
+        print(
+            f"{r.strategy:<{w}}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
+            f"{fmt_time(r.exposed_comm):>14}{mb:>14.2f}  {r.regime:<13}"
+            + (f"x{r.factor:.3f}".rjust(18) if factors else ""),
+            file=out,
+        )
+
+
 def explain(
     q,
     k=None,
@@ -197,36 +234,8 @@ def explain(
         print("tokenring.auto: one rank: plain single-device attention, no strategy needed.", file=out)
     else:
         name, results, topo, origin = choose(sh, causal, layout, backward, device_type, topology, strategy)
-        best = min(r.time for r in results)
-        print(
-            f"tokenring.auto: B={B} S={s * P} (s={s}/rank) H={H} Hkv={ks[2]} d={d} {str(dtype).replace('torch.', '')} "
-            f"P={P} causal={causal} layout={layout} {'forward+backward' if backward else 'forward'}; "
-            f"strategy={strategy!r}",
-            file=out,
-        )
-        print(f"topology: {topo.describe()} [{origin}]; kernel model: {_kernel(topo, P).name}", file=out)
-        if topo.measured:
-            print(profile_summary(topo), file=out)
-        if device_type == "cuda":
-            print(f"block kernel: {_kernel_choice(dtype, d)}", file=out)
-        print(
-            "kernel backends, first that takes a block: " + "; ".join(b.describe() for b in REGISTRY.values()), file=out
-        )
-        w = max(12, *(len(r.strategy) + 1 for r in results))
-        factors = any(r.factor != 1.0 for r in results)  # a calibrated profile's per-schedule corrections
-        print(
-            f"{'strategy':<{w}}{'predicted':>12}{'vs best':>9}{'compute':>12}{'exposed comm':>14}"
-            f"{'MB sent/rank':>14}  regime" + ("         measured factor" if factors else ""),
-            file=out,
-        )
-        for r in sorted(results, key=lambda r: r.time):
-            mb = sum(p.bytes_per_rank for p in r.passes) / 1e6
-            print(
-                f"{r.strategy:<{w}}{fmt_time(r.time):>12}{r.time / best:>8.2f}x{fmt_time(r.compute):>12}"
-                f"{fmt_time(r.exposed_comm):>14}{mb:>14.2f}  {r.regime:<13}"
-                + (f"x{r.factor:.3f}".rjust(18) if factors else ""),
-                file=out,
-            )
+        _print_setup(out, sh, causal, layout, backward, strategy, device_type, topo, origin)
+        _print_table(out, results)
 
         for fam in AUTO_STRATEGIES:
             why = why_not(fam, H, ks[2], P)

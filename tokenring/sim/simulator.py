@@ -305,6 +305,61 @@ def _post_notices(
     return res_free
 
 
+def _step_compute(cr, ck, ms, md, comp_cost: np.ndarray, km: KernelModel, P: int) -> np.ndarray:
+    """Each rank's compute in one step, plus the host's per-step time on ranks with anything to do."""
+    comp = np.bincount(cr, weights=comp_cost[ck], minlength=P) if cr.size else np.zeros(P)
+    if km.step:  # host time of the step on every rank that computes or posts something in it
+        active = np.bincount(cr, minlength=P) + np.bincount(ms, minlength=P) + np.bincount(md, minlength=P)
+        comp = comp + km.step * (active > 0)
+    return comp
+
+
+def _message_times(t, ms, md, b, T, P, topo: Topology, notice, pair_free, res_free, shared):
+    """When one step's messages finish, queued behind what is still in flight; returns ``(fin, dur, res_free)``."""
+    dur = topo.flow_times(ms, md, b)
+    # both ends have posted; where the transport waits for the receiver's notice, from when it arrives
+    start = np.maximum(T[ms], T[md]) if notice is None else np.maximum(T[ms], notice[1][t])
+    pair = ms * P + md  # the connection
+    if pair_free is not None:
+        start = np.maximum(start, pair_free[pair])
+        dur = _in_order(pair, b, dur)
+    if res_free is not None:  # the resources still busy with earlier steps' messages
+        fi, ri = topo.queue_routes(ms, md)
+        res_free = _grown(res_free, ri)
+        if shared is None:  # FIFO: wait until they are through
+            busy_until = np.zeros(ms.size)
+            np.maximum.at(busy_until, fi, res_free[ri])
+            start = np.maximum(start, busy_until)
+    fin = start + dur
+    if shared is not None:  # shared fairly with them instead
+        fin = fin + shared.delay(fi, ri, start, b, pair)
+        shared.add(fi, ri, fin, pair)
+    if res_free is not None:
+        np.maximum.at(res_free, ri, fin[fi])
+    if pair_free is not None:
+        np.maximum.at(pair_free, pair, fin)
+    return fin, dur, res_free
+
+
+def _deliver(t, ms, md, mk, du, fin, end, handle, due_later: dict, P: int) -> np.ndarray:
+    """Messages due now end their step on both ranks (``end``, in place); later ones wait in ``due_later``."""
+    now = du <= t
+    np.maximum.at(end, ms[now], fin[now])
+    np.maximum.at(end, md[now], fin[now])
+    post = np.bincount(md[now], weights=handle[mk[now]], minlength=P)
+    for i in np.nonzero(~now)[0]:
+        due_later.setdefault(int(du[i]), []).append((ms[i], md[i], fin[i], handle[mk[i]]))
+    return post
+
+
+def _deliver_late(arrivals: list, end: np.ndarray, post: np.ndarray) -> None:
+    """Earlier steps' messages due at this step end it on both ranks (``end``, ``post``, in place)."""
+    for src, dst, fin, h in arrivals:
+        end[src] = max(end[src], fin)
+        end[dst] = max(end[dst], fin)
+        post[dst] += h
+
+
 def simulate_pass(
     cs: CompiledSchedule, sh: Shapes, topo: Topology, km: KernelModel, queued: bool = False
 ) -> PassResult:
@@ -330,43 +385,14 @@ def simulate_pass(
             shared.prune(float(T.min()))
         if notice is not None:  # receives posted now send their ready notices behind what already queues
             res_free = _post_notices(notice, t, cs, topo, T, res_free)
-        comp = np.bincount(cr, weights=comp_cost[ck], minlength=P) if cr.size else np.zeros(P)
-        if km.step:  # host time of the step on every rank that computes or posts something in it
-            active = np.bincount(cr, minlength=P) + np.bincount(ms, minlength=P) + np.bincount(md, minlength=P)
-            comp = comp + km.step * (active > 0)
+        comp = _step_compute(cr, ck, ms, md, comp_cost, km, P)
         end = T + comp
         comm_t = 0.0
         post = np.zeros(P)
         if ms.size:
             b = nbytes[mk]
-            dur = topo.flow_times(ms, md, b)
-            # both ends have posted; where the transport waits for the receiver's notice, from when it arrives
-            start = np.maximum(T[ms], T[md]) if notice is None else np.maximum(T[ms], notice[1][t])
-            pair = ms * P + md  # the connection
-            if pair_free is not None:
-                start = np.maximum(start, pair_free[pair])
-                dur = _in_order(pair, b, dur)
-            if res_free is not None:  # the resources still busy with earlier steps' messages
-                fi, ri = topo.queue_routes(ms, md)
-                res_free = _grown(res_free, ri)
-                if shared is None:  # FIFO: wait until they are through
-                    busy_until = np.zeros(ms.size)
-                    np.maximum.at(busy_until, fi, res_free[ri])
-                    start = np.maximum(start, busy_until)
-            fin = start + dur
-            if shared is not None:  # shared fairly with them instead
-                fin = fin + shared.delay(fi, ri, start, b, pair)
-                shared.add(fi, ri, fin, pair)
-            if res_free is not None:
-                np.maximum.at(res_free, ri, fin[fi])
-            if pair_free is not None:
-                np.maximum.at(pair_free, pair, fin)
-            now = du <= t
-            np.maximum.at(end, ms[now], fin[now])
-            np.maximum.at(end, md[now], fin[now])
-            post = np.bincount(md[now], weights=handle[mk[now]], minlength=P)
-            for i in np.nonzero(~now)[0]:
-                due_later.setdefault(int(du[i]), []).append((ms[i], md[i], fin[i], handle[mk[i]]))
+            fin, dur, res_free = _message_times(t, ms, md, b, T, P, topo, notice, pair_free, res_free, shared)
+            post = _deliver(t, ms, md, mk, du, fin, end, handle, due_later, P)
             out_b = np.bincount(ms, weights=b, minlength=P)
             sent += out_b
             if topo.cpu_per_byte:  # moving bytes costs the computing cores time (CPU hosts)
@@ -374,10 +400,7 @@ def simulate_pass(
                 comp = comp + cpu
                 end = np.maximum(end, T + comp)
             comm_t = float(dur.max())
-        for src, dst, fin, h in due_later.pop(t, []):
-            end[src] = max(end[src], fin)
-            end[dst] = max(end[dst], fin)
-            post[dst] += h
+        _deliver_late(due_later.pop(t, []), end, post)
         new = end + post
         wait = end - (T + comp)
         busy += comp + post
