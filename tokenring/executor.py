@@ -35,14 +35,19 @@ def _rank_plan(sched: Schedule, rank: int, early: bool):
     return sched.postings(rank, early), sched.reads(rank)
 
 
-def _compute(ops: Ops, computes: list[Compute], trace, t: int) -> None:
-    """The step's computes, one by one or, where the ``Ops`` batch them (``compute_all``), together."""
-    together = getattr(ops, "compute_all", None)
-    runs = [computes] if together is not None else [[c] for c in computes]
-    for run in runs:
-        t0 = trace.now() if trace is not None else None
+def _compute(ops: Ops, together, computes: list[Compute], trace, t: int) -> None:
+    """The step's computes, one by one or, where the ``Ops`` batch them (``together``: its ``compute_all``),
+    in one call."""
+    if trace is None:
+        if together is not None:
+            return together(computes)
+        for c in computes:
+            ops.compute(c)
+        return
+    for run in [computes] if together is not None else [[c] for c in computes]:
+        t0 = trace.now()
         together(run) if together is not None else ops.compute(run[0])
-        for c in run if trace is not None else ():
+        for c in run:
             trace.add(
                 "compute",
                 f"Q{c.q_owner}.{c.q_part} x KV{c.kv_owner}.{c.kv_part}",
@@ -64,13 +69,14 @@ def execute(sched: Schedule, comm: Comm, ops: Ops, held: list | None = None) -> 
     if trace is not None:
         trace.use(getattr(ops, "device", "cpu"))
     inflight: dict[int, list] = {}  # due step -> posted operations to complete at its end
+    together = getattr(ops, "compute_all", None)
     for t, (computes, sends, recvs) in enumerate(plan):
         for pending in comm.start(
             t, [(m, ops.payload(m), at) for m, *at in sends], [(m, ops.empty(m), at) for m, *at in recvs]
         ):
             inflight.setdefault(pending.due, []).append(pending)
         if computes:
-            _compute(ops, computes, trace, t)
+            _compute(ops, together, computes, trace, t)
         for pending in inflight.pop(t, []):
             pending.wait()
             for m, bufs in pending.recvs:
