@@ -103,6 +103,7 @@ def check_case(rank: int, P: int, case: dict, tol: float | None = None) -> dict:
         topo = topo[rank % len(topo)]
     if topo:
         tokenring.set_topology(topo)
+        tokenring.forget_choices()  # every rank of this case: decide again under the case's topology
     env = case.get("env") or {}
     before = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
@@ -374,6 +375,7 @@ def subgroup_case(rank: int, P: int, strategy: str) -> float | None:
 def chosen_strategy(rank: int, P: int, topology: str, strategy: str) -> str:
     """Which strategy ran (from the byte log's name) when this rank set ``topology`` (rank 0 decides)."""
     tokenring.set_topology(topology)
+    tokenring.forget_choices()  # on every rank: this pool's earlier cases agreed the signature already
     try:
         q = torch.randn(1, 64, 4, 16, dtype=torch.float64)
         log: list = []
@@ -748,3 +750,60 @@ def extend_silent_case(rank: int, P: int, strategy: str, victim: int, timeout: f
     except RuntimeError as e:
         return time.monotonic() - t0, str(e)
     raise AssertionError(f"rank {rank}: no RuntimeError although rank {victim} died")
+
+
+def any_length_case(rank: int, P: int, cases: list[dict]) -> list[float]:
+    """Per case: the largest error of out, dq, dk, dv (and dsinks) over this rank's rows of a sequence of any
+    length ``S`` sharded by ``tokenring.shard``, against float64 attention over the whole sequence; and the
+    gathered output against the reference (``tokenring.gather``)."""
+    errs = []
+    for case in cases:
+        S, H, Hkv, d, causal = case["S"], case["H"], case["Hkv"], case["d"], case["causal"]
+        layout, cu, window = case.get("layout"), case.get("cu_seqlens"), case.get("window")
+        gen = torch.Generator().manual_seed(S * 7 + P)
+        q, dout = (torch.randn(2, S, H, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(2, S, Hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        sinks = torch.linspace(-1.0, 1.5, H, dtype=torch.float64) if case.get("sinks") else None
+        lay = layout or ("zigzag" if causal else "contiguous")
+        mine = [tokenring.shard(x, 1, lay).clone().requires_grad_() for x in (q, k, v)]
+        if sinks is not None:
+            sinks = sinks.clone().requires_grad_()
+        out = tokenring.attention(
+            *mine, causal=causal, layout=layout, cu_seqlens=cu, window=window, sinks=sinks, strategy=case["strategy"],
+            seq_len=None if cu is not None else S,
+        )  # fmt: skip
+        out.backward(tokenring.shard(dout, 1, lay))
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref_sinks = None if sinks is None else sinks.detach().clone().requires_grad_()
+        ref = reference(*full, causal, d**-0.5, cu, window, ref_sinks)
+        ref.backward(dout)
+        got = [out, *(x.grad for x in mine)]
+        want = [ref, *(x.grad for x in full)]
+        err = max(rel_err(g, tokenring.shard(w, 1, lay), 1e-3) if g.numel() else 0.0 for g, w in zip(got, want))
+        if sinks is not None:
+            got_sinks = sinks.grad.clone()
+            if P > 1:  # each rank holds its rows' share of the sinks' gradient (DDP / FSDP sum it)
+                torch.distributed.all_reduce(got_sinks)
+            err = max(err, rel_err(got_sinks, ref_sinks.grad, 1e-3))
+        errs.append(max(err, rel_err(tokenring.gather(out.detach(), 1, lay), ref.detach())))
+    return errs
+
+
+def settings_on_rank0_case(rank: int, P: int, name: str, value, s: int = 8) -> str:
+    """Only rank 0 configures ``name``; the others keep the default. ``"ok"`` when every rank runs the same
+    (rank 0 decides ``auto`` for all), else the ValueError this rank raised (the calibration is left out: it is
+    rank 0 asking everyone, and takes seconds). ``s``: the local length (a new one is a signature no rank has
+    agreed yet)."""
+    tokenring.set_timeout(20)
+    if rank == 0:
+        tokenring.configure(**{name: value})
+    try:
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(1, s, 4, 8, generator=g, dtype=torch.float64).requires_grad_()
+        out = tokenring.attention(q, q, q, causal=True)
+        out.sum().backward()
+        return "ok"
+    except ValueError as e:
+        return str(e)
+    finally:
+        tokenring.configure(**{name: None})

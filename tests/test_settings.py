@@ -54,3 +54,18 @@ def test_set_topology_is_the_topology_setting(monkeypatch):
     finally:
         tokenring.set_topology(None)
     assert tokenring.options()["topology"] == (None, "default")
+
+
+def test_a_setting_on_rank_0_only_runs_or_is_named_on_every_rank(pools):
+    """A topology or backward choice set on one rank, after calls the ranks agreed: the next calls run (rank 0
+    decides auto for every rank, and a setting changed on one rank no longer makes that rank alone re-agree a
+    call the others skip). A node size set on one rank, on a new call signature: a ValueError naming it on every
+    rank, within the call. (On a signature the others agreed earlier, a node size set on one rank is the open
+    case of a refusal on a cached signature.)"""
+    import cases
+
+    for _ in range(2):
+        assert pools(4).run(cases.settings_on_rank0_case, "topology", "mesh:300mbit") == ["ok"] * 4
+        assert pools(4).run(cases.settings_on_rank0_case, "cpu_backward", "math") == ["ok"] * 4
+    for msg in pools(4).run(cases.settings_on_rank0_case, "node_size", 2, 12):
+        assert "inner_size (ranks per node)" in msg, msg

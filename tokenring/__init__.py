@@ -12,13 +12,13 @@ The cost model behind ``strategy="auto"`` (``tokenring.sim``) is imported on fir
 """
 
 from . import ops, settings
-from .api import STRATEGY_NAMES, attention, choose_strategy
+from .api import STRATEGY_NAMES, attention, choose_strategy, forget_choices
 from .comm import get_timeout, set_timeout
 from .context import context_parallel
 from .decode import decode_attention
 from .extend import extend_attention
 from .instrument import instrument
-from .layouts import gather, local_positions, shard
+from .layouts import gather, local_positions, shard, shard_positions
 from .settings import options
 
 __version__ = "0.1.0"
@@ -30,7 +30,9 @@ __all__ = [
     "shard",
     "gather",
     "local_positions",
+    "shard_positions",
     "choose_strategy",
+    "forget_choices",
     "explain",
     "calibrate",
     "set_topology",

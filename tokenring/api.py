@@ -10,7 +10,7 @@ from .choice import choose_strategy, resolve
 from .device import device_type as device_kind
 from .instrument import current as current_instruments
 from .kernels import attention_inputs, fold_scale
-from .layouts import group_info
+from .layouts import LAYOUTS, default_layout, group_info, padded_length, shard_positions
 from .masks import check_bounds_tensor
 from .ops import (
     Call,
@@ -47,6 +47,7 @@ def attention(
     sinks: torch.Tensor | None = None,
     group=None,
     inner_size: int | None = None,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across the ranks of ``group``.
 
@@ -58,17 +59,22 @@ def attention(
     ``"token_ring_2d"``) or a variant (``"token_ring:direct,c=2,k=3"``). ``cu_seqlens`` ``[0, ..., S]`` packs
     documents and ``window=(left, right)`` bounds what a query sees, over the global sequence (flash-attn's
     conventions); ``sinks``: (H,) gpt-oss sink logits. Runs under ``torch.autocast`` and ``torch.compile``.
-    Every rank calls with the same shapes and options; what is refused is a ValueError on every rank.
-    The full reference: docs/internals.md, "attention()".
+    Any length: ``seq_len`` (or a ``cu_seqlens`` list ending at it) names the global length when the shards are
+    uneven, as :func:`tokenring.shard` cuts a sequence of any length. Every rank calls with the same options;
+    what is refused is a ValueError on every rank. The full reference: docs/internals.md, "attention()".
     """
     q, k, v, softmax_scale, dv = attention_inputs(q, k, v, softmax_scale)
     if dv is not None:  # MLA: the value head dim differs from q/k's; run with zero columns, keep dv of them
         return attention(
             q, k, v, causal=causal, softmax_scale=softmax_scale, strategy=strategy, layout=layout,
-            cu_seqlens=cu_seqlens, window=window, sinks=sinks, group=group, inner_size=inner_size,
+            cu_seqlens=cu_seqlens, window=window, sinks=sinks, group=group, inner_size=inner_size, seq_len=seq_len,
         )[..., :dv]  # fmt: skip
-    compiling = torch.compiler.is_compiling()
     rank, P = group_info(group)
+    S = _uneven_length(q, cu_seqlens, seq_len, layout, causal, P)
+    if S is not None:  # shards of a length the layout does not split evenly: pad them, run, cut the padding
+        return _uneven(q, k, v, S, causal, softmax_scale, strategy, layout, cu_seqlens, window, sinks, group,
+                       inner_size, rank, P)  # fmt: skip
+    compiling = torch.compiler.is_compiling()
     cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) or cu_seqlens is None else None
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
     try:
@@ -92,6 +98,68 @@ def attention(
     out = attention_op(q, k, v, sinks, cu, call)
     del holder  # the op's autograd context keeps it while backward may still run
     return out
+
+
+def _uneven_length(q, cu_seqlens, seq_len, layout, causal: bool, P: int) -> int | None:
+    """The global length when this call's shards are not the layout's even split of ``s * P`` (else ``None``)."""
+    if seq_len is None and isinstance(cu_seqlens, (list, tuple)) and len(cu_seqlens):
+        seq_len = cu_seqlens[-1]  # documents given as numbers end at the global length
+    if seq_len is None:
+        return None
+    S, layout = int(seq_len), layout or default_layout(causal)
+    if S == q.shape[1] * P and (layout not in LAYOUTS or S == padded_length(S, P, layout)):
+        return None  # even (or a layout the plan refuses by name)
+    return S
+
+
+def _uneven(q, k, v, S: int, causal, softmax_scale, strategy, layout, cu_seqlens, window, sinks, group, inner_size,
+            rank: int, P: int) -> torch.Tensor:  # fmt: skip
+    """Attention over shards of a sequence of any length ``S``: each rank's rows padded at the end of the global
+    sequence to :func:`padded_length`, the padding in a document of its own (none needed when causal without
+    a window or documents: every real row precedes it), then cut off. Pad rows are zeros: no gradient reaches
+    the real rows through them."""
+    layout = layout or default_layout(causal)
+    try:
+        mine = _uneven_rows(q, k, v, S, layout, cu_seqlens, rank, P)
+    except ValueError as e:
+        if P == 1:
+            raise _ranked(e, rank) from None
+        _refuse_everywhere(_ranked(e, rank), group, rank, P)
+    Sp = padded_length(S, P, layout)
+    cu = cu_seqlens
+    if cu is not None:  # the padding, one more document
+        cu = torch.cat([cu, cu.new_tensor([Sp])]) if isinstance(cu, torch.Tensor) else [*map(int, cu), Sp]
+    elif not causal or window is not None:
+        cu = [0, S, Sp]
+
+    def pad(x):
+        return torch.cat([x, x.new_zeros(x.shape[0], Sp // P - mine, *x.shape[2:])], 1)
+
+    out = attention(
+        pad(q), pad(k), pad(v), causal=causal, softmax_scale=softmax_scale, strategy=strategy, layout=layout,
+        cu_seqlens=cu, window=window, sinks=sinks, group=group, inner_size=inner_size,
+    )  # fmt: skip
+    return out[:, :mine]
+
+
+def _uneven_rows(q, k, v, S: int, layout: str, cu_seqlens, rank: int, P: int) -> int:
+    """This rank's row count for length ``S``; a ValueError when it holds another, or the layout takes no padding."""
+    if S < 1:
+        raise ValueError(f"seq_len={S}: the global length must be at least 1")
+    if layout == "zigzag_docs":
+        raise ValueError(
+            f"layout='zigzag_docs' splits every document into 2P chunks and takes no padding (length {S} over "
+            f"{P} ranks); pad each document to a multiple of {2 * P}, or use layout='zigzag'"
+        )
+    if isinstance(cu_seqlens, (list, tuple)) and len(cu_seqlens) and int(cu_seqlens[-1]) != S:
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, but seq_len={S}: they must agree")
+    mine = len(shard_positions(S, P, rank, layout)) if layout in LAYOUTS else q.shape[1]
+    if any(t.shape[1] != mine for t in (q, k, v)):
+        raise ValueError(
+            f"q, k, v hold {q.shape[1]}, {k.shape[1]}, {v.shape[1]} rows; a sequence of {S} tokens over {P} ranks "
+            f"with layout={layout!r} gives rank {rank} {mine} (tokenring.shard(x, layout={layout!r}) cuts it so)"
+        )
+    return mine
 
 
 def _checked_plan(q, k, v, sinks, cu, cu_seqlens, strategy, causal, softmax_scale, layout, window, group, inner_size,

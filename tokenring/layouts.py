@@ -18,11 +18,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .device import collective_device, values_travel
+
 __all__ = [
     "LAYOUTS",
     "default_layout",
     "check_layout",
     "local_positions",
+    "padded_length",
+    "shard_positions",
     "global_order",
     "shard",
     "gather",
@@ -104,6 +108,22 @@ def local_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
     return torch.cat([first, second])
 
 
+def padded_length(S: int, P: int, layout: str) -> int:
+    """``S`` rounded up to a length ``layout`` splits evenly over ``P`` ranks (``2P`` chunks for zigzag)."""
+    parts = 2 * P if layout.startswith("zigzag") else P
+    return -(-S // parts) * parts
+
+
+def shard_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seqlens=None) -> torch.Tensor:
+    """Global positions ``rank`` holds of a sequence of any length ``S``: ``layout`` over ``S`` padded at the end
+    to :func:`padded_length`, the padding left out (the last ranks, or zigzag's late chunks, hold fewer rows)."""
+    check_layout(layout)
+    if layout == "zigzag_docs" or S == padded_length(S, P, layout):
+        return local_positions(S, P, rank, layout, device, cu_seqlens)
+    idx = local_positions(padded_length(S, P, layout), P, rank, layout, device)
+    return idx[idx < S]
+
+
 def global_order(S: int, P: int, layout: str, device=None, cu_seqlens=None) -> torch.Tensor:
     """Positions of the concatenation ``[rank 0's shard, rank 1's shard, ...]``: ``cat(...)[i]`` is token
     ``global_order[i]``. ``argsort`` of it reorders a concatenation back to natural order."""
@@ -111,32 +131,50 @@ def global_order(S: int, P: int, layout: str, device=None, cu_seqlens=None) -> t
 
 
 def shard(x_full: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None, cu_seqlens=None) -> torch.Tensor:
-    """This rank's shard of ``x_full`` (identical on every rank) along ``dim`` (``cu_seqlens``: the packed
-    documents, for ``layout="zigzag_docs"``).
+    """This rank's shard of ``x_full`` (identical on every rank) along ``dim``, of any length
+    (:func:`shard_positions`; ``cu_seqlens``: the packed documents, for ``layout="zigzag_docs"``).
 
     With no process group initialised the whole tensor is returned.
     """
     rank, P = group_info(group)
     dim = dim % x_full.dim()
-    idx = local_positions(x_full.shape[dim], P, rank, layout, device=x_full.device, cu_seqlens=cu_seqlens)
+    idx = shard_positions(x_full.shape[dim], P, rank, layout, device=x_full.device, cu_seqlens=cu_seqlens)
     if layout == "contiguous":
-        return x_full.narrow(dim, int(idx[0]), idx.numel())
+        return x_full.narrow(dim, int(idx[0]) if len(idx) else 0, idx.numel())
     return x_full.index_select(dim, idx)
 
 
 def gather(
-    x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None, cu_seqlens=None
+    x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None, cu_seqlens=None, seq_len=None
 ) -> torch.Tensor:
-    """Inverse of :func:`shard`: the full tensor along ``dim``, on every rank (not differentiable)."""
+    """Inverse of :func:`shard`: the full tensor along ``dim``, on every rank (not differentiable). The ranks'
+    lengths are exchanged unless ``seq_len`` (the full length) is given."""
     check_layout(layout)
     rank, P = group_info(group)
     if P == 1:
         return x_local
     dim = dim % x_local.dim()
-    parts = [torch.empty_like(x_local) for _ in range(P)]
-    dist.all_gather(parts, x_local.contiguous(), group=group)
-    cat = torch.cat(parts, dim=dim)
+    sizes = _shard_sizes(x_local.shape[dim], P, layout, group, seq_len)
+    m = max(sizes)
+    x = x_local.contiguous()
+    if x.shape[dim] < m:  # uneven shards travel padded to the longest
+        x = torch.cat([x, x.new_zeros(*x.shape[:dim], m - x.shape[dim], *x.shape[dim + 1 :])], dim)
+    parts = [torch.empty_like(x) for _ in range(P)]
+    dist.all_gather(parts, x, group=group)
+    cat = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
     if layout == "contiguous":
         return cat
-    order = global_order(cat.shape[dim], P, layout, device=cat.device, cu_seqlens=cu_seqlens)
+    order = torch.cat([shard_positions(sum(sizes), P, r, layout, cat.device, cu_seqlens) for r in range(P)])
     return cat.index_select(dim, torch.argsort(order))
+
+
+def _shard_sizes(n: int, P: int, layout: str, group, seq_len) -> list[int]:
+    """Every rank's shard length: from ``seq_len``, else exchanged (one small all-gather)."""
+    if seq_len is not None:
+        return [len(shard_positions(int(seq_len), P, r, layout)) for r in range(P)]
+    if not values_travel(group):  # PyTorch's fake process group: shapes only, even shards
+        return [n] * P
+    mine = torch.tensor([n], dtype=torch.int64, device=collective_device(group))
+    got = [torch.empty_like(mine) for _ in range(P)]
+    dist.all_gather(got, mine, group=group)
+    return [int(x) for x in got]

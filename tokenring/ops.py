@@ -141,11 +141,9 @@ _checked = cache()  # (id(group), signature) -> the strategy every rank agreed t
 
 
 def forget_choices() -> None:
-    """Drop the verified signatures and the cached ``auto`` choices (``set_topology`` calls this)."""
+    """Drop the verified signatures and the cached ``auto`` choices, so the next call of each signature is agreed
+    and decided again. Call it on every rank: a rank that forgot alone would ask the others, who do not."""
     _checked.clear()
-
-
-settings.on_change(lambda name: forget_choices() if name == "topology" else None)
 
 
 _calibrate: Callable | None = None  # set_calibrator: tokenring.calibration, which sits above this module
@@ -276,8 +274,8 @@ def _check_shards(H: int, Hkv: int, s: int, P: int, strategy: str, causal: bool,
     """ValueError when the local length does not fit the layout or a named strategy cannot run these heads."""
     if P > 1 and layout == "zigzag" and s % 2:
         raise ValueError(
-            f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; pad the "
-            f"global sequence to a multiple of 2*P = {2 * P}"
+            f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; for a sequence of any "
+            f"length shard it with tokenring.shard(x, layout='zigzag') and pass seq_len= (its length)"
         )
     if P > 1 and strategy != "auto":
         why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
@@ -445,7 +443,8 @@ def _agree(
         rank,
         "tokenring.attention",
         f"Here: {describe}. Every rank must pass shards of the same shape, dtype and options; shard the "
-        f"sequence with tokenring.shard() so local lengths are equal.",
+        f"sequence with tokenring.shard(), and for a length the layout does not split evenly pass seq_len= "
+        f"(the global length) on every rank.",
         _show,
     )
     if rows[0][-1]:  # rank 0 asks every rank to calibrate the group first

@@ -112,7 +112,7 @@ def _padding_problem(full_mask: torch.Tensor, causal: bool) -> str | None:
 
 def _gathered(t: torch.Tensor, layout: str, group, device) -> torch.Tensor:
     """The full ``(B, S)`` tensor, in natural order, from every rank's ``(B, s)`` shard (on the CPU)."""
-    return gather(t.to(device), dim=1, layout=layout, group=group).cpu()
+    return gather(t.to(device), dim=1, layout=layout, group=group, seq_len=t.shape[1] * group_info(group)[1]).cpu()
 
 
 def _check_heads(module, heads: list, mask_problem: str | None, rank: int) -> None:

@@ -27,8 +27,10 @@ _cache: dict = {}
 
 
 def set_topology(spec=None) -> None:
-    """Tell ``auto`` which interconnect the group runs on (``None``: back to ``$TOKENRING_TOPOLOGY`` / default),
-    with the same value on every rank; ``tokenring.configure(topology=spec)``."""
+    """Tell ``auto`` which interconnect the group runs on (``None``: back to ``$TOKENRING_TOPOLOGY`` / default);
+    ``tokenring.configure(topology=spec)``. Rank 0's topology decides for every rank; it applies to call
+    signatures not agreed yet (``tokenring.forget_choices()`` on every rank re-decides the others): a change on
+    one rank alone must not make it re-agree a call the others skip."""
     settings.configure(topology=spec)
 
 

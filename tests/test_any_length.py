@@ -1,0 +1,72 @@
+"""Sequences of any length: ``tokenring.shard`` cuts them unevenly and ``tokenring.attention`` (``seq_len=``, or a
+``cu_seqlens`` list ending at the length) pads them internally; exact against float64, forward and backward."""
+
+import cases
+import pytest
+import torch
+
+import tokenring
+from tokenring.layouts import padded_length, shard_positions
+
+STRATS = ("token_ring", "ring", "ring_bidir")
+
+
+def _grid(P: int, lengths) -> list[dict]:
+    out = []
+    for i, S in enumerate(lengths):
+        for causal in (True, False):
+            out.append(dict(S=S, H=4, Hkv=2, d=5, causal=causal, strategy=STRATS[(i + causal) % len(STRATS)]))
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
+def test_short_lengths_are_exact(pools, P):
+    """S = 1, 2, 5 and one more than a multiple of 2P: some ranks hold no row at all."""
+    grid = _grid(P, [1, 2, 5, 2 * P + 1])
+    for errs in pools(P).run(cases.any_length_case, grid):
+        assert max(errs) < 1e-10, list(zip(grid, errs))
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_documents_windows_sinks_at_odd_lengths(pools, P):
+    """Documents of 1, 3 and 7 tokens among others, a window, sinks, GQA, both layouts, ulysses too."""
+    grid = [
+        dict(S=37, H=4, Hkv=2, d=5, causal=True, strategy="token_ring", cu_seqlens=[0, 1, 4, 11, 30, 37]),
+        dict(S=29, H=4, Hkv=4, d=3, causal=False, strategy="ring", cu_seqlens=[0, 7, 8, 11, 29]),
+        dict(S=31, H=4, Hkv=2, d=5, causal=True, strategy="token_ring", window=(6, 0), sinks=True),
+        dict(S=23, H=4, Hkv=2, d=5, causal=False, strategy="token_ring", window=(3, 2), layout="zigzag"),
+        dict(S=19, H=4, Hkv=2, d=5, causal=True, strategy="ring", layout="contiguous", sinks=True),
+    ]
+    if P != 3:
+        grid.append(dict(S=27, H=P * 2, Hkv=P, d=5, causal=True, strategy="ulysses"))
+    for errs in pools(P).run(cases.any_length_case, grid):
+        assert max(errs) < 1e-10, list(zip(grid, errs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
+def test_lengths_4095_and_4097(pools, P):
+    grid = [
+        dict(S=4095, H=2, Hkv=1, d=3, causal=True, strategy="token_ring", cu_seqlens=[0, 1, 4, 11, 2000, 4095]),
+        dict(S=4097, H=2, Hkv=2, d=3, causal=False, strategy="ring"),
+    ]
+    for errs in pools(P).run(cases.any_length_case, grid):
+        assert max(errs) < 1e-10, list(zip(grid, errs))
+
+
+def test_shard_positions_cover_the_sequence_once():
+    for P in range(1, 6):
+        for layout in ("contiguous", "zigzag"):
+            for S in (1, 2, 3, 5, 7, 2 * P, 2 * P + 1, 61):
+                held = [shard_positions(S, P, r, layout) for r in range(P)]
+                assert sorted(torch.cat(held).tolist()) == list(range(S)), (P, layout, S)
+                assert all(torch.all(h[1:] > h[:-1]) for h in held if len(h) > 1)
+                assert padded_length(S, P, layout) >= S
+
+
+def test_wrong_rows_for_the_length_are_refused():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="must be at least 1"):
+        tokenring.attention(q, q, q, seq_len=0)
+    with pytest.raises(ValueError, match="must agree"):
+        tokenring.attention(q, q, q, seq_len=5, cu_seqlens=[0, 4])
