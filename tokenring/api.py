@@ -107,8 +107,8 @@ def _uneven_length(q, cu_seqlens, seq_len, layout, causal: bool, P: int) -> int 
     if seq_len is None:
         return None
     S, layout = int(seq_len), layout or default_layout(causal)
-    if S == q.shape[1] * P and (layout not in LAYOUTS or S == padded_length(S, P, layout)):
-        return None  # even (or a layout the plan refuses by name)
+    if S == q.shape[1] * P and (P == 1 or layout not in LAYOUTS or S == padded_length(S, P, layout)):
+        return None  # even, one rank (or a layout the plan refuses by name)
     return S
 
 
