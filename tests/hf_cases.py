@@ -520,3 +520,24 @@ def large_ids(rank: int, P: int) -> dict:
     except ValueError as e:
         return dict(shape=tuple(batch["input_ids"].shape), error=str(e))
     return dict(shape=tuple(batch["input_ids"].shape), error=None)
+
+
+def widened_batch_refused(rank: int, P: int) -> dict:
+    """Beam search and num_return_sequences > 1 over a sharded cache: a clear ValueError on every rank, and the
+    same cache then generates greedily as one process does."""
+    model = build("llama", "tokenring", num_hidden_layers=2).eval()
+    ids = tokens(8 * P + 3, model.config.vocab_size)
+    mask = torch.ones_like(ids)
+    cache = thf.prefill(model, ids)
+    msgs = []
+    for kw in (dict(num_beams=2), dict(do_sample=True, num_return_sequences=2)):
+        try:
+            model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=3, pad_token_id=0, **kw)
+            raise AssertionError(f"generate({kw}) over a sharded cache was not refused")
+        except ValueError as e:
+            msgs.append(str(e))
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref = build("llama", "sdpa", num_hidden_layers=2).eval()
+    ref.load_state_dict(model.state_dict())
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return dict(msgs=msgs, same=out.tolist() == want.tolist())

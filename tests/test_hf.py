@@ -237,3 +237,10 @@ def test_large_token_ids_in_the_batch_check(pools):
     """Token ids near 2**63 neither overflow the batch checksum nor let a one-id difference through."""
     for r in pools(2).run(hf_cases.large_ids):
         assert r["shape"] == (2, 8) and r["error"] is not None and "different samples" in r["error"], r
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_beam_search_is_refused_and_the_cache_still_generates(pools, P):
+    for got in pools(P).run(hf_cases.widened_batch_refused):
+        assert all("beam search and num_return_sequences" in m for m in got["msgs"]), got["msgs"]
+        assert got["same"]

@@ -45,6 +45,13 @@ class ShardedLayer(DynamicLayer):
                 f"{self.keys.shape[1]} heads of dim {self.keys.shape[3]}, the model gives "
                 f"{key_states.shape[1]} of dim {key_states.shape[3]}: a cache from another model"
             )
+        if not o.prefilling and self.total and key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(
+                f"tokenring ShardedCache: this step's batch is {key_states.shape[0]} rows, the cache holds "
+                f"{self.keys.shape[0]}: beam search and num_return_sequences > 1 widen the batch after prefill, "
+                f"which a sharded cache does not follow. Generate one sequence per prompt (greedy or sampling), "
+                f"or prefill the widened batch (input_ids.repeat_interleave(n, dim=0))"
+            )
         if o.prefilling:
             if self.total:
                 raise ValueError(
