@@ -23,6 +23,7 @@ def pools():
 # The quick tier, `pytest -m "not slow"` (the inner loop; CI runs everything): the unit files whole, and from the
 # multi-rank files the few tests named in QUICK. Every other test of a file in SLOW_FILES is marked slow here.
 SLOW_FILES = {
+    "test_any_length.py",
     "test_bench.py",
     "test_calibrate.py",
     "test_comm_and_errors.py",
@@ -44,6 +45,9 @@ SLOW_FILES = {
     "test_varlen.py",
 }
 QUICK = {
+    "test_any_length.py::test_short_lengths_are_exact[3]",
+    "test_any_length.py::test_shard_positions_cover_the_sequence_once",
+    "test_any_length.py::test_wrong_rows_for_the_length_are_refused",
     "test_correctness.py::test_matches_reference[2-token_ring]",
     "test_correctness.py::test_matches_reference[3-ring]",
     "test_varlen.py::test_packed_and_windowed_match_reference[2]",
