@@ -129,7 +129,8 @@ def llama_step(rank: int, P: int, S: int, strategy: str = "auto") -> dict:
     freqs = model.freqs_cis.clone()
     ids, lab = tokens.clone(), labels.clone()
     with tokenring.context_parallel(buffers=[ids, lab, model.freqs_cis], seq_dims=[1, 1, 0], strategy=strategy):
-        assert ids.shape[1] == S // P and model.freqs_cis.shape[0] == freqs.shape[0] // P
+        mine = len(tokenring.shard_positions(S, P, rank, "zigzag"))  # S // P when the layout splits S evenly
+        assert ids.shape[1] == mine and model.freqs_cis.shape[0] == mine
         loss = F.cross_entropy(model(ids).flatten(0, 1), lab.flatten(), ignore_index=-100, reduction="sum") / n
         loss.backward()
     total = loss.detach().clone()

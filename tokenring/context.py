@@ -9,7 +9,8 @@ The shape of PyTorch's ``context_parallel`` (TorchTitan): on entry each buffer i
 rank's shard along its sequence dim (``layout``: zigzag by default, which balances causal work); inside, every
 SDPA call with ``attn_mask=None`` becomes :func:`tokenring.attention` over the group (``is_causal``, ``scale``
 and ``enable_gqa`` as SDPA reads them; packed documents and windows through ``cu_seqlens=`` / ``window=``,
-over the global sequence); on exit the buffers are gathered back (except ``no_restore_buffers``). Anything
+over the global sequence); on exit the buffers are gathered back (except ``no_restore_buffers``). Buffers of
+any one length: their shards may be uneven, and the SDPA calls pass that length on as ``seq_len``. Anything
 SDPA does that tokenring cannot express (a mask tensor, dropout) raises a ValueError on every rank: every rank
 runs the same model, so every rank meets the same call.
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .api import attention
-from .layouts import check_layout, gather, shard
+from .layouts import check_layout, gather, group_info, padded_length, shard, shard_positions
 
 __all__ = ["context_parallel"]
 
@@ -49,15 +50,11 @@ def _group_of(group_or_mesh):
 class _SDPA(TorchFunctionMode):
     """Routes ``scaled_dot_product_attention`` to :func:`tokenring.attention` while the block is open."""
 
-    def __init__(self, group, strategy: str, layout: str, cu_seqlens, window):
+    def __init__(self, group, strategy: str, layout: str, cu_seqlens, window, seq_len):
         super().__init__()
-        self.group, self.strategy, self.layout, self.cu_seqlens, self.window = (
-            group,
-            strategy,
-            layout,
-            cu_seqlens,
-            window,
-        )
+        self.group, self.strategy, self.layout = group, strategy, layout
+        self.cu_seqlens, self.window, self.seq_len = cu_seqlens, window, seq_len
+        self.uneven_rows = _uneven_rows(group, layout, seq_len)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -97,8 +94,18 @@ class _SDPA(TorchFunctionMode):
             cu_seqlens=self.cu_seqlens,
             window=self.window,
             group=self.group,
+            seq_len=self.seq_len if q.shape[1] == self.uneven_rows else None,
         )
         return out.transpose(1, 2)
+
+
+def _uneven_rows(group, layout: str, S: int | None) -> int | None:
+    """This rank's rows of the buffers' length ``S`` when the layout splits it unevenly (else ``None``): an SDPA
+    call over that many rows runs with ``seq_len=S``."""
+    rank, P = group_info(group)
+    if S is None or S == padded_length(S, P, layout):
+        return None
+    return len(shard_positions(S, P, rank, layout))
 
 
 @contextlib.contextmanager
@@ -124,13 +131,15 @@ def context_parallel(
     check_layout(layout)
     group = _group_of(group_or_mesh)
     keep = {id(b) for b in no_restore_buffers}
+    lengths = {b.shape[d] for b, d in zip(buffers, seq_dims)}
+    seq_len = lengths.pop() if len(lengths) == 1 else None  # any length: the SDPA calls' rows are its shards
     for b, d in zip(buffers, seq_dims):
         b.data = shard(b.data, dim=d, layout=layout, group=group, cu_seqlens=cu_seqlens).contiguous()
-    mode = _SDPA(group, strategy, layout, cu_seqlens, window)
+    mode = _SDPA(group, strategy, layout, cu_seqlens, window, seq_len)
     try:
         with mode:
             yield
     finally:
         for b, d in zip(buffers, seq_dims):
             if id(b) not in keep:
-                b.data = gather(b.data, dim=d, layout=layout, group=group, cu_seqlens=cu_seqlens)
+                b.data = gather(b.data, dim=d, layout=layout, group=group, cu_seqlens=cu_seqlens, seq_len=seq_len)
