@@ -83,14 +83,19 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
         missing = ""
         try:
             gone = [r for r in range(P) if not store.check([prefix + str(r)])]
-            missing = f" Rank(s) {gone} never reached this call: they died or do not call {who} here." if gone else ""
+            if gone:
+                who_stopped = f"Rank {gone[0]} is" if len(gone) == 1 else f"Ranks {gone} are"
+                missing = (
+                    f" {who_stopped} the one that stopped: it never reached this call (it died, hangs, or does not "
+                    f"call {who} here)."
+                )
         except Exception:
             pass
         raise RuntimeError(
-            f"tokenring: rank {rank} could not compare {what} with the other ranks within {get_timeout():.0f} s "
+            f"tokenring: rank {rank} failed to compare {what} with the other ranks within {get_timeout():.0f} s "
             f"({e}).{missing} A rank has died, or is not calling {who} at this point (every rank of the group must "
-            f"call it with the same shapes and options). The process group cannot be used again after this: "
-            f"destroy it and start the ranks again."
+            f"call it with the same shapes and options). Raise the bound with tokenring.set_timeout() if it is only "
+            f"slow. The process group cannot be used again after this: destroy it and start the ranks again."
         ) from e
     return [e.tolist() for e in every]
 
