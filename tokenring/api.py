@@ -90,6 +90,11 @@ def attention(
     if plain:  # one rank, nothing to mask: PyTorch's own attention
         q, scale = fold_scale(q, scale)
         return _single_device(q, k, v, causal, scale)
+    return _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, n, backward, compiling)
+
+
+def _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, n, backward, compiling: bool):
+    """The ``tokenring::attention_fwd`` op for a planned call, with this call's instruments (eager only)."""
     hooks = current_instruments()
     if hooks is not None and compiling:
         raise ValueError("tokenring.attention: tokenring.instrument() (tracing, byte logs) works in eager mode only")

@@ -34,7 +34,7 @@ from .agreement import code as _code
 from .choice import resolve
 from .comm import publish_refusal
 from .device import device_type as device_kind
-from .device import nccl, no_autocast, pretended
+from .device import no_autocast, pretended
 from .instrument import NONE as NO_HOOKS
 from .kernels import fold_scale, softmax_scale_of
 from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
@@ -421,8 +421,7 @@ def _agree(
     result. ``remember=False`` (a rank that will refuse its arguments): exchange every time, never skip.
     ``decide`` ``None``: this rank refuses its arguments (``sig`` is ``_REFUSED``)."""
     key = (id(group), tuple(sig))  # nothing per-host in it: a rank that re-checked alone would wait for the others
-    known = remember and key in _checked
-    if _known_everywhere(sig, known, group, rank, P):
+    if remember and key in _checked:
         return _checked[key]
     lazy = rank == 0 and calibrate_for is not None and settings.get("calibrate") and id(group) not in _calibrated
     choice = strategy_code(decide()) if rank == 0 and decide is not None and not lazy else [-1.0] * CODE_LEN
@@ -458,23 +457,10 @@ def _agree(
     return chosen
 
 
-def _known_everywhere(sig: list[float], known: bool, group, rank: int, P: int) -> bool:
-    """One small exchange per call, on every rank: whether every rank calls with this signature, agreed at an
-    earlier call, and none refuses. Otherwise every rank goes on to the full comparison, so a rank that refuses
-    or changes its shapes on a later call is a ValueError everywhere, not a timeout. On NCCL the local cache
-    decides (no host read per call: the GPU's run-ahead is worth more), as on the fake process group."""
-    if nccl(group):
-        return known
-    rows = exchange([sig[0], float(not known), _code(str(sig))], group, rank, P, "tokenring.attention", "call headers")
-    if rows is None:
-        return known
-    return all(r[0] == 0 and r[1] == 0 and r[2] == rows[0][2] for r in rows)
-
-
 def _refuse_everywhere(problem: ValueError, group, rank: int, P: int):
-    """Tell the other ranks this rank refuses its arguments, then raise ``problem``: the per-call header sends
-    every rank to the comparison, where they raise at once naming this rank (the store keeps its reason for
-    ranks that fail waiting, should one have died meanwhile)."""
+    """Tell the other ranks this rank refuses its arguments, then raise ``problem``. Ranks that compare
+    signatures for this call raise at once; ranks that had agreed on their shapes at an earlier call go ahead
+    without comparing, and name this rank and its reason when its messages do not come (the store report)."""
     publish_refusal(group, rank, str(problem))
     try:
         _agree(list(_REFUSED), None, "", group, rank, P, remember=False)
@@ -482,9 +468,9 @@ def _refuse_everywhere(problem: ValueError, group, rank: int, P: int):
         pass
     except RuntimeError:
         raise ValueError(
-            f"{problem} (The other ranks did not compare signatures with this one within the timeout; they "
-            f"will fail waiting for this rank and name it. The process group cannot be used again after this: "
-            f"destroy it and start the ranks again.)"
+            f"{problem} (The other ranks did not compare signatures with this one: they had agreed on their "
+            f"shapes at an earlier call and went ahead, so they will fail waiting for this rank and name it. "
+            f"The process group cannot be used again after this: destroy it and start the ranks again.)"
         ) from None
     raise problem from None
 
