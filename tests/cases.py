@@ -770,7 +770,7 @@ def any_length_case(rank: int, P: int, cases: list[dict]) -> list[float]:
             sinks = sinks.clone().requires_grad_()
         out = tokenring.attention(
             *mine, causal=causal, layout=layout, cu_seqlens=cu, window=window, sinks=sinks, strategy=case["strategy"],
-            seq_len=None if cu is not None else S,
+            seq_len=S,
         )  # fmt: skip
         out.backward(tokenring.shard(dout, 1, lay))
         full = [x.clone().requires_grad_() for x in (q, k, v)]

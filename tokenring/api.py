@@ -59,8 +59,8 @@ def attention(
     ``"token_ring_2d"``) or a variant (``"token_ring:direct,c=2,k=3"``). ``cu_seqlens`` ``[0, ..., S]`` packs
     documents and ``window=(left, right)`` bounds what a query sees, over the global sequence (flash-attn's
     conventions); ``sinks``: (H,) gpt-oss sink logits. Runs under ``torch.autocast`` and ``torch.compile``.
-    Any length: ``seq_len`` (or a ``cu_seqlens`` list ending at it) names the global length when the shards are
-    uneven, as :func:`tokenring.shard` cuts a sequence of any length. Every rank calls with the same options;
+    Any length: ``seq_len`` names the global length when the shards are uneven, as :func:`tokenring.shard` cuts
+    a sequence of any length (``cu_seqlens`` then ends at it). Every rank calls with the same options;
     what is refused is a ValueError on every rank. The full reference: docs/internals.md, "attention()".
     """
     q, k, v, softmax_scale, dv = attention_inputs(q, k, v, softmax_scale)
@@ -107,9 +107,7 @@ def _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, 
 
 def _uneven_length(q, cu_seqlens, seq_len, layout, causal: bool, P: int) -> int | None:
     """The global length when this call's shards are not the layout's even split of ``s * P`` (else ``None``)."""
-    if seq_len is None and isinstance(cu_seqlens, (list, tuple)) and len(cu_seqlens):
-        seq_len = cu_seqlens[-1]  # documents given as numbers end at the global length
-    if seq_len is None:
+    if seq_len is None:  # (documents ending elsewhere than s * P are a mistake the plan names, not a length)
         return None
     S, layout = int(seq_len), layout or default_layout(causal)
     if S == q.shape[1] * P and (P == 1 or layout not in LAYOUTS or S == padded_length(S, P, layout)):
