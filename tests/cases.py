@@ -765,27 +765,31 @@ def any_length_case(rank: int, P: int, cases: list[dict]) -> list[float]:
         k, v = (torch.randn(2, S, Hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
         sinks = torch.linspace(-1.0, 1.5, H, dtype=torch.float64) if case.get("sinks") else None
         lay = layout or ("zigzag" if causal else "contiguous")
-        mine = [tokenring.shard(x, 1, lay).clone().requires_grad_() for x in (q, k, v)]
+        docs = cu if lay == "balanced" else None  # its plan follows the documents
+        mine = [tokenring.shard(x, 1, lay, cu_seqlens=docs).clone().requires_grad_() for x in (q, k, v)]
         if sinks is not None:
             sinks = sinks.clone().requires_grad_()
         out = tokenring.attention(
             *mine, causal=causal, layout=layout, cu_seqlens=cu, window=window, sinks=sinks, strategy=case["strategy"],
             seq_len=S,
         )  # fmt: skip
-        out.backward(tokenring.shard(dout, 1, lay))
+        out.backward(tokenring.shard(dout, 1, lay, cu_seqlens=docs))
         full = [x.clone().requires_grad_() for x in (q, k, v)]
         ref_sinks = None if sinks is None else sinks.detach().clone().requires_grad_()
         ref = reference(*full, causal, d**-0.5, cu, window, ref_sinks)
         ref.backward(dout)
         got = [out, *(x.grad for x in mine)]
         want = [ref, *(x.grad for x in full)]
-        err = max(rel_err(g, tokenring.shard(w, 1, lay), 1e-3) if g.numel() else 0.0 for g, w in zip(got, want))
+        err = max(
+            rel_err(g, tokenring.shard(w, 1, lay, cu_seqlens=docs), 1e-3) if g.numel() else 0.0
+            for g, w in zip(got, want)
+        )
         if sinks is not None:
             got_sinks = sinks.grad.clone()
             if P > 1:  # each rank holds its rows' share of the sinks' gradient (DDP / FSDP sum it)
                 torch.distributed.all_reduce(got_sinks)
             err = max(err, rel_err(got_sinks, ref_sinks.grad, 1e-3))
-        errs.append(max(err, rel_err(tokenring.gather(out.detach(), 1, lay), ref.detach())))
+        errs.append(max(err, rel_err(tokenring.gather(out.detach(), 1, lay, cu_seqlens=docs), ref.detach())))
     return errs
 
 

@@ -164,9 +164,12 @@ def refusals(rank: int, P: int, S: int) -> dict:
         if rank == P - 1:
             mask[:, -3:] = 0
         expect("padding", lambda: model(**batch, attention_mask=mask))
+        holed = torch.ones_like(ids)
+        holed[:, 5:8] = 0  # pads between real tokens: no documents say what a token after them sees
+        expect("padding_full", lambda: thf.shard_batch(ids, attention_mask=holed))
         left = torch.ones_like(ids)
-        left[:, :3] = 0  # left padding: real tokens would see the pads
-        expect("padding_full", lambda: thf.shard_batch(ids, attention_mask=left))
+        left[:, :3] = 0  # left padding, labels on every real token: the last pad would predict the first one
+        expect("pad_target", lambda: thf.shard_batch(ids, labels=ids, attention_mask=left))
         # all-ones mask is fine
         model(**batch, attention_mask=torch.ones_like(batch["input_ids"]))
         # missing position_ids (transformers would number local tokens 0..s-1)
@@ -448,20 +451,26 @@ def generate_modes(rank: int, P: int, mode: str) -> dict:
     )
 
 
-def any_length_matches(rank: int, P: int, lengths: list[int], rows: int = 1, pad_right: bool = False) -> dict:
+def any_length_matches(
+    rank: int, P: int, lengths: list[int], rows: int = 1, pad: str | None = None, layout: str = "zigzag"
+) -> dict:
     """A batch of any length through shard_batch, vs one process (float32, the small Llama): ``rows`` = 1 packs
     documents of ``lengths`` into one row (position ids restarting, as DataCollatorWithFlattening makes it);
-    ``pad_right``: one row per length, right-padded to the longest with a 2D attention mask (pad labels -100).
+    ``pad`` ("right", "left"): one row per length, padded to the longest with a 2D attention mask (pad labels
+    -100).
     Returns the max |logits| difference over real tokens, the loss difference and the worst relative gradient."""
     model = build("llama", "tokenring", num_hidden_layers=2)
     ref = build("llama", "sdpa", num_hidden_layers=2)
     ref.load_state_dict(model.state_dict())
     vocab = model.config.vocab_size
-    if pad_right:
+    if pad:
         S = max(lengths)
         ids = torch.randint(1, vocab, (len(lengths), S), generator=torch.Generator().manual_seed(4))
-        mask = (torch.arange(S)[None] < torch.tensor(lengths)[:, None]).long()
+        n = torch.tensor(lengths)[:, None]
+        mask = (torch.arange(S)[None] < n if pad == "right" else torch.arange(S)[None] >= S - n).long()
         labels = ids.masked_fill(mask == 0, -100)
+        if pad == "left":  # the last pad would predict the first real token: no target there (shard_batch says)
+            labels[torch.arange(len(lengths)), S - n[:, 0]] = -100
         pos = None
         want = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
     else:
@@ -473,12 +482,13 @@ def any_length_matches(rank: int, P: int, lengths: list[int], rows: int = 1, pad
         labels[0, torch.cumsum(torch.tensor([0] + lengths[:-1]), 0)] = -100  # no target across documents
         want = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
     want.loss.backward()
-    batch = thf.shard_batch(ids, labels=labels, position_ids=pos, attention_mask=mask)
-    out = model(**batch)
-    out.loss.backward()
-    thf.all_reduce_grads(model)
-    loss = thf.reduce_loss(out.loss)
-    logits = thf.gather_logits(out.logits, length=S)
+    with thf.settings(layout=layout):
+        batch = thf.shard_batch(ids, labels=labels, position_ids=pos, attention_mask=mask)
+        out = model(**batch)
+        out.loss.backward()
+        thf.all_reduce_grads(model)
+        loss = thf.reduce_loss(out.loss)
+        logits = thf.gather_logits(out.logits, length=S, cu_seqlens=batch.get("cu_seq_lens_q"))
     real = mask.bool() if mask is not None else torch.ones(1, S, dtype=torch.bool)
     return dict(
         logits=(logits - want.logits.detach())[real].abs().max().item(),

@@ -112,8 +112,9 @@ def test_plain_path(pools):
 def test_refusals(pools):
     every = pools(4).run(hf_cases.refusals, 64)
     msgs = every[0]
-    assert "padding" in msgs["padding"] or "refused its attention mask" in msgs["padding"]
-    assert "left padding" in msgs["padding_full"]
+    assert "a hole" in msgs["padding"] or "refused its attention mask" in msgs["padding"]
+    assert "a hole" in msgs["padding_full"]
+    assert "pad position 2 of row 0 has a target" in msgs["pad_target"]
     assert "position_ids" in msgs["positions"] and "tokenring.shard" in msgs["positions"]
     assert "use_cache=False" in msgs["cache"]
     assert "share one packing" in msgs["packing"]
@@ -220,12 +221,17 @@ def test_generate_contiguous_prefill_and_autocast(pools, mode, tol):
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])
-def test_any_length_and_right_padding(pools, P):
-    """Lengths that do not split over 2P (packed documents of 1, 3 and 7 tokens among others; one row) and a
-    right-padded batch of rows of different lengths: logits over real tokens, the loss and every gradient equal
-    one process (float32: 1e-4 relative for gradients)."""
-    for lengths, rows, pad in (([1, 3, 7, 120, 2, 50], 1, False), ([61], 1, False), ([37, 64, 5], 3, True)):
+def test_any_length_and_padding(pools, P):
+    """Lengths that do not split over 2P (packed documents of 1, 3 and 7 tokens among others; one row) and
+    right- and left-padded batches of rows of different lengths (each row's real tokens and pads become documents
+    of their own): logits over real tokens, the loss and every gradient equal one process (float32: 1e-4
+    relative for gradients)."""
+    cases = (([1, 3, 7, 120, 2, 50], 1, None), ([61], 1, None), ([37, 64, 5], 3, "right"), ([37, 64, 5, 1], 4, "left"))
+    for lengths, rows, pad in cases:
         r = pools(P).run(hf_cases.any_length_matches, lengths, rows, pad)[0]
+        assert r["logits"] < 1e-4 and r["loss"] < 1e-5 and r["grad"] < 1e-4, (P, lengths, r)
+    for lengths in ([1, 3, 7, 120, 2, 50], [300, 5, 90, 1, 44]):  # the planner's layout, given the documents
+        r = pools(P).run(hf_cases.any_length_matches, lengths, 1, None, "balanced")[0]
         assert r["logits"] < 1e-4 and r["loss"] < 1e-5 and r["grad"] < 1e-4, (P, lengths, r)
 
 

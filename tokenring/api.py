@@ -70,7 +70,7 @@ def attention(
             cu_seqlens=cu_seqlens, window=window, sinks=sinks, group=group, inner_size=inner_size, seq_len=seq_len,
         )[..., :dv]  # fmt: skip
     rank, P = group_info(group)
-    S = _uneven_length(q, cu_seqlens, seq_len, layout, causal, P)
+    S = _uneven_length(q, seq_len, layout, causal, P)
     if S is not None:  # shards of a length the layout does not split evenly: pad them, run, cut the padding
         return _uneven(q, k, v, S, causal, softmax_scale, strategy, layout, cu_seqlens, window, sinks, group,
                        inner_size, rank, P)  # fmt: skip
@@ -105,7 +105,7 @@ def _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, 
     return out
 
 
-def _uneven_length(q, cu_seqlens, seq_len, layout, causal: bool, P: int) -> int | None:
+def _uneven_length(q, seq_len, layout, causal: bool, P: int) -> int | None:
     """The global length when this call's shards are not the layout's even split of ``s * P`` (else ``None``)."""
     if seq_len is None:  # (documents ending elsewhere than s * P are a mistake the plan names, not a length)
         return None
@@ -156,7 +156,8 @@ def _uneven_rows(q, k, v, S: int, layout: str, cu_seqlens, rank: int, P: int) ->
         )
     if isinstance(cu_seqlens, (list, tuple)) and len(cu_seqlens) and int(cu_seqlens[-1]) != S:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, but seq_len={S}: they must agree")
-    mine = len(shard_positions(S, P, rank, layout)) if layout in LAYOUTS else q.shape[1]
+    docs = cu_seqlens if layout == "balanced" else None  # its plan follows the documents
+    mine = len(shard_positions(S, P, rank, layout, cu_seqlens=docs)) if layout in LAYOUTS else q.shape[1]
     if any(t.shape[1] != mine for t in (q, k, v)):
         raise ValueError(
             f"q, k, v hold {q.shape[1]}, {k.shape[1]}, {v.shape[1]} rows; a sequence of {S} tokens over {P} ranks "

@@ -8,6 +8,9 @@
   total, is balanced whatever the document lengths (zigzag over the packed sequence leaves the busiest rank
   with 1.6x the mean work for 16 random documents at P=4). Every document length must be a multiple of
   ``2P``; the functions below take ``cu_seqlens`` for it.
+- ``balanced``: for packed documents of any lengths: the sequence is cut into ``m`` equal chunks per rank (16
+  for long sequences) and a planner deals them out so that every rank holds ``S/P`` tokens and close to the same
+  causal work on the query side and on the key side (:func:`balanced_plan`). Takes ``cu_seqlens`` too.
 
 Within a rank the local tokens are always in increasing global order, so a causal mask on a rank's own
 Q against its own K/V is the plain lower-triangular mask.
@@ -15,6 +18,9 @@ Q against its own K/V is the plain lower-triangular mask.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -32,9 +38,12 @@ __all__ = [
     "gather",
     "group_info",
     "document_bounds",
+    "balanced_plan",
+    "DOCUMENT_LAYOUTS",
 ]
 
-LAYOUTS = ("contiguous", "zigzag", "zigzag_docs")
+LAYOUTS = ("contiguous", "zigzag", "zigzag_docs", "balanced")
+DOCUMENT_LAYOUTS = ("zigzag_docs", "balanced")  # which tokens a rank holds depends on the documents
 
 
 def default_layout(causal: bool) -> str:
@@ -55,25 +64,28 @@ def group_info(group=None) -> tuple[int, int]:
 
 
 def _check_divisible(S: int, P: int, layout: str, what: str = "sequence length") -> None:
-    parts = 2 * P if layout.startswith("zigzag") else P
+    parts = _parts(S, P, layout)
     if S % parts:
         raise ValueError(
-            f"{what} {S} cannot be split for layout={layout!r} over {P} ranks: it must be divisible by {parts}"
-            f" ({'2*P chunks' if parts == 2 * P else 'P shards'}); pad the sequence to a multiple of {parts}"
+            f"{what} {S} cannot be split into equal shards for layout={layout!r} over {P} ranks: it must be "
+            f"divisible by {parts} ({parts // P} chunk(s) per rank); for any length, cut it with "
+            f"tokenring.shard(x, layout={layout!r}) and pass seq_len= (its length) to tokenring.attention"
         )
 
 
-def document_bounds(S: int, P: int, cu_seqlens) -> tuple[int, ...]:
-    """``cu_seqlens`` as a tuple, checked for ``zigzag_docs``: from 0 to ``S``, every document a multiple of
-    ``2P`` tokens (empty ones allowed)."""
+def document_bounds(S: int, P: int, cu_seqlens, layout: str = "zigzag_docs") -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple, checked for ``layout`` (one of :data:`DOCUMENT_LAYOUTS`): from 0 to ``S``;
+    for ``zigzag_docs`` every document a multiple of ``2P`` tokens (empty ones allowed)."""
     if cu_seqlens is None:
         raise ValueError(
-            "layout='zigzag_docs' splits each document over the ranks and needs cu_seqlens (the "
-            "packed documents' cumulative lengths [0, end_1, ..., S])"
+            f"layout={layout!r} places tokens by document and needs cu_seqlens (the packed documents' "
+            f"cumulative lengths [0, end_1, ..., S]); tokenring.hf.shard_batch passes them to the layers"
         )
     cu = tuple(int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != S or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {S}; got {list(cu[:4])}...")
+    if layout == "balanced":
+        return cu
     bad = [b - a for a, b in zip(cu, cu[1:]) if (b - a) % (2 * P)]
     if bad:
         raise ValueError(
@@ -89,6 +101,9 @@ def local_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
     documents, for ``zigzag_docs``)."""
     check_layout(layout)
     _check_divisible(S, P, layout)
+    if layout == "balanced":
+        chunks, c = balanced_plan(S, P, document_bounds(S, P, cu_seqlens, layout))
+        return (torch.as_tensor(chunks[rank], device=device)[:, None] * c + torch.arange(c, device=device)).flatten()
     if layout == "zigzag_docs":
         parts = []
         cu = document_bounds(S, P, cu_seqlens)
@@ -108,9 +123,65 @@ def local_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
     return torch.cat([first, second])
 
 
+BALANCE_CHUNKS = 16  # chunks per rank of the balanced layout (long sequences): the planner's granularity
+
+
+def balanced_plan(S: int, P: int, bounds: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """The ``balanced`` layout: ``(chunks held by each rank, in increasing order; chunk size)`` for ``S`` tokens
+    over ``P`` ranks with documents ``bounds``. Every rank holds as many chunks; causal work is dealt out on both
+    sides at once (a query row's keys, for strategies that compute where the queries live; a key row's queries,
+    for those that compute where the keys live, as TokenRing does): bench/results/balance.md measures it."""
+    return _plan(S, P, tuple(bounds))
+
+
+@lru_cache(maxsize=64)
+def _plan(S: int, P: int, bounds: tuple[int, ...]):
+    m = _parts(S, P, "balanced") // P
+    c = S // (P * m)
+    b = np.asarray(bounds, np.int64)
+    pos = np.arange(S, dtype=np.int64)
+    doc = np.searchsorted(b, pos, side="right") - 1
+    work = np.stack([(pos - b[doc] + 1), (b[doc + 1] - pos)], 1).reshape(P * m, c, 2).sum(1).astype(np.float64)
+    owner = _deal(work, P, m)
+    return tuple(tuple(np.flatnonzero(owner == r).tolist()) for r in range(P)), c
+
+
+def _deal(work: np.ndarray, P: int, m: int) -> np.ndarray:
+    """Owner of each chunk (``work``: its query- and key-side work): largest first to the rank whose busier side
+    stays lowest among those with room, then swaps of two chunks that lower the busiest rank, while one does."""
+    owner, load, count = np.zeros(len(work), np.int64), np.zeros((P, 2)), np.zeros(P, np.int64)
+    if P == 1:
+        return owner
+    for i in np.argsort(-work.max(1), kind="stable"):
+        room = np.flatnonzero(count < m)
+        r = room[np.argmin((load[room] + work[i]).max(1))]
+        owner[i], count[r] = r, count[r] + 1
+        load[r] += work[i]
+    for _ in range(4 * len(work)):
+        hi = int(np.argmax(load.max(1)))
+        mine, others = np.flatnonzero(owner == hi), np.flatnonzero(owner != hi)
+        d = work[mine][:, None, :] - work[others][None, :, :]  # (mine, others, side): what a swap moves
+        worse = np.maximum((load[hi] - d).max(2), (load[owner[others]][None] + d).max(2))
+        i, j = np.unravel_index(np.argmin(worse), worse.shape)
+        if worse[i, j] >= load[hi].max() - 1e-9 * load.max():
+            break
+        lo = owner[others[j]]
+        owner[mine[i]], owner[others[j]] = lo, hi
+        load[hi] -= d[i, j]
+        load[lo] += d[i, j]
+    return owner
+
+
+def _parts(S: int, P: int, layout: str) -> int:
+    """How many equal chunks ``layout`` cuts a sequence of ``S`` tokens into over ``P`` ranks."""
+    if layout == "balanced":
+        return P * (BALANCE_CHUNKS if S > BALANCE_CHUNKS * P * 8 else 2)  # chunks of 8 tokens at least
+    return 2 * P if layout.startswith("zigzag") else P
+
+
 def padded_length(S: int, P: int, layout: str) -> int:
     """``S`` rounded up to a length ``layout`` splits evenly over ``P`` ranks (``2P`` chunks for zigzag)."""
-    parts = 2 * P if layout.startswith("zigzag") else P
+    parts = _parts(S, P, layout)
     return -(-S // parts) * parts
 
 
@@ -120,7 +191,9 @@ def shard_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
     check_layout(layout)
     if layout == "zigzag_docs" or S == padded_length(S, P, layout):
         return local_positions(S, P, rank, layout, device, cu_seqlens)
-    idx = local_positions(padded_length(S, P, layout), P, rank, layout, device)
+    Sp = padded_length(S, P, layout)
+    cu = None if layout != "balanced" else document_bounds(S, P, cu_seqlens, layout) + (Sp,)  # the pad document
+    idx = local_positions(Sp, P, rank, layout, device, cu)
     return idx[idx < S]
 
 
@@ -154,7 +227,7 @@ def gather(
     if P == 1:
         return x_local
     dim = dim % x_local.dim()
-    sizes = _shard_sizes(x_local.shape[dim], P, layout, group, seq_len)
+    sizes = _shard_sizes(x_local.shape[dim], P, layout, group, seq_len, cu_seqlens)
     m = max(sizes)
     x = x_local.contiguous()
     if x.shape[dim] < m:  # uneven shards travel padded to the longest
@@ -168,10 +241,10 @@ def gather(
     return cat.index_select(dim, torch.argsort(order))
 
 
-def _shard_sizes(n: int, P: int, layout: str, group, seq_len) -> list[int]:
+def _shard_sizes(n: int, P: int, layout: str, group, seq_len, cu_seqlens=None) -> list[int]:
     """Every rank's shard length: from ``seq_len``, else exchanged (one small all-gather)."""
     if seq_len is not None:
-        return [len(shard_positions(int(seq_len), P, r, layout)) for r in range(P)]
+        return [len(shard_positions(int(seq_len), P, r, layout, cu_seqlens=cu_seqlens)) for r in range(P)]
     if not values_travel(group):  # PyTorch's fake process group: shapes only, even shards
         return [n] * P
     mine = torch.tensor([n], dtype=torch.int64, device=collective_device(group))

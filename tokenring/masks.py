@@ -11,7 +11,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .layouts import local_positions
+from .layouts import DOCUMENT_LAYOUTS, balanced_plan, local_positions
 
 __all__ = [
     "Mask",
@@ -169,8 +169,8 @@ def _layout_positions(S: int, P: int, layout: str, owner: int, bounds) -> torch.
 
 
 def _positions(mask: Mask, P: int, layout: str, owner: int) -> torch.Tensor:
-    """Global positions of ``owner``'s shard (``zigzag_docs`` cuts every document of the mask)."""
-    return _layout_positions(mask.S, P, layout, owner, mask.bounds if layout == "zigzag_docs" else None)
+    """Global positions of ``owner``'s shard (the document layouts place tokens by the mask's documents)."""
+    return _layout_positions(mask.S, P, layout, owner, mask.bounds if layout in DOCUMENT_LAYOUTS else None)
 
 
 def shard_rows(mask: Mask, P: int, layout: str, owner: int, rows: slice) -> torch.Tensor:
@@ -222,6 +222,12 @@ class PairTable:
 def _runs(S: int, P: int, layout: str, bounds) -> tuple[np.ndarray, ...]:
     """Every shard as runs of consecutive positions: ``(owner, first position, end position, first row)``."""
     r = np.arange(P)
+    if layout == "balanced":
+        chunks, c = balanced_plan(S, P, bounds)
+        owner = np.repeat(r, [len(x) for x in chunks])
+        first = np.concatenate([np.asarray(x, np.int64) for x in chunks]) * c
+        row0 = np.concatenate([np.arange(len(x), dtype=np.int64) * c for x in chunks])
+        return owner, first, first + c, row0
     if layout == "contiguous":
         s = S // P
         return r, r * s, (r + 1) * s, np.zeros(P, np.int64)
@@ -239,7 +245,7 @@ def _runs(S: int, P: int, layout: str, bounds) -> tuple[np.ndarray, ...]:
 def pair_table(mask: Mask, P: int, layout: str, only: int | None = None) -> PairTable:
     """:class:`PairTable` of ``mask`` over ``P`` shards (``only``: that rank's pairs), in closed form over runs
     of positions; why it is exact: docs/internals.md."""
-    runs = _runs(mask.S, P, layout, mask.bounds if layout == "zigzag_docs" else None)
+    runs = _runs(mask.S, P, layout, mask.bounds if layout in DOCUMENT_LAYOUTS else None)
     if only is None:
         return PairTable(None, _pairs(mask, runs, None, None))
     return PairTable(only, _pairs(mask, runs, only, None), _pairs(mask, runs, None, only))

@@ -178,10 +178,10 @@ class Replicated:
         B, s = hidden.shape[:2]
         key = (s, P, rank, layout)
         if key not in self._plans:
-            if layout == "zigzag_docs":
+            if layout in ("zigzag_docs", "balanced"):
                 raise ValueError(
                     f"{self.description}; these layers run on the whole sequence, which "
-                    f"layout='zigzag_docs' does not say how to assemble: use layout='zigzag' or 'contiguous'"
+                    f"layout={layout!r} does not say how to assemble: use layout='zigzag' or 'contiguous'"
                 )
             held = torch.cat([local_positions(s * P, P, r, layout) for r in range(P)])
             self._plans[key] = (torch.argsort(held), local_positions(s * P, P, rank, layout))

@@ -37,7 +37,7 @@ from .device import device_type as device_kind
 from .device import no_autocast, pretended
 from .instrument import NONE as NO_HOOKS
 from .kernels import fold_scale, softmax_scale_of
-from .layouts import LAYOUTS, check_layout, default_layout, document_bounds, group_info
+from .layouts import DOCUMENT_LAYOUTS, LAYOUTS, check_layout, default_layout, document_bounds, group_info
 from .masks import make_mask, whole_numbers, window_pair
 from .single import SINGLE
 from .strategies import CODE_LEN, NAMES, from_code, node_size, with_node_size
@@ -257,11 +257,10 @@ def plan(
     cu_list = whole_numbers(cu_list, "cu_seqlens") if cu_list is not None else None
     window = list(window_pair(window)) if window is not None else None
     _check_shards(q_shape[2], k_shape[2], s, P, strategy, causal, layout)
-    if cu_list is not None or layout == "zigzag_docs" or window is not None:
-        _mask_of(s, P, cu_list, window, causal, layout)  # malformed documents / windows fail here
-    masked = (
-        cu_list is not None or cu_tensor or layout == "zigzag_docs" or make_mask(s, None, window, causal) is not None
-    )
+    by_docs = layout in DOCUMENT_LAYOUTS
+    if cu_list is not None or (by_docs and not cu_tensor) or window is not None:
+        _mask_of(s, P, cu_list, window, causal, layout)  # malformed documents / windows fail here (a tensor: later)
+    masked = cu_list is not None or cu_tensor or by_docs or make_mask(s, None, window, causal) is not None
     plain = P == 1 and not masked and not sinks
     if compiling and P > 1:
         documents = cu_list is not None or cu_tensor
@@ -278,7 +277,13 @@ def _check_shards(H: int, Hkv: int, s: int, P: int, strategy: str, causal: bool,
             f"length shard it with tokenring.shard(x, layout='zigzag') and pass seq_len= (its length)"
         )
     if P > 1 and strategy != "auto":
-        why = get_strategy(strategy).check(H, Hkv, P, s, causal and layout == "zigzag")
+        st = get_strategy(strategy)
+        why = st.check(H, Hkv, P, s, causal and layout == "zigzag")
+        if st.node_rows and layout == "balanced":
+            why = (
+                f"{strategy!r} runs its ring over whole nodes' rows, which layout='balanced' does not nest into; "
+                f"use another strategy (auto leaves it out), or layout='zigzag_docs'"
+            )
         if why:
             raise ValueError(why)
 
@@ -508,9 +513,9 @@ def _mask_of(s: int, P: int, cu, window, causal: bool, layout: str):
     hit = _masks.get([cu]) if cached else None
     if hit is not None and hit[0] == key:
         return hit[1]
-    if layout == "zigzag_docs":
-        document_bounds(s * P, P, cu)  # every document must split over the ranks
-    mask = make_mask(s * P, cu, window, causal, force=layout == "zigzag_docs")
+    if layout in DOCUMENT_LAYOUTS:
+        document_bounds(s * P, P, cu, layout)  # zigzag_docs: every document must split over the ranks
+    mask = make_mask(s * P, cu, window, causal, force=layout in DOCUMENT_LAYOUTS)
     if cached:
         _masks.put([cu], (key, mask))
     return mask
@@ -605,7 +610,7 @@ def fake_extra(q, k, v, cu, call: Call):
         raise ValueError(f"tokenring: strategy {strategy!r} must be resolved before tracing (tokenring.ops)")
     mask = None
     if st.keep:
-        if cu is not None or layout == "zigzag_docs":
+        if cu is not None or layout in DOCUMENT_LAYOUTS:
             raise ValueError(
                 f"tokenring: {strategy!r} keeps K/V pieces whose shapes depend on cu_seqlens' values; "
                 f"under torch.compile use it without 'keep' or without documents"

@@ -18,7 +18,7 @@ from ..agreement import exchange
 from ..api import attention
 from ..device import collective_device, values_travel
 from ..instrument import instrument
-from ..layouts import gather, group_info
+from ..layouts import DOCUMENT_LAYOUTS, gather, group_info
 from ..ops import IdentityCache, _group_name, _pretended_meta, resolve_group
 from .cache import forget_steps, step_attention, take_step
 from .config import NAME, _settings
@@ -90,29 +90,39 @@ def _documents(full: torch.Tensor, local_default: bool, S: int, layout: str) -> 
     return [0] + cuts + [S], None
 
 
-def _padding_problem(full_mask: torch.Tensor, causal: bool) -> str | None:
-    """A whole batch's 2D mask (B, S): right padding under causal attention is fine (no real token sees a later
-    pad, and the pads carry no loss); anything else is refused."""
+def _padding_problem(full_mask: torch.Tensor) -> str | None:
+    """A whole batch's 2D mask (B, S): padding on the left, the right or both is fine; a hole (pads between real
+    tokens of one row) is refused."""
     m = full_mask.to(torch.bool)
-    if bool(m.all()):
-        return None
-    if bool((m[:, 1:] & ~m[:, :-1]).any()):
+    real_before = m.cumsum(1)[:, :-1] > 0
+    if bool((m[:, 1:] & ~m[:, :-1] & real_before).any()):
         return (
-            "the attention mask has padding before real tokens (left padding) or holes; only right padding can be "
-            "sharded: pad on the right (tokenizer.padding_side = 'right'), or pack the rows without padding "
-            "(DataCollatorWithFlattening)"
-        )
-    if not causal:
-        return (
-            "the attention mask pads rows on the right, but this layer attends bidirectionally, so real tokens "
-            "would see the pads; pack the rows without padding (DataCollatorWithFlattening) instead"
+            "the attention mask has pads between the real tokens of a row (a hole), which documents cannot "
+            "express; pad on the left or the right only, or pack the rows (DataCollatorWithFlattening)"
         )
     return None
 
 
-def _gathered(t: torch.Tensor, layout: str, group, device) -> torch.Tensor:
-    """The full ``(B, S)`` tensor, in natural order, from every rank's ``(B, s)`` shard (on the CPU)."""
-    return gather(t.to(device), dim=1, layout=layout, group=group, seq_len=t.shape[1] * group_info(group)[1]).cpu()
+def _padding_documents(full_mask: torch.Tensor, causal: bool) -> list[list[int]] | None:
+    """Each row's documents (``cu_seqlens``): its real tokens one document, each run of pads another, so a real
+    token sees only real tokens of its row, as transformers' padding mask says. ``None`` when nothing needs them:
+    no padding, or right padding under causal attention (no real token sees a later pad; pads carry no loss)."""
+    m = full_mask.to(torch.bool)
+    if bool(m.all()) or (causal and not bool((m[:, 1:] & ~m[:, :-1]).any())):
+        return None
+    S = m.shape[1]
+    cuts = (m[:, 1:] != m[:, :-1]).nonzero().tolist()
+    rows: list[list[int]] = [[0] for _ in range(m.shape[0])]
+    for b, j in cuts:
+        rows[b].append(j + 1)
+    return [row + [S] for row in rows]
+
+
+def _gathered(t: torch.Tensor, layout: str, group, device, docs=None) -> torch.Tensor:
+    """The full ``(B, S)`` tensor, in natural order, from every rank's ``(B, s)`` shard (on the CPU; ``docs``: the
+    documents, for a layout that places tokens by document)."""
+    S = t.shape[1] * group_info(group)[1]
+    return gather(t.to(device), dim=1, layout=layout, group=group, cu_seqlens=docs, seq_len=S).cpu()
 
 
 def _check_heads(module, heads: list, mask_problem: str | None, rank: int) -> None:
@@ -141,22 +151,25 @@ def _check_heads(module, heads: list, mask_problem: str | None, rank: int) -> No
 
 
 def _check_inputs(
-    module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group, device, causal: bool = True
+    module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group, device, causal=True, docs=None
 ) -> list[int] | None:
     """Mask and position checks, agreed on by all ranks (one small all-gather of the flags and position ids),
     so a problem on one rank's shard raises on every rank instead of leaving the others waiting in attention.
-    Returns the documents (cu_seqlens over the global sequence) that the position ids pack, or ``None``."""
+    Returns the documents (cu_seqlens over the global sequence) that the position ids pack, or ``None``, and
+    each row's documents of real tokens and pads that a padding mask gives (:func:`_padding_documents`)."""
     mask_problem = _mask_problem(attention_mask, allow_padding=True)
     padded = mask_problem is None and attention_mask is not None and not bool(attention_mask.to(torch.bool).all())
     use_pos = position_ids is not None and position_ids.shape[-1] == s  # the caller drops unchecked ones
     # (some models pass positions of another shape, e.g. mrope: left alone)
     pos = position_ids.reshape(-1, s).to(torch.int64) if use_pos else None
+    pads = None  # each row's documents of real tokens and pads
     if P == 1 and padded:
-        mask_problem = _padding_problem(attention_mask, causal)
+        mask_problem = _padding_problem(attention_mask)
+        pads = _padding_documents(attention_mask, causal) if mask_problem is None else None
     if P > 1 and not values_travel(group):  # PyTorch's fake process group moves no values: shapes only
         if mask_problem is not None:
             raise _refuse(module, f"rank {rank}: {mask_problem}")
-        return None
+        return None, None
     if P > 1 and (attention_mask is not None or position_ids is not None):
         B = pos.shape[0] if pos is not None else 0
         # A fixed-size exchange first, so that what differs is named (and the variable-size one below can
@@ -166,19 +179,20 @@ def _check_inputs(
         head = [int(mask_problem is None), B, s, int(pos is not None), int(padded), mask_rows, int(local_default)]
         heads = exchange(head, group, rank, P, "the attention layers", "attention masks and position ids")
         _check_heads(module, heads, mask_problem, rank)
-        if any(h[4] for h in heads):  # a padding mask on some rank: is it right padding of the whole batch?
-            full_mask = _gathered(attention_mask.to(torch.int64).reshape(-1, s), layout, group, device)
-            problem = _padding_problem(full_mask, causal)
+        if any(h[4] for h in heads):  # a padding mask on some rank: the whole batch's rows become documents
+            full_mask = _gathered(attention_mask.to(torch.int64).reshape(-1, s), layout, group, device, docs)
+            problem = _padding_problem(full_mask)
             if problem is not None:  # every rank derived the same from the same gathered mask
                 raise _refuse(module, f"rank {rank}: {problem}")
+            pads = _padding_documents(full_mask, causal)
         if pos is not None:
-            full, default = _gathered(pos, layout, group, device), all(h[6] for h in heads)
+            full, default = _gathered(pos, layout, group, device, docs), all(h[6] for h in heads)
     elif pos is not None:
         full, default = pos.cpu(), False
     if mask_problem is not None:
         raise _refuse(module, f"rank {rank}: {mask_problem}")
     if pos is None:
-        return None
+        return None, pads
     cu, problem = _documents(full, default, s * P, layout)
     if problem is None and cu is None and P > 1:
         offset = full - torch.arange(s * P)
@@ -191,7 +205,7 @@ def _check_inputs(
             )
     if problem is not None:  # every rank derived the same from the same gathered positions
         raise _refuse(module, f"rank {rank}: {problem}")
-    return cu
+    return cu, pads
 
 
 def attention_forward(
@@ -235,22 +249,40 @@ def attention_forward(
     window = (window - 1, 0 if causal else window - 1) if window is not None else None
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     extra = _settings.config_fn(module) if _settings.config_fn is not None else None
+    kw = dict(
+        causal=causal, softmax_scale=scaling, strategy=_settings.strategy, layout=_settings.layout, window=window,
+        sinks=sinks, group=group, inner_size=_settings.inner_size,
+    )  # fmt: skip
     with instrument(**extra) if extra else contextlib.nullcontext():
-        out = attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            softmax_scale=scaling,
-            strategy=_settings.strategy,
-            layout=_settings.layout,
-            cu_seqlens=cu,
-            window=window,
-            sinks=sinks,
-            group=group,
-            inner_size=_settings.inner_size,
-        )
+        out = _attend_rows(module, q, k, v, cu, kw)
     return out, None
+
+
+_row_groups = IdentityCache()
+
+
+def _attend_rows(module, q, k, v, cu, kw: dict) -> torch.Tensor:
+    """:func:`tokenring.attention` of a batch whose rows may have documents of their own (``cu``: one row of
+    :func:`hf_documents` per batch row, or one for all): one call per group of rows that share documents (one
+    per row under ``torch.compile``, which cannot compare values), the rows put back in order."""
+    if cu is None or cu.shape[0] == 1:
+        return attention(q, k, v, cu_seqlens=None if cu is None else cu[0], **kw)
+    if cu.shape[0] != q.shape[0]:
+        raise _refuse(module, f"the attention mask has {cu.shape[0]} rows but the batch {q.shape[0]}")
+    groups = _row_groups.get([cu])
+    if groups is None:  # rows (views of cu, kept: the layers share them, and the masks made from them)
+        keys = range(q.shape[0]) if torch.compiler.is_compiling() else map(tuple, cu.tolist())
+        by: dict = {}
+        for b, key in enumerate(keys):
+            by.setdefault(key, []).append(b)
+        groups = [(idx, cu[idx[0]]) for idx in by.values()]
+        if not torch.compiler.is_compiling():
+            _row_groups.put([cu], groups)
+    if len(groups) == 1:
+        return attention(q, k, v, cu_seqlens=groups[0][1], **kw)
+    parts = [attention(q[idx], k[idx], v[idx], cu_seqlens=row, **kw) for idx, row in groups]
+    order = torch.tensor([b for idx, _ in groups for b in idx], device=q.device)
+    return torch.cat(parts).index_select(0, torch.argsort(order))
 
 
 def _sinks_or_refuse(module, dropout: float, kwargs: dict):
@@ -304,7 +336,8 @@ def hf_documents(
     causal: bool = True,
 ) -> torch.Tensor:
     """The documents (``cu_seqlens`` over the global sequence, padded with ``S`` to ``S + 1`` entries: a fixed
-    shape for ``torch.compile``) that a layer's mask, position ids or explicit ``cu_seq_lens_q`` give, checked
+    shape for ``torch.compile``; one row per batch row of a padding mask, :func:`_rows`) that a layer's mask,
+    position ids or explicit ``cu_seq_lens_q`` give, checked
     on every rank alike (:func:`_check_inputs`). Once per distinct input: the layers of one forward share the
     tensors, so only the first gathers and reads values."""
     inputs = [position_ids, attention_mask, cu_q, cu_k]
@@ -316,17 +349,35 @@ def hf_documents(
     if P > 1:
         _check_mixers(None, f"tokenring ({where})")  # compiled models reach the check here, not in the layer
     device = collective_device(grp) if P > 1 else "cpu"
-    cu = _check_inputs(where, attention_mask, position_ids, s, rank, P, layout, grp, device, causal)
-    if cu_q is not None:  # explicit documents (shard_batch, DataCollatorWithFlattening)
-        if cu_k is not None and not torch.equal(cu_k.cpu(), cu_q.cpu()):
-            raise _refuse(where, "cu_seq_lens_q and cu_seq_lens_k differ; packed self-attention needs one packing")
-        cu = cu_q.cpu().tolist()
+    if cu_q is not None and cu_k is not None and not torch.equal(cu_k.cpu(), cu_q.cpu()):
+        raise _refuse(where, "cu_seq_lens_q and cu_seq_lens_k differ; packed self-attention needs one packing")
+    docs = cu_q.cpu().tolist() if cu_q is not None else None  # explicit documents (shard_batch)
+    if layout in DOCUMENT_LAYOUTS and docs is None and P > 1:
+        raise _refuse(
+            where,
+            f"layout={layout!r} places tokens by document, but this batch gives no cu_seq_lens_q: shard it "
+            f"with tokenring.hf.shard_batch (or SequenceParallel.shard_batch), which passes them",
+        )
+    cu, pads = _check_inputs(where, attention_mask, position_ids, s, rank, P, layout, grp, device, causal, docs)
+    if pads is not None and layout in DOCUMENT_LAYOUTS:
+        raise _refuse(
+            where,
+            f"layout={layout!r} places tokens by the packed documents, so padding cannot add documents of its "
+            f"own: pack the rows without padding (DataCollatorWithFlattening), or use layout='zigzag'",
+        )
     S = s * P
-    cu = [0, S] if cu is None else list(cu)
-    out = torch.full((S + 1,), S, dtype=torch.int64)
-    out[: len(cu)] = torch.tensor(cu[: S + 1], dtype=torch.int64)
+    cu = [0, S] if (docs if docs is not None else cu) is None else list(docs if docs is not None else cu)
+    out = torch.full((_rows(attention_mask), S + 1), S, dtype=torch.int64)
+    for r, row in enumerate(out):
+        both = cu if pads is None else sorted(set(cu) | set(pads[r]))
+        row[: len(both)] = torch.tensor(both[: S + 1], dtype=torch.int64)
     _documents_cache.put(inputs, ((s, layout, group, causal), out))
     return out
+
+
+def _rows(attention_mask) -> int:
+    """Rows of :func:`hf_documents`' answer: one per row of a padding mask (each row its own documents), else 1."""
+    return attention_mask.shape[0] if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else 1
 
 
 @hf_documents.register_fake
@@ -334,7 +385,7 @@ def _(position_ids, attention_mask, cu_q, cu_k, s, layout, group, where, causal=
     given = next((t for t in (position_ids, attention_mask, cu_q) if t is not None), None)
     if given is not None and _pretended_meta(given):  # tokenring.testing.pretend_cuda: run the real one
         return hf_documents._init_fn(position_ids, attention_mask, cu_q, cu_k, s, layout, group, where, causal)
-    return torch.empty(s * group_info(resolve_group(group))[1] + 1, dtype=torch.int64)
+    return torch.empty(_rows(attention_mask), s * group_info(resolve_group(group))[1] + 1, dtype=torch.int64)
 
 
 def _context():

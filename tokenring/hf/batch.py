@@ -9,7 +9,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..layouts import gather, group_info, shard
+from ..layouts import DOCUMENT_LAYOUTS, gather, group_info, padded_length, shard
 from ..loss import chunked_cross_entropy
 from .attention import _padding_problem
 from .config import IGNORE_INDEX, _settings, active, same_batch
@@ -51,11 +51,21 @@ def shard_batch(
                 f"tokenring.hf.shard_batch: attention_mask {tuple(attention_mask.shape)} and input_ids {(B, S)} "
                 f"differ in shape"
             )
-        problem = _padding_problem(attention_mask, causal=True)
+        problem = _padding_problem(attention_mask)
         if problem is not None:
             raise ValueError(f"tokenring.hf.shard_batch: {problem}")
     if labels is not None and labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+    if labels is not None and attention_mask is not None:
+        live = (shift_labels(labels, ignore_index) != ignore_index) & (attention_mask == 0)
+        if bool(live.any()):
+            b, i = (int(x) for x in live.nonzero()[0])
+            raise ValueError(
+                f"tokenring.hf.shard_batch: pad position {i} of row {b} has a target (with left padding, the last "
+                f"pad predicts the first real token). Pads attend only to pads here, where transformers fills "
+                f"fully masked rows its own way, so that loss term would differ: set the label of the token after "
+                f"each pad to {ignore_index} (the first real token of a left-padded row), or pad on the right"
+            )
     if verify:
         same_batch(
             group if group is not None else dist.group.WORLD,
@@ -66,20 +76,36 @@ def shard_batch(
     input_ids, labels, position_ids, attention_mask = _pad_length(
         input_ids, labels, position_ids, attention_mask, layout, group, ignore_index
     )
-    out = dict(
-        input_ids=shard(input_ids, dim=1, layout=layout, group=group),
-        position_ids=shard(position_ids, dim=1, layout=layout, group=group),
-        use_cache=False,
-    )
+    docs = packing(position_ids) if layout in DOCUMENT_LAYOUTS else None
+
+    def cut(t):
+        return shard(t, dim=1, layout=layout, group=group, cu_seqlens=docs)
+
+    out = dict(input_ids=cut(input_ids), position_ids=cut(position_ids), use_cache=False)
+    if docs is not None:  # the layers need the documents to know which tokens each rank holds
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(docs, dtype=torch.int32)
     if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
-        out["attention_mask"] = shard(attention_mask, dim=1, layout=layout, group=group)  # checked by the layers
+        out["attention_mask"] = cut(attention_mask)  # checked by the layers
     if labels is not None:
         targets = shift_labels(labels, ignore_index)
-        local = shard(targets, dim=1, layout=layout, group=group).contiguous()
+        local = cut(targets).contiguous()
         out.update(
             labels=local, shift_labels=local, num_items_in_batch=(targets != ignore_index).sum().to(input_ids.device)
         )
     return out
+
+
+def packing(position_ids: torch.Tensor) -> list[int]:
+    """The documents (``cu_seqlens``) packed in a batch's full position ids, as transformers reads them: a new
+    document wherever a position is not the previous one plus 1. Every row must pack alike."""
+    starts = torch.diff(position_ids, dim=-1) != 1
+    if bool((starts != starts[:1]).any()):
+        raise ValueError(
+            "tokenring.hf.shard_batch: the rows of this batch pack different documents; a layout that places "
+            "tokens by document needs one packing (DataCollatorWithFlattening makes batch 1)"
+        )
+    S = position_ids.shape[-1]
+    return [0] + (starts[0].nonzero().flatten() + 1).tolist() + [S]
 
 
 def _pad_length(input_ids, labels, position_ids, attention_mask, layout: str, group, ignore_index: int):
@@ -87,7 +113,7 @@ def _pad_length(input_ids, labels, position_ids, attention_mask, layout: str, gr
     P = group_info(group)[1]
     if layout == "zigzag_docs":
         return input_ids, labels, position_ids, attention_mask  # its documents must split: local_positions says so
-    pad = -input_ids.shape[1] % (2 * P if layout.startswith("zigzag") else P)
+    pad = padded_length(input_ids.shape[1], P, layout) - input_ids.shape[1]
     if not pad:
         return input_ids, labels, position_ids, attention_mask
     B = input_ids.shape[0]
@@ -102,12 +128,12 @@ def _pad_length(input_ids, labels, position_ids, attention_mask, layout: str, gr
 
 
 def gather_logits(
-    logits: torch.Tensor, layout: str | None = None, group=None, length: int | None = None
+    logits: torch.Tensor, layout: str | None = None, group=None, length: int | None = None, cu_seqlens=None
 ) -> torch.Tensor:
-    """The full ``(B, S, V)`` logits on every rank (``length``: drop :func:`shard_batch`'s pad rows)."""
-    full = gather(
-        logits.detach(), dim=1, layout=layout or _settings.layout, group=group if group is not None else _settings.group
-    )
+    """The full ``(B, S, V)`` logits on every rank (``length``: drop :func:`shard_batch`'s pad rows;
+    ``cu_seqlens``: the batch's ``cu_seq_lens_q``, for a layout that places tokens by document)."""
+    group = group if group is not None else _settings.group
+    full = gather(logits.detach(), 1, layout or _settings.layout, group, cu_seqlens=cu_seqlens)
     return full if length is None else full[:, :length]
 
 

@@ -440,7 +440,7 @@ def variant_candidates(requested: str, sh: Shapes, causal: bool, layout: str, in
         v.name
         for f in fams
         for v in get_strategy(f).variants(sh.P)
-        if v.check(sh.H, sh.Hkv, sh.P, sh.s, zigzag) is None
+        if v.check(sh.H, sh.Hkv, sh.P, sh.s, zigzag) is None and not (v.node_rows and layout == "balanced")
     ]
 
 

@@ -15,6 +15,7 @@ from ..executor import execute
 from ..instrument import NONE as NO_HOOKS
 from ..instrument import Instruments
 from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
+from ..layouts import DOCUMENT_LAYOUTS
 from ..masks import block_tiles
 from ..merge import acc_dtype, merge_, merge_sink_, new_accumulator, sink_grad
 from ..messages import Receive
@@ -74,6 +75,7 @@ class Strategy:
 
     inner: int = 0  # ranks per node, for hierarchical strategies (0: flat, or not chosen yet)
     hierarchical: bool = False
+    node_rows: bool = False  # its ring runs over whole nodes' rows: the layout over P must nest in one over nodes
     keep: bool = False  # keep the K/V that crossed nodes in forward for backward (two-level strategies)
     outer: int = 1  # sub-rounds per visiting round, K/V rows cut that many ways (two-level strategies)
 
@@ -219,8 +221,8 @@ class Config:
 
     @property
     def documents(self):
-        """The documents' bounds under ``zigzag_docs``, else ``None``."""
-        return self.mask.bounds if self.layout == "zigzag_docs" else None
+        """The documents' bounds under a layout that places tokens by document, else ``None``."""
+        return self.mask.bounds if self.layout in DOCUMENT_LAYOUTS else None
 
     def held(self, what: str) -> list | None:
         if self.hooks.held_log is None:

@@ -130,8 +130,11 @@ def _node_rows(S: int, P: int, node: int, n: int, layout: str, docs, device) -> 
     """Index tensors: ``order`` from node ``node``'s concatenated shards to global order, ``inverse`` back."""
     pos = torch.cat([local_positions(S, P, node * n + j, layout, None, docs) for j in range(n)])
     order = torch.argsort(pos)
-    if not torch.equal(pos[order], local_positions(S, P // n, node, layout, None, docs)):
-        raise RuntimeError(f"usp: node {node}'s rows are not its {layout} shard over nodes")
+    if layout == "balanced" or not torch.equal(pos[order], local_positions(S, P // n, node, layout, None, docs)):
+        raise ValueError(
+            f"usp: node {node}'s rows are not its {layout} shard over the nodes, which its ring needs; "
+            f"use layout='zigzag_docs' or 'zigzag', or a strategy without a node level"
+        )
     return order.to(device), torch.argsort(order).to(device)
 
 
@@ -212,6 +215,7 @@ class Usp(Strategy):
 
     name = family = "usp"
     hierarchical = True
+    node_rows = True
     PARAMS = ("inner",)
 
     def __init__(self, inner: int = 0):
