@@ -33,7 +33,7 @@ import _results  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-LAYOUTS = ("zigzag", "balanced")
+LAYOUTS = ("zigzag", "contiguous", "balanced")
 STRATEGIES = ("ring", "token_ring")
 
 
@@ -93,13 +93,14 @@ def rank_fn(rank: int, P: int, S: int, cu: list[int], layout: str, strategy: str
 
 
 def predicted(S: int, P: int, cu: list[int], layout: str, strategy: str) -> float:
-    """The simulator's forward+backward time on an H200 NVSwitch node (bf16, H=8, Hkv=2, d=64)."""
+    """The simulator's forward+backward time on an H200 NVSwitch node (bf16, an 8B model's layer: H=32, Hkv=8,
+    d=128)."""
     from tokenring.masks import make_mask
     from tokenring.schedules import Shapes
     from tokenring.sim import get_topology, kernel_model, simulate
 
     topo = get_topology("h200-nvswitch-8", P)
-    sh = Shapes(1, S // P, 8, 2, 64, torch.bfloat16, P)
+    sh = Shapes(1, S // P, 32, 8, 128, torch.bfloat16, P)
     mask = make_mask(S, cu, None, True, force=True)
     kern = kernel_model("h200", calibrated=True, dtype=torch.bfloat16)
     return simulate(strategy, sh, topo, kern, causal=True, layout=layout, backward=True, mask=mask).time
@@ -114,14 +115,16 @@ def main(argv=None) -> int:
     ap.add_argument("--time-per-rank", type=int, default=4096)
     ap.add_argument("--time-batches", type=int, default=3)
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--predict-batches", type=int, default=3)
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     rows, data = [], {"balance": [], "time": []}
     for P in a.ranks:
         S = a.per_rank * P
         got = {(lay, st): [] for lay in LAYOUTS for st in STRATEGIES}
+        pred = {(lay, st): [] for lay in LAYOUTS for st in STRATEGIES}
         t_plan = []
-        for _ in range(a.batches):
+        for n in range(a.batches):
             cu = documents(S, rng)
             t0 = time.perf_counter()
             from tokenring.layouts import balanced_plan
@@ -132,22 +135,33 @@ def main(argv=None) -> int:
                 for st in STRATEGIES:
                     w = work(S, P, cu, lay, st)
                     got[lay, st].append(imbalance(w))
-                    data["balance"].append(dict(P=P, S=S, documents=len(cu) - 1, layout=lay, strategy=st, work=w))
+                    t = predicted(S, P, cu, lay, st) if n < a.predict_batches else None
+                    if t is not None:
+                        pred[lay, st].append(t)
+                    data["balance"].append(
+                        dict(P=P, S=S, documents=len(cu) - 1, layout=lay, strategy=st, work=w, predicted_s=t)
+                    )
         for (lay, st), xs in got.items():
-            rows.append(f"| {P} | {S} | {lay} | {st} | {median(xs):.3f} | {max(xs):.3f} |")
+            ratio = [x / z for x, z in zip(pred[lay, st], pred["zigzag", st])]
+            rows.append(
+                f"| {P} | {S} | {lay} | {st} | {median(xs):.3f} | {max(xs):.3f} | "
+                f"{median(pred[lay, st]) * 1e3:.1f} | {min(ratio):.2f}-{max(ratio):.2f} |"
+            )
         data.setdefault("plan_seconds", {})[P] = t_plan
     lines = [
         "# Load balance of packed batches: zigzag vs balanced",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. "
-        f"Command: `.venv/bin/python bench/balance.py {' '.join(argv or sys.argv[1:])}`.",
+        f"Command: `{' '.join(['.venv/bin/python bench/balance.py', *(argv or sys.argv[1:])])}`.",
         "",
         f"Documents: log-normal lengths (median 600, sigma 1.6) clipped to [1, 16384], packed into "
         f"{a.per_rank} tokens per rank, {a.batches} batches per P. Causal forward work per rank, as the kernels "
-        f"compute it (masked tiles whole): max / mean over ranks.",
+        f"compute it (masked tiles whole): max / mean over ranks. Predicted: the simulator's forward+backward "
+        f"time of the first {a.predict_batches} batches on h200-nvswitch-8 (calibrated H200 kernels, bf16, "
+        f"H=32, Hkv=8, d=128): median, and the range of its ratio to zigzag on the same batch.",
         "",
-        "| P | S | layout | strategy (computes at) | median | worst |",
-        "|---|---|---|---|---|---|",
+        "| P | S | layout | strategy (computes at) | imbalance median | imbalance worst | predicted ms | vs zigzag |",
+        "|---|---|---|---|---|---|---|---|",
         *[r.replace("| ring |", "| ring (queries) |").replace("| token_ring |", "| token_ring (keys) |") for r in rows],
     ]
     lines += _timing(a, rng, data)
@@ -165,25 +179,25 @@ def _timing(a, rng, data) -> list[str]:
         f"## A call's time, P={P}, S={S}, causal, forward+backward",
         "",
         f"Measured: {P} gloo ranks on this machine (1 thread each; {os.cpu_count()} cores, so ranks share "
-        f"cores and the time follows the total work more than the busiest rank's), median of {a.calls} calls "
-        f"[min-max]. Predicted: the simulator on h200-nvswitch-8 (bf16). Ratio: balanced / zigzag.",
+        f"cores and the time follows the total work more than the busiest rank's), B=1, H=8, Hkv=2, d=64, "
+        f"float32; {a.calls} rounds, each layout once per round after a warm-up call: median [min-max] seconds.",
         "",
-        "| batch | documents | strategy | zigzag s | balanced s | ratio | predicted zigzag ms | predicted balanced ms "
-        "| predicted ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| batch | documents | strategy | zigzag s | contiguous s | balanced s | balanced / zigzag |",
+        "|---|---|---|---|---|---|---|",
     ]
     with RankPool(P) as pool:
         for b in range(a.time_batches):
             cu = documents(S, rng)
             for st in STRATEGIES:
-                t = {lay: pool.run(rank_fn, S, cu, lay, st, a.calls)[0] for lay in LAYOUTS}
-                p = {lay: predicted(S, P, cu, lay, st) for lay in LAYOUTS}
-                data["time"].append(dict(P=P, S=S, cu_seqlens=cu, strategy=st, measured=t, predicted=p))
-                zz, bb = median(t["zigzag"]), median(t["balanced"])
+                t = {lay: [] for lay in LAYOUTS}
+                for _ in range(a.calls):  # the layouts interleaved, one timed call each per round
+                    for lay in LAYOUTS:
+                        t[lay] += pool.run(rank_fn, S, cu, lay, st, 1)[0]
+                data["time"].append(dict(P=P, S=S, cu_seqlens=cu, strategy=st, measured=t))
                 span = {lay: f"{median(x):.3f} [{min(x):.3f}-{max(x):.3f}]" for lay, x in t.items()}
                 out.append(
-                    f"| {b} | {len(cu) - 1} | {st} | {span['zigzag']} | {span['balanced']} | {bb / zz:.2f} | "
-                    f"{p['zigzag'] * 1e3:.2f} | {p['balanced'] * 1e3:.2f} | {p['balanced'] / p['zigzag']:.2f} |"
+                    f"| {b} | {len(cu) - 1} | {st} | {span['zigzag']} | {span['contiguous']} | {span['balanced']} | "
+                    f"{median(t['balanced']) / median(t['zigzag']):.2f} |"
                 )
     return out
 

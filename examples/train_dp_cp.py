@@ -6,9 +6,10 @@
 
 Tokenring runs each sample's attention over the ``cp = world / dp`` ranks of a (dp, cp) device mesh; the
 gradient is averaged by DDP (inside the Trainer) or FSDP2 over all ranks, with each rank's loss scaled by
-:class:`tokenring.hf.SequenceParallel` so that the average is the global mean's gradient. Rank 0 checks
-the first step's loss against the same model on the whole global batch in one process and prints
-``check vs one process: OK``.
+:class:`tokenring.hf.SequenceParallel` so that the average is the global mean's gradient. The samples have
+random lengths, packed by transformers' stock ``DataCollatorWithFlattening`` (no length rule: any total length
+splits). Rank 0 checks the first step's loss against the same model on the whole global batch in one process
+and prints ``check vs one process: OK``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks (cp = world / dp)")
     ap.add_argument("--stack", choices=["trainer", "fsdp2"], default="trainer")
-    ap.add_argument("--seq", type=int, default=128, help="tokens per sample")
+    ap.add_argument("--seq", type=int, default=128, help="most tokens per sample (lengths are random, 1 to this)")
     ap.add_argument("--batch", type=int, default=2, help="samples per dp rank and step")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--backend", default="gloo" if not torch.cuda.is_available() else "nccl")
@@ -59,15 +60,15 @@ def main() -> None:
     device = "cuda" if a.backend == "nccl" else "cpu"
     mesh = init_device_mesh(device, (a.dp, W // a.dp), mesh_dim_names=("dp", "cp"))
     sp = SequenceParallel(mesh)  # tokenring.hf layers now run over mesh["cp"]
-    ids = torch.randint(
-        0, CONFIG["vocab_size"], (a.dp * a.batch * a.steps, a.seq), generator=torch.Generator().manual_seed(1)
-    )
-    data = [dict(input_ids=x, labels=x) for x in ids]
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, a.seq + 1, (a.dp * a.batch * a.steps,), generator=gen).tolist()
+    data = [dict(input_ids=torch.randint(0, CONFIG["vocab_size"], (n,), generator=gen).tolist()) for n in lengths]
+    collate = transformers.DataCollatorWithFlattening()  # one packed row, position ids restarting per sample
     model = build("tokenring")
     if rank == 0:  # what one process computes on the first global batch (the same weights)
         ref = build("sdpa")
-        first = ids[: a.dp * a.batch]
-        want = ref(input_ids=first, labels=first).loss.item()
+        first = collate(data[: a.dp * a.batch])
+        want = ref(**first, use_cache=False).loss.item()
 
     if a.stack == "trainer":
         with tempfile.TemporaryDirectory() as out:
@@ -83,9 +84,7 @@ def main() -> None:
                 learning_rate=1e-3,
                 train_sampling_strategy="sequential",
             )  # for the check only
-            trainer = thf.SequenceParallelTrainer(
-                sp, model=model, args=args, train_dataset=data, data_collator=transformers.default_data_collator
-            )
+            trainer = thf.SequenceParallelTrainer(sp, model=model, args=args, train_dataset=data, data_collator=collate)
             trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     else:
@@ -98,7 +97,8 @@ def main() -> None:
         losses = []
         for step in range(a.steps):
             lo = (step * a.dp + sp.dp_rank) * a.batch  # this dp rank's samples of the step's global batch
-            batch = sp.shard_batch(ids[lo : lo + a.batch], labels=ids[lo : lo + a.batch])
+            full = collate(data[lo : lo + a.batch])
+            batch = sp.shard_batch(full["input_ids"], labels=full["labels"], position_ids=full["position_ids"])
             loss = model(**batch).loss
             loss.backward()
             opt.step()

@@ -551,3 +551,42 @@ def widened_batch_refused(rank: int, P: int) -> dict:
     ref.load_state_dict(model.state_dict())
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     return dict(msgs=msgs, same=out.tolist() == want.tolist())
+
+
+def bidirectional_padding(rank: int, P: int) -> dict:
+    """A BERT encoder (bidirectional attention) over a batch padded on the left, the right and both sides, rows
+    of different lengths, sharded by shard_batch, vs the same model with sdpa in one process: the largest
+    difference over real tokens of the last hidden states, and of the input embeddings' gradient."""
+    import transformers
+
+    def bert(attn: str):  # a config each: _from_config sets the implementation on the config it is given
+        cfg = transformers.BertConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100,
+            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.BertModel._from_config(cfg, attn_implementation=attn, dtype=torch.float64)
+
+    model, ref = bert("tokenring"), bert("sdpa")
+    ref.load_state_dict(model.state_dict())
+    S = 23
+    ids = torch.randint(1, 100, (4, S), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(4, S, dtype=torch.long)
+    mask[0, 15:] = 0  # right
+    mask[1, :4] = 0  # left
+    mask[2, :2] = 0  # both
+    mask[2, 19:] = 0
+    w = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))  # (a plain sum would
+    want = ref(input_ids=ids, attention_mask=mask).last_hidden_state  # reduce LayerNorm's output to its bias)
+    (want @ w * mask).sum().backward()
+    batch = thf.shard_batch(ids, attention_mask=mask)
+    batch.pop("use_cache")
+    out = model(**batch).last_hidden_state
+    (out @ w * batch["attention_mask"]).sum().backward()
+    full = tokenring.gather(out.detach(), 1, "zigzag")[:, :S]  # shard_batch's own padding dropped
+    grad = model.embeddings.word_embeddings.weight.grad.clone()
+    torch.distributed.all_reduce(grad)
+    return dict(
+        out=(full - want.detach())[mask.bool()].abs().max().item(),
+        grad=rel(grad, ref.embeddings.word_embeddings.weight.grad),
+    )

@@ -114,7 +114,7 @@ def test_refusals(pools):
     msgs = every[0]
     assert "a hole" in msgs["padding"] or "refused its attention mask" in msgs["padding"]
     assert "a hole" in msgs["padding_full"]
-    assert "pad position 2 of row 0 has a target" in msgs["pad_target"]
+    assert "pad position 0 of row 0 has a target" in msgs["pad_target"]
     assert "position_ids" in msgs["positions"] and "tokenring.shard" in msgs["positions"]
     assert "use_cache=False" in msgs["cache"]
     assert "share one packing" in msgs["packing"]
@@ -250,3 +250,12 @@ def test_beam_search_is_refused_and_the_cache_still_generates(pools, P):
     for got in pools(P).run(hf_cases.widened_batch_refused):
         assert all("beam search and num_return_sequences" in m for m in got["msgs"]), got["msgs"]
         assert got["same"]
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_bidirectional_padding_is_unpacked(pools, P):
+    """A bidirectional encoder over rows padded on the left, the right and both sides: each row's real tokens
+    and pads become documents, so real tokens see only their row's real tokens, as sdpa's padding mask says
+    (float64: 1e-10)."""
+    r = pools(P).run(hf_cases.bidirectional_padding)[0]
+    assert r["out"] < 1e-10 and r["grad"] < 1e-10, r

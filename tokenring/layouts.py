@@ -124,6 +124,8 @@ def local_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
 
 
 BALANCE_CHUNKS = 16  # chunks per rank of the balanced layout (long sequences): the planner's granularity
+BALANCE_SLACK = 0.04  # the planner stops moving chunks once every rank's work is within 4% of the mean
+SWAP_TRIES = 32  # swaps (the best-balancing first) among which the planner takes the least spreading one
 
 
 def balanced_plan(S: int, P: int, bounds: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], ...], int]:
@@ -142,34 +144,57 @@ def _plan(S: int, P: int, bounds: tuple[int, ...]):
     pos = np.arange(S, dtype=np.int64)
     doc = np.searchsorted(b, pos, side="right") - 1
     work = np.stack([(pos - b[doc] + 1), (b[doc + 1] - pos)], 1).reshape(P * m, c, 2).sum(1).astype(np.float64)
-    owner = _deal(work, P, m)
+    first = doc[::c]
+    owner = _deal(work, P, m, np.stack([first, doc[c - 1 :: c]], 1))
     return tuple(tuple(np.flatnonzero(owner == r).tolist()) for r in range(P)), c
 
 
-def _deal(work: np.ndarray, P: int, m: int) -> np.ndarray:
-    """Owner of each chunk (``work``: its query- and key-side work): largest first to the rank whose busier side
-    stays lowest among those with room, then swaps of two chunks that lower the busiest rank, while one does."""
-    owner, load, count = np.zeros(len(work), np.int64), np.zeros((P, 2)), np.zeros(P, np.int64)
-    if P == 1:
-        return owner
-    for i in np.argsort(-work.max(1), kind="stable"):
-        room = np.flatnonzero(count < m)
-        r = room[np.argmin((load[room] + work[i]).max(1))]
-        owner[i], count[r] = r, count[r] + 1
-        load[r] += work[i]
+def _deal(work: np.ndarray, P: int, m: int, docs: np.ndarray) -> np.ndarray:
+    """Owner of each chunk (``work``: its query- and key-side work; ``docs``: its first and last document). From
+    the contiguous split, swaps of two chunks that lower the busiest rank's busier side, until every rank is
+    within ``BALANCE_SLACK`` of the mean. Among the best few swaps, the one that spreads documents over the fewest
+    new ranks: a document on more ranks means more messages and more kernel calls."""
+    owner = np.repeat(np.arange(P, dtype=np.int64), m)
+    load = np.stack([work[owner == r].sum(0) for r in range(P)])
+    goal = (1 + BALANCE_SLACK) * load.mean(0)
+    held = np.zeros((P, int(docs.max()) + 1), np.int64)  # chunks of each rank touching each document
+    for x, (a, b) in enumerate(docs):
+        held[owner[x], a : b + 1] += 1
     for _ in range(4 * len(work)):
-        hi = int(np.argmax(load.max(1)))
+        peak = (load / goal).max(1)
+        if P == 1 or peak.max() <= 1:
+            break
+        hi = int(np.argmax(peak))
         mine, others = np.flatnonzero(owner == hi), np.flatnonzero(owner != hi)
         d = work[mine][:, None, :] - work[others][None, :, :]  # (mine, others, side): what a swap moves
-        worse = np.maximum((load[hi] - d).max(2), (load[owner[others]][None] + d).max(2))
-        i, j = np.unravel_index(np.argmin(worse), worse.shape)
-        if worse[i, j] >= load[hi].max() - 1e-9 * load.max():
+        worse = np.maximum(((load[hi] - d) / goal).max(2), ((load[owner[others]][None] + d) / goal).max(2))
+        best = np.argsort(worse, axis=None)[:SWAP_TRIES]
+        better = [np.unravel_index(f, worse.shape) for f in best if worse.flat[f] < peak[hi] - 1e-12]
+        if not better:
             break
-        lo = owner[others[j]]
-        owner[mine[i]], owner[others[j]] = lo, hi
+
+        def spread(ij):
+            return _spread(held, docs, mine[ij[0]], others[ij[1]], hi, owner[others[ij[1]]]), worse[ij]
+
+        i, j = min(better, key=spread)
+        x, y, lo = mine[i], others[j], owner[others[j]]
+        owner[x], owner[y] = lo, hi
         load[hi] -= d[i, j]
         load[lo] += d[i, j]
+        for z, src, dst in ((x, hi, lo), (y, lo, hi)):
+            held[src, docs[z, 0] : docs[z, 1] + 1] -= 1
+            held[dst, docs[z, 0] : docs[z, 1] + 1] += 1
     return owner
+
+
+def _spread(held: np.ndarray, docs: np.ndarray, x: int, y: int, a: int, b: int) -> int:
+    """How many (rank, document) pairs swapping chunk ``x`` (rank ``a``) with ``y`` (rank ``b``) adds."""
+    lo, hi = min(docs[x, 0], docs[y, 0]), max(docs[x, 1], docs[y, 1]) + 1
+    h = held[[a, b], lo:hi].copy()
+    for z, src in ((x, 0), (y, 1)):
+        h[src, docs[z, 0] - lo : docs[z, 1] + 1 - lo] -= 1
+        h[1 - src, docs[z, 0] - lo : docs[z, 1] + 1 - lo] += 1
+    return int((h > 0).sum() - (held[[a, b], lo:hi] > 0).sum())
 
 
 def _parts(S: int, P: int, layout: str) -> int:

@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 TILE_ROWS = 512  # query rows per explicitly masked tile: bounds a tile's mask at 512 x its keys
+RUN_ROWS = 64  # causal queries cut by runs of consecutive positions when runs average this many rows or more
 
 
 @dataclass(frozen=True, eq=False)
@@ -386,6 +387,30 @@ def _rectangle(mask: Mask, q, k, qa, qb, ka, kb) -> list[Tile]:
         return [Tile(qa, qb, ka, kb, "full")]
     if mask.left < 0 and mask.right == 0 and qb - qa == kb - ka and torch.equal(q[qa:qb], k[ka:kb]):
         return [Tile(qa, qb, ka, kb, "causal")]
+    runs = _runs_of(q, qa, qb) if mask.left < 0 and mask.right == 0 else []
+    if runs and len(runs) <= max(1, (qb - qa) // RUN_ROWS):  # causal: a run of queries sees earlier keys whole
+        return [t for r0, r1 in runs for t in _causal_run(mask, q, k, r0, r1, ka, kb)]
+    return _masked(mask, q, k, qa, qb, ka, kb)
+
+
+def _runs_of(q: torch.Tensor, qa: int, qb: int) -> list[tuple[int, int]]:
+    """Rows ``qa:qb`` of sorted positions ``q`` as runs of consecutive positions ``[(r0, r1), ...]``."""
+    cuts = ((q[qa + 1 : qb] - q[qa : qb - 1]) != 1).nonzero().flatten().add(qa + 1).tolist()
+    return list(zip([qa, *cuts], [*cuts, qb]))
+
+
+def _causal_run(mask: "Mask", q, k, r0: int, r1: int, ka: int, kb: int) -> list["Tile"]:
+    """Causal tiles of the run of queries ``r0:r1`` (one document's rows) against keys ``ka:kb``: one full tile
+    of the keys before the run when none falls inside it (keys of another rank), else masked tiles."""
+    before = ka + int(torch.searchsorted(k[ka:kb], q[r0]))
+    inside = ka + int(torch.searchsorted(k[ka:kb], q[r1 - 1], right=True))
+    if inside > before:
+        return _masked(mask, q, k, r0, r1, ka, kb)
+    return [Tile(r0, r1, ka, before, "full")] if before > ka else []
+
+
+def _masked(mask: "Mask", q, k, qa: int, qb: int, ka: int, kb: int) -> list["Tile"]:
+    """Row tiles of ``TILE_ROWS`` queries, each against the keys its rows can reach (full or masked)."""
     out = []
     for r0 in range(qa, qb, TILE_ROWS):  # row tiles, each against the keys its rows can reach
         r1 = min(qb, r0 + TILE_ROWS)

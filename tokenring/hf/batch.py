@@ -61,10 +61,10 @@ def shard_batch(
         if bool(live.any()):
             b, i = (int(x) for x in live.nonzero()[0])
             raise ValueError(
-                f"tokenring.hf.shard_batch: pad position {i} of row {b} has a target (with left padding, the last "
-                f"pad predicts the first real token). Pads attend only to pads here, where transformers fills "
-                f"fully masked rows its own way, so that loss term would differ: set the label of the token after "
-                f"each pad to {ignore_index} (the first real token of a left-padded row), or pad on the right"
+                f"tokenring.hf.shard_batch: pad position {i} of row {b} has a target (labels[{b}, {i + 1}] is not "
+                f"{ignore_index}). Pads attend only to pads here, where transformers fills fully masked rows its "
+                f"own way, so a loss on them would differ: set the labels after pads to {ignore_index} (with left "
+                f"padding, that is each row's first real token too), or pad on the right"
             )
     if verify:
         same_batch(
