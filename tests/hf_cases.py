@@ -184,12 +184,12 @@ def refusals(rank: int, P: int, S: int) -> dict:
                 cache=model(**{**batch, "use_cache": True}).past_key_values,
             ),
         )
-        # packed rows that pack differently
-        two = thf.shard_batch(
-            tokens(S, model.config.vocab_size, B=2),
-            position_ids=torch.cat([packed_positions([S // 2, S // 2]), packed_positions([S // 4, 3 * S // 4])]),
-        )
-        expect("packing", lambda: model(**two))
+        # packed rows that pack differently: shard_batch refuses them, and so do the layers given them directly
+        ids2 = tokens(S, model.config.vocab_size, B=2)
+        pos2 = torch.cat([packed_positions([S // 2, S // 2]), packed_positions([S // 4, 3 * S // 4])])
+        expect("packing_batch", lambda: thf.shard_batch(ids2, position_ids=pos2))
+        two = {k: tokenring.shard(t, 1, "zigzag") for k, t in (("input_ids", ids2), ("position_ids", pos2))}
+        expect("packing", lambda: model(**two, use_cache=False))
         # dropout
         drop = build("llama", "tokenring", num_hidden_layers=1, attention_dropout=0.1).train()
         expect("dropout", lambda: drop(**batch))

@@ -117,7 +117,7 @@ def test_refusals(pools):
     assert "pad position 0 of row 0 has a target" in msgs["pad_target"]
     assert "position_ids" in msgs["positions"] and "tokenring.shard" in msgs["positions"]
     assert "use_cache=False" in msgs["cache"]
-    assert "share one packing" in msgs["packing"]
+    assert "share one packing" in msgs["packing"] and "share one packing" in msgs["packing_batch"]
     assert "dropout" in msgs["dropout"]
     for m in every:  # each rank names what differs
         assert "different local lengths" in m["lengths"] and "{0: 32, 1: 16, 2: 16, 3: 16}" in m["lengths"], m
@@ -230,8 +230,13 @@ def test_any_length_and_padding(pools, P):
     for lengths, rows, pad in cases:
         r = pools(P).run(hf_cases.any_length_matches, lengths, rows, pad)[0]
         assert r["logits"] < 1e-4 and r["loss"] < 1e-5 and r["grad"] < 1e-4, (P, lengths, r)
-    for lengths in ([1, 3, 7, 120, 2, 50], [300, 5, 90, 1, 44]):  # the planner's layout, given the documents
-        r = pools(P).run(hf_cases.any_length_matches, lengths, 1, None, "balanced")[0]
+    for lengths, layout in (
+        ([1, 3, 7, 120, 2, 50], "balanced"),
+        ([300, 5, 90, 1, 44], "balanced"),
+        ([16] * P, "contiguous"),
+    ):
+        # the planner's layout; documents that are each one rank's whole shard (positions 0..s-1 on every rank)
+        r = pools(P).run(hf_cases.any_length_matches, lengths, 1, None, layout)[0]
         assert r["logits"] < 1e-4 and r["loss"] < 1e-5 and r["grad"] < 1e-4, (P, lengths, r)
 
 

@@ -71,7 +71,7 @@ def _documents(full: torch.Tensor, local_default: bool, S: int, layout: str) -> 
             f"are omitted. Pass this rank's global "
             f"positions: position_ids=tokenring.shard(torch.arange(S)[None], dim=1, layout={layout!r}) "
             f"(or use tokenring.hf.shard_batch); for packed documents of exactly one shard each, "
-            f"pass cu_seq_lens_q (shard_batch does)"
+            f"pass cu_seq_lens_q over the global sequence (shard_batch does)"
         )
     if bool((starts != starts[:1]).any()):
         return None, (
@@ -185,13 +185,13 @@ def _check_inputs(
             if problem is not None:  # every rank derived the same from the same gathered mask
                 raise _refuse(module, f"rank {rank}: {problem}")
             pads = _padding_documents(full_mask, causal)
-        if pos is not None:
+        if pos is not None and docs is None:  # explicit documents: positions are rotary only
             full, default = _gathered(pos, layout, group, device, docs), all(h[6] for h in heads)
     elif pos is not None:
         full, default = pos.cpu(), False
     if mask_problem is not None:
         raise _refuse(module, f"rank {rank}: {mask_problem}")
-    if pos is None:
+    if pos is None or docs is not None:
         return None, pads
     cu, problem = _documents(full, default, s * P, layout)
     if problem is None and cu is None and P > 1:

@@ -76,13 +76,14 @@ def shard_batch(
     input_ids, labels, position_ids, attention_mask = _pad_length(
         input_ids, labels, position_ids, attention_mask, layout, group, ignore_index
     )
-    docs = packing(position_ids) if layout in DOCUMENT_LAYOUTS else None
+    docs = packing(position_ids) if not position_ids.is_meta else None  # (meta: tokenring.testing's CUDA tier)
+    docs = docs if docs is not None and (len(docs) > 2 or layout in DOCUMENT_LAYOUTS) else None
 
     def cut(t):
-        return shard(t, dim=1, layout=layout, group=group, cu_seqlens=docs)
+        return shard(t, dim=1, layout=layout, group=group, cu_seqlens=docs if layout in DOCUMENT_LAYOUTS else None)
 
     out = dict(input_ids=cut(input_ids), position_ids=cut(position_ids), use_cache=False)
-    if docs is not None:  # the layers need the documents to know which tokens each rank holds
+    if docs is not None:  # the layers take them as they are (and a document layout, which tokens ranks hold)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(docs, dtype=torch.int32)
     if attention_mask is not None and not bool(attention_mask.to(torch.bool).all()):
         out["attention_mask"] = cut(attention_mask)  # checked by the layers
@@ -101,8 +102,8 @@ def packing(position_ids: torch.Tensor) -> list[int]:
     starts = torch.diff(position_ids, dim=-1) != 1
     if bool((starts != starts[:1]).any()):
         raise ValueError(
-            "tokenring.hf.shard_batch: the rows of this batch pack different documents; a layout that places "
-            "tokens by document needs one packing (DataCollatorWithFlattening makes batch 1)"
+            "tokenring.hf.shard_batch: the rows of this batch pack different documents (position_ids restart at "
+            "different places); packed batches must share one packing (DataCollatorWithFlattening makes batch 1)"
         )
     S = position_ids.shape[-1]
     return [0] + (starts[0].nonzero().flatten() + 1).tolist() + [S]
