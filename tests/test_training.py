@@ -73,6 +73,7 @@ def test_stock_collators_any_length(pools, collator):
     lengths = [37, 1, 90, 13]
     r = pools(4).run(train_cases.collator_step, 2, collator, lengths)[0]
     assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
+    assert r["tokens"][0] == r["tokens"][1] and r["flos"] < 1e-9, r  # each token counted once, not cp times
 
 
 def test_every_wiring_trains_exactly_or_is_refused(pools):

@@ -442,6 +442,7 @@ def collator_step(rank: int, P: int, dp: int, collator: str, lengths: list[int])
                 disable_tqdm=True,
                 max_grad_norm=1e9,
                 remove_unused_columns=False,
+                include_num_input_tokens_seen=True,
             )
             trainer = thf.SequenceParallelTrainer(
                 sp, model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Grab()]
@@ -453,6 +454,11 @@ def collator_step(rank: int, P: int, dp: int, collator: str, lengths: list[int])
             return {}
         res = compare(logged, seen, want)
         res["eval"] = abs(evaluated - want[0]) / want[0]
+        per = len(lengths) // dp  # what the stock Trainer counts over dp processes, each collating its samples
+        tokens = sum(collate(data[i : i + per])["input_ids"].numel() for i in range(0, len(lengths), per))
+        flos = 6 * tokens * model.num_parameters(exclude_embeddings=True)
+        res["tokens"] = (trainer.state.num_input_tokens_seen, tokens)
+        res["flos"] = abs(trainer.state.total_flos - flos) / flos
         return res
     finally:
         sp.close()

@@ -265,18 +265,21 @@ def _attend_rows(module, q, k, v, cu, kw: dict) -> torch.Tensor:
     """:func:`tokenring.attention` of a batch whose rows may have documents of their own (``cu``: one row of
     :func:`hf_documents` per batch row, or one for all): one call per group of rows that share documents (one
     per row under ``torch.compile``, which cannot compare values), the rows put back in order."""
-    if cu is None or cu.shape[0] == 1:
-        return attention(q, k, v, cu_seqlens=None if cu is None else cu[0], **kw)
-    if cu.shape[0] != q.shape[0]:
+    if cu is None:
+        return attention(q, k, v, **kw)
+    if cu.shape[0] not in (1, q.shape[0]):
         raise _refuse(module, f"the attention mask has {cu.shape[0]} rows but the batch {q.shape[0]}")
     groups = _row_groups.get([cu])
     if groups is None:  # rows (views of cu, kept: the layers share them, and the masks made from them)
-        keys = range(q.shape[0]) if torch.compiler.is_compiling() else map(tuple, cu.tolist())
-        by: dict = {}
-        for b, key in enumerate(keys):
-            by.setdefault(key, []).append(b)
-        groups = [(idx, cu[idx[0]]) for idx in by.values()]
-        if not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        groups = [(list(range(q.shape[0])), cu[0])] if cu.shape[0] == 1 else []
+        for b in range(q.shape[0] if cu.shape[0] > 1 else 0):
+            same = None if compiling else next((g for g in groups if torch.equal(cu[b], g[1])), None)
+            if same is None:
+                groups.append(([b], cu[b]))
+            else:
+                same[0].append(b)
+        if not compiling:
             _row_groups.put([cu], groups)
     if len(groups) == 1:
         return attention(q, k, v, cu_seqlens=groups[0][1], **kw)

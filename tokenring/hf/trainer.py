@@ -69,6 +69,16 @@ class SequenceParallelTrainer(Trainer):
     def get_cp_size(self) -> int:
         return self.sp.cp_size
 
+    def _track_num_input_tokens(self, inputs):
+        # every cp rank holds its dp rank's whole batch: the count gathered over all ranks has each token cp times
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.sp.cp_size
+
+    def floating_point_ops(self, inputs) -> float:
+        # this rank's share of its dp rank's batch: the Trainer sums the ranks' counts
+        return super().floating_point_ops(inputs) / self.sp.cp_size
+
     def _get_dataloader(
         self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None
     ):
