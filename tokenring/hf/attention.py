@@ -269,9 +269,9 @@ def _attend_rows(module, q, k, v, cu, kw: dict) -> torch.Tensor:
         return attention(q, k, v, **kw)
     if cu.shape[0] not in (1, q.shape[0]):
         raise _refuse(module, f"the attention mask has {cu.shape[0]} rows but the batch {q.shape[0]}")
-    groups = _row_groups.get([cu])
+    compiling = torch.compiler.is_compiling()
+    groups = None if compiling else _row_groups.get([cu])
     if groups is None:  # rows (views of cu, kept: the layers share them, and the masks made from them)
-        compiling = torch.compiler.is_compiling()
         groups = [(list(range(q.shape[0])), cu[0])] if cu.shape[0] == 1 else []
         for b in range(q.shape[0] if cu.shape[0] > 1 else 0):
             same = None if compiling else next((g for g in groups if torch.equal(cu[b], g[1])), None)
