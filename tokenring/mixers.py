@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .layouts import group_info, local_positions
+from .layouts import DOCUMENT_LAYOUTS, group_info, local_positions
 
 __all__ = ["Mixer", "Replicated", "find_mixers", "prepare", "check_prepared", "refuse_generation", "model_on_stack"]
 
@@ -178,7 +178,7 @@ class Replicated:
         B, s = hidden.shape[:2]
         key = (s, P, rank, layout)
         if key not in self._plans:
-            if layout in ("zigzag_docs", "balanced"):
+            if layout in DOCUMENT_LAYOUTS:
                 raise ValueError(
                     f"{self.description}; these layers run on the whole sequence, which "
                     f"layout={layout!r} does not say how to assemble: use layout='zigzag' or 'contiguous'"

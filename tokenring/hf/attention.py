@@ -152,7 +152,7 @@ def _check_heads(module, heads: list, mask_problem: str | None, rank: int) -> No
 
 def _check_inputs(
     module, attention_mask, position_ids, s: int, rank: int, P: int, layout: str, group, device, causal=True, docs=None
-) -> list[int] | None:
+) -> tuple[list[int] | None, list[list[int]] | None]:
     """Mask and position checks, agreed on by all ranks (one small all-gather of the flags and position ids),
     so a problem on one rank's shard raises on every rank instead of leaving the others waiting in attention.
     Returns the documents (cu_seqlens over the global sequence) that the position ids pack, or ``None``, and
