@@ -42,6 +42,7 @@ SLOW_FILES = {
     "test_launch.py",
     "test_testbed.py",
     "test_training.py",
+    "test_trl.py",
     "test_varlen.py",
 }
 QUICK = {

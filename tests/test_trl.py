@@ -1,0 +1,76 @@
+"""TRL on gloo ranks with a small Llama (float32): SequenceParallelSFTTrainer and SequenceParallelDPOTrainer over
+a (dp, cp) mesh log the loss and metrics, and reach the gradients, of the stock trainer in one process on the
+same global batch (1e-4 relative); what cannot be made exact raises ValueError when the trainer is built."""
+
+import pytest
+
+pytest.importorskip("trl")
+
+import hf_cases  # noqa: E402
+import trl_cases  # noqa: E402
+
+TOL = 1e-4
+
+
+def _scale(log: dict, key: str) -> float:
+    """What an error in ``key`` is measured against: rewards are differences of log-probabilities (relative to
+    the log-probabilities; beta = 0.5), the mean logits are near 0 (an absolute 1e-2)."""
+    if key.startswith("rewards/"):
+        return max(abs(log[key]), 0.5 * abs(log["logps/chosen"]))
+    return max(abs(log[key]), 1e-2 if key.startswith("logits/") else 1e-6)
+
+
+def _compare(got: dict, want: dict, keys: tuple[str, ...]) -> dict:
+    """Relative errors of the logged values ``keys`` and the largest of the gradients'."""
+    out = {k: abs(got["log"][k] - want["log"][k]) / _scale(want["log"], k) for k in keys}
+    out["grad"] = max(hf_cases.rel(got["grads"][n], g) for n, g in want["grads"].items())
+    return out
+
+
+SFT_KEYS = ("loss", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+@pytest.mark.parametrize(
+    "kind,P,dp",
+    [("plain", 4, 2), ("completion", 2, 1), ("assistant", 4, 2), ("packing", 3, 1), ("padding_free", 4, 2)],
+)
+def test_sft_matches_one_process(pools, kind, P, dp):
+    """Right-padded, completion-only, assistant-only, BFD-packed and padding-free batches of lengths no 2P
+    splits."""
+    got = pools(P).run(trl_cases.sft_step, dp, kind)[0]
+    want = trl_cases.sft_run(kind, dp)
+    err = _compare(got, want, SFT_KEYS)
+    assert max(err.values()) < TOL, err
+
+
+DPO_KEYS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "entropy",
+    "mean_token_accuracy",
+    "logits/chosen",
+    "num_tokens",
+)
+
+
+@pytest.mark.parametrize("loss,P,dp", [("sigmoid", 4, 2), ("mix", 2, 1), ("weighted", 3, 1)])
+def test_dpo_matches_one_process(pools, loss, P, dp):
+    """The policy and the reference both run sharded; chosen/rejected rows right-padded to one length. ``mix``
+    (sigmoid + IPO + SFT, ld_alpha) and ``weighted`` (robust, WPO weighting) at dp=1: TRL's own DDP already
+    differs from one process there for the token-mean SFT term."""
+    got = pools(P).run(trl_cases.dpo_step, dp, loss)[0]
+    want = trl_cases.dpo_run(loss, dp)
+    err = _compare(got, want, DPO_KEYS)
+    err["eval"] = abs(got["eval"]["eval_loss"] - want["eval"]["eval_loss"]) / abs(want["eval"]["eval_loss"])
+    assert max(err.values()) < TOL, err
+
+
+def test_unsupported_settings_are_refused(pools):
+    for got in pools(2).run(trl_cases.refused):
+        assert "label_smoothing_factor" in got["smoothing"], got
+        assert "attn_implementation" in got["sdpa"], got
+        assert "precompute_ref_log_probs" in got["precompute"], got
+        assert "reference model" in got["ref_sdpa"], got

@@ -1,0 +1,256 @@
+"""Rank-side functions for tests/test_trl.py: TRL's SFTTrainer and DPOTrainer over a (dp, cp) mesh
+(SequenceParallelSFTTrainer, SequenceParallelDPOTrainer), and the stock trainers in one process (the reference,
+run in the pytest process: a stock trainer in a rank process would see the distributed environment)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import hf_cases
+import torch
+import torch.distributed as dist
+from train_cases import SMALL, _env, _expect_value_error, mesh_of
+
+import tokenring.hf as thf
+from tokenring.hf import SequenceParallel
+
+EOS = 127  # "</s>"; pad is "0"
+
+
+def tokenizer():
+    """Word-level over "0".."126" split on spaces, with "</s>" = 127 as eos and "0" as pad (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {str(i): i for i in range(EOS)} | {"</s>": EOS}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="0", eos_token="</s>")
+
+
+def _ids(n: int, gen) -> list[int]:
+    return torch.randint(1, EOS, (n,), generator=gen).tolist()
+
+
+def sft_data(kind: str) -> list[dict]:
+    """Pre-tokenized samples of lengths no 2P splits; ``completion``: with a prompt/completion mask;
+    ``assistant``: with the assistant-token mask a chat template gives (two assistant turns each)."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = [37, 5, 90, 13]
+    rows = [{"input_ids": _ids(n, gen)} for n in lengths]
+    for row, n, p in zip(rows, lengths, [20, 2, 41, 6]):
+        if kind == "completion":
+            row["completion_mask"] = [0] * p + [1] * (n - p)
+        if kind == "assistant":
+            row["assistant_masks"] = (
+                [0] * (p // 2) + [1] * (p - p // 2) + [0] * ((n - p) // 2) + [1] * ((n - p + 1) // 2)
+            )
+    return rows
+
+
+def sft_config(kind: str, tmp: str, per_device: int):
+    """``plain`` (right padding), ``completion`` (completion-only loss), ``assistant`` (assistant-only loss),
+    ``packing`` (BFD packing: padding-free rows of packed documents), ``padding_free`` (the batch's samples as
+    one row of documents)."""
+    from trl import SFTConfig
+
+    extra = {
+        "plain": {},
+        "completion": dict(completion_only_loss=True),
+        "assistant": {},  # the assistant_masks column always applies
+        "packing": dict(packing=True, max_length=48),
+        "padding_free": dict(padding_free=True, max_length=None),
+    }[kind]
+    return SFTConfig(
+        output_dir=tmp,
+        per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=per_device,
+        max_steps=1,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=1e-3,
+        seed=0,
+        disable_tqdm=True,
+        max_grad_norm=1e9,
+        dataset_num_proc=None,
+        bf16=False,
+        **extra,
+    )
+
+
+class _Grab:
+    """A TrainerCallback that keeps the gradients before the optimizer step."""
+
+    def __new__(cls, model, seen):
+        from transformers import TrainerCallback
+
+        class Grab(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                seen.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+        return Grab()
+
+
+def _outcome(trainer, seen: dict) -> dict:
+    train = next(h for h in trainer.state.log_history if "loss" in h)
+    return dict(log=train, grads=seen)
+
+
+def sft_run(kind: str, dp: int, sp=None) -> dict:
+    """One SFT step: the stock SFTTrainer in one process on the global batch (``sp`` None), or
+    SequenceParallelSFTTrainer over ``sp``. Returns the logged metrics and the gradients."""
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    from tokenring.hf.trl import SequenceParallelSFTTrainer
+
+    model = hf_cases.build("llama", "sdpa" if sp is None else "tokenring", **SMALL)
+    seen = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        per_device = 2 if sp is not None else 2 * dp
+        kw = dict(
+            model=model,
+            args=sft_config(kind, tmp, per_device),
+            train_dataset=Dataset.from_list(sft_data(kind)),
+            processing_class=tokenizer(),
+            callbacks=[_Grab(model, seen)],
+        )
+        trainer = SFTTrainer(**kw) if sp is None else SequenceParallelSFTTrainer(sp, **kw)
+        trainer.train()
+    return _outcome(trainer, seen)
+
+
+def sft_step(rank: int, P: int, dp: int, kind: str) -> dict:
+    _env(rank, P)
+    sp = SequenceParallel(mesh_of(dp, P))
+    try:
+        out = sft_run(kind, dp, sp)
+        return out if rank == 0 else {}
+    finally:
+        sp.close()
+        thf.configure(group=dist.group.WORLD)
+
+
+def dpo_data() -> list[dict]:
+    """Text prompt/chosen/rejected (space-separated ids) whose pairs differ in length."""
+    gen = torch.Generator().manual_seed(5)
+    text = lambda n: " ".join(map(str, _ids(n, gen)))
+    shapes = [(11, 7, 3), (4, 13, 9), (21, 2, 6), (9, 9, 14)]
+    return [dict(prompt=text(p), chosen=" " + text(c), rejected=" " + text(r)) for p, c, r in shapes]
+
+
+def dpo_config(tmp: str, per_device: int, loss: str):
+    from trl import DPOConfig
+
+    extra = {
+        "sigmoid": {},
+        "mix": dict(loss_type=["sigmoid", "ipo", "sft"], loss_weights=[1.0, 0.5, 0.3], ld_alpha=0.5),
+        "weighted": dict(loss_type=["robust"], label_smoothing=0.1, use_weighting=True),
+    }[loss]
+    return DPOConfig(
+        output_dir=tmp,
+        per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=per_device,
+        max_steps=1,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=1e-3,
+        seed=0,
+        disable_tqdm=True,
+        max_grad_norm=1e9,
+        beta=0.5,
+        bf16=False,
+        **extra,
+    )
+
+
+def dpo_run(loss: str, dp: int, sp=None) -> dict:
+    """One DPO step (after an evaluation on the same pairs): the stock DPOTrainer in one process on the global
+    batch (``sp`` None), or SequenceParallelDPOTrainer over ``sp``; the reference model is a copy of the policy
+    with perturbed weights, so the log-ratios are not zero."""
+    from datasets import Dataset
+    from trl import DPOTrainer
+
+    from tokenring.hf.trl import SequenceParallelDPOTrainer
+
+    attn = "sdpa" if sp is None else "tokenring"
+    model = hf_cases.build("llama", attn, **SMALL)
+    ref = hf_cases.build("llama", attn, seed=1, **SMALL)
+    seen = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        per_device = 2 if sp is not None else 2 * dp
+        kw = dict(
+            model=model,
+            ref_model=ref,
+            args=dpo_config(tmp, per_device, loss),
+            train_dataset=Dataset.from_list(dpo_data()),
+            processing_class=tokenizer(),
+            callbacks=[_Grab(model, seen)],
+        )
+        trainer = DPOTrainer(**kw) if sp is None else SequenceParallelDPOTrainer(sp, **kw)
+        evaluated = trainer.evaluate(eval_dataset=Dataset.from_list(dpo_data()))
+        trainer.train()
+    out = _outcome(trainer, seen)
+    out["eval"] = evaluated
+    return out
+
+
+def dpo_step(rank: int, P: int, dp: int, loss: str) -> dict:
+    _env(rank, P)
+    sp = SequenceParallel(mesh_of(dp, P))
+    try:
+        out = dpo_run(loss, dp, sp)
+        return out if rank == 0 else {}
+    finally:
+        sp.close()
+        thf.configure(group=dist.group.WORLD)
+
+
+def refused(rank: int, P: int) -> dict:
+    """The ValueError each unsupported setting raises when the trainer is built (every rank)."""
+    from datasets import Dataset
+    from trl import DPOConfig, SFTConfig
+
+    from tokenring.hf.trl import SequenceParallelDPOTrainer, SequenceParallelSFTTrainer
+
+    _env(rank, P)
+    sp = SequenceParallel()
+    got = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            common = dict(output_dir=tmp, report_to=[], use_cpu=True, max_steps=1)
+            sft = Dataset.from_list(sft_data("plain"))
+            dpo = Dataset.from_list(dpo_data())
+
+            def sft_trainer(model, **args):
+                return lambda: SequenceParallelSFTTrainer(
+                    sp, model=model, args=SFTConfig(**common, **args), train_dataset=sft, processing_class=tokenizer()
+                )
+
+            def dpo_trainer(model, ref, **args):
+                return lambda: SequenceParallelDPOTrainer(
+                    sp,
+                    model=model,
+                    ref_model=ref,
+                    args=DPOConfig(**common, **args),
+                    train_dataset=dpo,
+                    processing_class=tokenizer(),
+                )
+
+            tr = lambda: hf_cases.build("llama", "tokenring", **SMALL)
+            got["smoothing"] = _expect_value_error(sft_trainer(tr(), label_smoothing_factor=0.1), "label smoothing")
+            got["sdpa"] = _expect_value_error(sft_trainer(hf_cases.build("llama", "sdpa", **SMALL)), "sdpa model")
+            got["precompute"] = _expect_value_error(
+                dpo_trainer(tr(), tr(), precompute_ref_log_probs=True), "precompute_ref_log_probs"
+            )
+            got["ref_sdpa"] = _expect_value_error(
+                dpo_trainer(tr(), hf_cases.build("llama", "sdpa", **SMALL)), "sdpa reference"
+            )
+        return got
+    finally:
+        sp.close()
+        thf.configure(group=dist.group.WORLD)
