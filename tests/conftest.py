@@ -37,6 +37,7 @@ SLOW_FILES = {
     "test_fake_cuda.py",
     "test_families.py",
     "test_fuzz.py",
+    "test_generate.py",
     "test_hf.py",
     "test_hierarchical.py",
     "test_launch.py",

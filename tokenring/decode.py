@@ -55,6 +55,7 @@ def decode_attention(
     window: int | None = None,
     positions: torch.Tensor | None = None,
     start: int | None = None,
+    row_documents=None,
 ) -> torch.Tensor:
     """Attention of ``t`` new tokens' queries ``q`` (B, t, H, d), the same on every rank, to a KV cache sharded
     over ``group``; returns (B, t, H, d), identical on every rank (arguments: docs/internals.md, "Decoding")."""
@@ -62,12 +63,13 @@ def decode_attention(
     if dv is not None:  # MLA: zero columns make the head dims equal (see value_dim_apart)
         return decode_attention(
             q, k, v, new=new, softmax_scale=softmax_scale, group=group, state=state, check=check, log=log,
-            sinks=sinks, window=window, positions=positions, start=start,
+            sinks=sinks, window=window, positions=positions, start=start, row_documents=row_documents,
         )[..., :dv]  # fmt: skip
     rank, P = group_info(group)
-    a, b = _check_step(q, k, v, new, window, positions, start, rank)
+    rows = tuple(tuple(int(x) for x in row) for row in row_documents) if row_documents is not None else ()
+    mask = RowMask(-1 if window is None else int(window), rows=rows)
+    a, b = _check_step(q, k, v, new, mask, positions, start, rank)
     q, scale = fold_scale(q, softmax_scale_of(softmax_scale, q.shape[3]))
-    mask = RowMask(-1 if window is None else int(window))
     if P == 1:  # every cached row precedes every new token; queries a..b-1 see new tokens a..b-1 causally
         o, lse = attend_rows(q, 0, k, v, positions, a, b, start or 0, mask, scale)
         if sinks is not None:
@@ -95,8 +97,9 @@ _SAME_STEP = (
 )
 
 
-def _check_step(q, k, v, new, window, positions, start, rank: int) -> tuple[int, int]:
-    """This rank's new tokens ``(a, b)``, or a ValueError for rows, new tokens or a window it cannot run."""
+def _check_step(q, k, v, new, mask: RowMask, positions, start, rank: int) -> tuple[int, int]:
+    """This rank's new tokens ``(a, b)``, or a ValueError for rows, new tokens, a window or documents it cannot
+    run."""
     check_rows(q, k, v, rank, "decode_attention")
     t, n = q.shape[1], k.shape[1]
     a, b = new if new is not None else (0, 0)
@@ -106,10 +109,12 @@ def _check_step(q, k, v, new, window, positions, start, rank: int) -> tuple[int,
             f"last {b - a} of this rank's {n} rows"
         )
     old = n - (b - a)
-    if window is not None and (positions is None or positions.shape != (old,) or start is None):
+    if mask.rows and len(mask.rows) != q.shape[0]:
+        raise ValueError(f"rank {rank}: row_documents has {len(mask.rows)} rows, the batch {q.shape[0]}")
+    if not mask.plain and (positions is None or positions.shape != (old,) or start is None):
         raise ValueError(
-            f"rank {rank}: a window needs positions=, the global positions of this rank's {old} cached rows, and "
-            f"start=, the position of the step's first new token (got positions "
+            f"rank {rank}: a window or row_documents need positions=, the global positions of this rank's "
+            f"{old} cached rows, and start=, the position of the step's first new token (got positions "
             f"{None if positions is None else tuple(positions.shape)}, start={start})"
         )
     return a, b

@@ -44,14 +44,26 @@ def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, who
 
 @dataclass(frozen=True)
 class RowMask:
-    """A window (``left``) and documents (``bounds``) on top of causal attention, over global positions."""
+    """A window (``left``) and documents (``bounds``) on top of causal attention, over global positions;
+    ``rows``: each batch row's own documents on top of those (e.g. ``(0, p, n)``: its ``p`` left pads apart)."""
 
     left: int = -1
     bounds: tuple[int, ...] = ()
+    rows: tuple[tuple[int, ...], ...] = ()
 
     @property
     def plain(self) -> bool:
-        return self.left < 0 and not self.bounds
+        return self.left < 0 and not self.bounds and not any(self.rows)
+
+    def groups(self) -> list[tuple[list[int], "RowMask"]]:
+        """The batch rows that share documents, each group with its mask (its ``rows`` folded into ``bounds``)."""
+        out: dict[tuple[int, ...], list[int]] = {}
+        for b, row in enumerate(self.rows):
+            out.setdefault(row, []).append(b)
+        return [
+            (idx, RowMask(self.left, tuple(sorted({*self.bounds, *row})) if row else self.bounds))
+            for row, idx in out.items()
+        ]
 
     def visible(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
         ok = kpos[None, :] <= qpos[:, None]
@@ -67,6 +79,8 @@ class RowMask:
 def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowMask, scale: float):
     """The partial ``(out, lse)`` of new tokens ``qa..`` against one rank's rows (cached at ``kpos``, then new
     tokens ``ka..kb-1``), in the accumulator dtype."""
+    if any(mask.rows):  # rows with documents of their own: one pass per group of rows that share them
+        return _attend_groups(q, qa, k, v, kpos, ka, kb, start, mask, scale)
     B, tq, H, d = q.shape
     o, lse = new_accumulator(B, tq, H, d, q.dtype, q.device)
     old, qb = k.shape[1] - (kb - ka), qa + tq
@@ -95,6 +109,18 @@ def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowM
         add(slice(lo - qa, hi - qa), slice(old + lo - ka, old + hi - ka), causal=True)
     if kb > ka and qb > max(qa, kb):  # queries after every new key here
         add(slice(max(qa, kb) - qa, tq), slice(old, old + kb - ka))
+    return o, lse
+
+
+def _attend_groups(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowMask, scale: float):
+    """:func:`attend_rows` for a mask with per-row documents, the rows put back in order."""
+    groups = mask.groups()
+    if len(groups) == 1:
+        return attend_rows(q, qa, k, v, kpos, ka, kb, start, groups[0][1], scale)
+    o, lse = new_accumulator(*q.shape, q.dtype, q.device)
+    for idx, sub in groups:
+        i = torch.tensor(idx, device=q.device)
+        o[i], lse[i] = attend_rows(q[i], qa, k[i], v[i], kpos, ka, kb, start, sub, scale)
     return o, lse
 
 

@@ -221,15 +221,22 @@ def attention_forward(
     """The function registered as ``attn_implementation="tokenring"``: ``query`` (B, H, s, d), ``key``/``value``
     (B, Hkv, s, d), this rank's shard; returns ``(out (B, s, H, d), None)``."""
     step = take_step(module, key)  # set when the layer's cache is a tokenring ShardedCache; taken before any refusal
-    sinks = _sinks_or_refuse(module, dropout, kwargs)
+    stepping = step is not None and ("new" in step[1] or "extend" in step[1])  # a step over the sharded cache
+    try:
+        sinks = _sinks_or_refuse(module, dropout, kwargs)
+        if stepping:
+            problem = step[0].owner.mask_problem(attention_mask, step[0].total)
+            if problem is not None:
+                raise _refuse(module, problem)
+    except ValueError:
+        if stepping:
+            step[0].undo()  # a refused step leaves the cache as it was (a refusal comes at the first layer)
+        raise
     s = query.shape[2]
     if not torch.compiler.is_compiling():
         check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, mixers.model_on_stack(module))
         _check_mixers(module, f"tokenring ({_where(module)})")
-    if step is not None and ("new" in step[1] or "extend" in step[1]):  # a step over the sharded cache
-        problem = _mask_problem(attention_mask)
-        if problem is not None:
-            raise _refuse(module, problem)
+    if stepping:
         window = kwargs.get("sliding_window")  # transformers: query i sees keys j with i - W < j <= i
         window = window - 1 if window is not None and step[0].total > window else None
         return step_attention(*step, query, key, value, scaling, sinks, window), None

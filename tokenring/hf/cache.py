@@ -52,6 +52,7 @@ class ShardedLayer(DynamicLayer):
                 f"which a sharded cache does not follow. Generate one sequence per prompt (greedy or sampling), "
                 f"or prefill the widened batch (input_ids.repeat_interleave(n, dim=0))"
             )
+        self._before = self._state()  # what undo() puts back if the step's attention is refused
         if o.prefilling:
             if self.total:
                 raise ValueError(
@@ -90,6 +91,15 @@ class ShardedLayer(DynamicLayer):
             info = {"new": (a, b) if b > a else None, "start": start}
         _steps[self.layer_idx] = (self, info)
         return self.keys, self.values
+
+    def _state(self) -> tuple:
+        return self.keys, self.values, self.positions, list(self.counts), self.total, self.skip
+
+    def undo(self) -> None:
+        """Put back what the last :meth:`update` changed (its step's attention was refused)."""
+        before = vars(self).pop("_before", None)
+        if before is not None:
+            self.keys, self.values, self.positions, self.counts, self.total, self.skip = before
 
     def _store(self, keys, values, a: int, b: int, ranges, step: int) -> int:
         """Append this rank's new tokens ``a..b-1`` of a step; returns the step's first global position."""
@@ -133,7 +143,56 @@ class ShardedCache(Cache):
         self.strategy = "auto"  # the extend schedule (tokenring.extend.STRATEGIES or "auto")
         self._chosen: str | None = None  # what auto chose at the first layer of the current extend step
         self.log: list | None = None  # set to a list to receive each decode attention's {"bytes": received}
+        self.pads: tuple[int, ...] | None = None  # set by prefill: each row's left pads (its attention_mask)
+        self._mask_seen: tuple = (None, 0, None)  # (mask, length, verdict) of the step's first layer
         super().__init__(layer_class_to_replicate=self._new_layer)
+
+    def mask_problem(self, mask, length: int) -> str | None:
+        """What a decode step's attention mask says that this cache cannot follow (``None``: nothing): it must
+        pad the rows as the prompt given to :func:`tokenring.hf.prefill` was (``length``: its columns, the cache's
+        positions), or be all ones (or ``None``) for an unpadded prompt. Once per step: the layers share it."""
+        seen, n, verdict = self._mask_seen
+        if mask is seen and n == length:
+            return verdict
+        verdict = self._mask_verdict(mask, length)
+        self._mask_seen = (mask, length, verdict)
+        return verdict
+
+    def _mask_verdict(self, mask, length: int) -> str | None:
+        from .attention import _mask_problem
+
+        tensor2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
+        if self.pads is None:
+            if tensor2d and not bool(mask.to(torch.bool).all()):
+                return (
+                    "the attention mask pads the rows but the prompt was prefilled without one: pass the same "
+                    "attention_mask to tokenring.hf.prefill(model, input_ids, attention_mask=...) and to "
+                    "model.generate (left padding)"
+                )
+            return _mask_problem(mask)
+        B = len(self.pads)
+        if not tensor2d or tuple(mask.shape) != (B, length):
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else "none" if mask is None else type(mask)
+            return (
+                f"the prompt was prefilled with a padding mask (left pads per row {list(self.pads)}), but this "
+                f"step's attention mask is {got} (transformers drops an all-ones one), not a ({B}, {length}) one: "
+                f"pass model.generate the attention_mask given to tokenring.hf.prefill"
+            )
+        want = torch.arange(length)[None] >= torch.tensor(self.pads)[:, None]
+        if not torch.equal(mask.to(torch.bool).cpu(), want):
+            return (
+                f"the attention mask does not pad the rows as the prompt given to tokenring.hf.prefill was (left "
+                f"pads per row {list(self.pads)}, every later token attended): pass model.generate the same "
+                f"attention_mask as prefill; a sharded cache masks only a prompt's left padding"
+            )
+        return None
+
+    def row_documents(self, length: int) -> list[tuple[int, ...]] | None:
+        """Each row's documents for :func:`tokenring.decode.decode_attention`: its left pads apart from the
+        tokens after them (``None``: no row is padded)."""
+        if self.pads is None:
+            return None
+        return [(0, p, length + 1) if p else () for p in self.pads]
 
     def sync_rng(self, device: torch.device) -> None:
         """Every rank takes rank 0's random state for ``device`` before a step's sampling, so tokens agree."""
@@ -203,7 +262,8 @@ def step_attention(
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     extending = "extend" in info
     mine = q.shape[1] if extending else (info["new"][1] - info["new"][0] if info["new"] else 0)
-    cached = layer.positions[: k.shape[1] - mine] if window is not None else None  # rows before this step
+    docs = owner.row_documents(layer.total)
+    cached = layer.positions[: k.shape[1] - mine] if window is not None or docs else None  # rows before this step
     if not extending:
         return decode_attention(
             q,
@@ -219,6 +279,7 @@ def step_attention(
             window=window,
             positions=cached,
             start=info["start"],
+            row_documents=docs,
         )
     first = layer.layer_idx == 0 or owner._chosen is None
     rec: list = []

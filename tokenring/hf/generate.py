@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import mixers
 from ..agreement import checksum, ranks_differing
-from ..layouts import group_info, local_positions
+from ..layouts import DOCUMENT_LAYOUTS, group_info, local_positions, shard
 from ..strategies.extend import STRATEGIES, split_new
 from .batch import shard_batch
 from .cache import ShardedCache
@@ -21,9 +23,12 @@ __all__ = ["prefill", "extend", "REPLICATE_PER_RANK"]
 REPLICATE_PER_RANK = 4
 
 
-def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = None) -> ShardedCache:
+def prefill(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, group=None, layout: str | None = None
+) -> ShardedCache:
     """Run the prompt ``input_ids`` (B, S), the same on every rank, sharded over the ranks and return the
-    :class:`ShardedCache` of this rank's K/V rows, ready for ``model.generate(input_ids, cache=cache)``."""
+    :class:`ShardedCache` of this rank's K/V rows, ready for ``model.generate(input_ids, cache=cache)``.
+    ``attention_mask`` (B, S): prompts of different lengths padded on the left (pass it to ``generate`` too)."""
     group = group if group is not None else _settings.group
     rank, P = group_info(group)
     mixers.refuse_generation(model, P, "tokenring.hf.prefill")
@@ -32,14 +37,27 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
             f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
             f"(batch, seq) prompt, the same on every rank"
         )
-    _same_everywhere(input_ids, group, rank, P, "prefill", "prompt")  # the same prompt everywhere
-    cache = ShardedCache(group)
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(
+            f"tokenring.hf.prefill: attention_mask is a {type(attention_mask).__name__}; pass the tokenizer's "
+            f"(batch, seq) tensor of ones and (left) zeros"
+        )
+    _same_everywhere(input_ids, group, rank, P, "prefill", "prompt", attention_mask)  # the same prompt everywhere
     layout = layout or _settings.layout
+    pads = _left_pads(input_ids, attention_mask, layout)
+    cache = ShardedCache(group)
+    cache.pads = pads
     S = input_ids.shape[1]
+    mask = None if pads is None else attention_mask.to(torch.bool)
+    pos = (mask.cumsum(1) - 1).clamp_min(0) if mask is not None else torch.arange(S).expand(input_ids.shape[0], -1)
+    pos = pos.to(input_ids.device)  # what model.generate computes from the mask: pads at 0, real tokens 0, 1, ...
     split = S - S % (2 * P if layout == "zigzag" else P)  # the rest (< 2P tokens) goes in as one decode step
     with torch.no_grad(), settings(layout=layout, group=group):  # the layers read the layout prefill shards with
         if split:
-            batch = shard_batch(input_ids[:, :split], layout=layout, group=group)
+            if mask is None:
+                batch = shard_batch(input_ids[:, :split], layout=layout, group=group)
+            else:
+                batch = _padded_shard(input_ids[:, :split], pos[:, :split], mask[:, :split], layout, group)
             batch["use_cache"] = True
             cache.prefilling = True
             cache.prefill_positions = local_positions(split, P, rank, layout)
@@ -48,24 +66,75 @@ def prefill(model, input_ids: torch.Tensor, group=None, layout: str | None = Non
             finally:
                 cache.prefilling = False
         if split < S:
-            pos = torch.arange(split, S, device=input_ids.device).expand(input_ids.shape[0], -1)
-            model(input_ids=input_ids[:, split:], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+            model(
+                input_ids=input_ids[:, split:],
+                position_ids=pos[:, split:],
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
     for layer in cache.layers:
         layer.skip = 1  # model.generate feeds the prompt's last token again: that step stores nothing
     cache.spans.append((0, S, checksum(input_ids)))
     return cache
 
 
-def _same_everywhere(input_ids: torch.Tensor, group, rank: int, P: int, who: str, what: str) -> None:
-    """The same tokens on every rank, or a ValueError on every rank."""
+def _left_pads(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layout: str) -> tuple[int, ...] | None:
+    """Each row's left pads (``None``: no padding), or a ValueError (the same on every rank: the prompt and mask
+    agree everywhere) for a mask a sharded cache cannot follow."""
+    if attention_mask is None:
+        return None
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"tokenring.hf.prefill: attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+            f"{tuple(input_ids.shape)}; pass the tokenizer's mask of the same prompt"
+        )
+    m = attention_mask.to(torch.bool).cpu()
+    pads = (m.cumsum(1) == 0).sum(1)
+    holes = m != (torch.arange(m.shape[1])[None] >= pads[:, None])
+    if bool(holes.any()):
+        b, i = (int(x) for x in holes.nonzero()[0])
+        raise ValueError(
+            f"tokenring.hf.prefill: row {b} of attention_mask masks token {i} after a real token (right padding "
+            f"or a hole); generation over a sharded cache takes prompts padded on the left only: pad with "
+            f"tokenizer.padding_side='left'"
+        )
+    if not bool(pads.any()):
+        return None  # all ones: an unpadded prompt
+    if layout in DOCUMENT_LAYOUTS:
+        raise ValueError(
+            f"tokenring.hf.prefill: layout={layout!r} places tokens by document and cannot give pads documents of "
+            f"their own; prefill left-padded prompts with layout='zigzag' or 'contiguous'"
+        )
+    return tuple(pads.tolist())
+
+
+def _padded_shard(input_ids, pos, mask, layout: str, group) -> dict:
+    """This rank's shard of a left-padded prompt: ids, the positions ``generate`` gives real tokens, the mask
+    (each row's pads become a document of their own in the layers) and the one document ``cu_seq_lens_q``, so
+    that the positions, which restart at each row's first real token, are read as rotary positions only."""
+    cut = functools.partial(shard, dim=1, layout=layout, group=group)
+    whole = torch.tensor([0, input_ids.shape[1]], dtype=torch.int32)
+    return dict(
+        input_ids=cut(input_ids),
+        position_ids=cut(pos),
+        attention_mask=cut(mask.to(torch.int64)),
+        cu_seq_lens_q=whole,
+        cu_seq_lens_k=whole,
+    )
+
+
+def _same_everywhere(input_ids: torch.Tensor, group, rank: int, P: int, who: str, what: str, mask=None) -> None:
+    """The same tokens (and attention mask) on every rank, or a ValueError on every rank."""
     if P == 1:
         return
-    values = [checksum(input_ids), *input_ids.shape]
+    values = [checksum(input_ids), *input_ids.shape, checksum(mask) if mask is not None else -1.0]
     bad = ranks_differing(values, group, rank, P, f"tokenring.hf.{who}", f"the {what}")
     if bad:
         raise ValueError(
-            f"tokenring.hf.{who} (rank {rank}): rank(s) {bad} pass a different {what} than rank 0 (shape or "
-            f"tokens); every rank must pass the same full {what}"
+            f"tokenring.hf.{who} (rank {rank}): rank(s) {bad} pass a different {what} than rank 0 (shape, "
+            f"tokens or attention_mask); every rank must pass the same full {what}"
         )
 
 
@@ -96,6 +165,12 @@ def _check_turn(model, cache: ShardedCache, input_ids: torch.Tensor, strategy) -
             f"seq) conversation so far, the same on every rank"
         )
     _same_everywhere(input_ids, group, rank, P, "extend", "conversation")
+    if cache.pads is not None:
+        raise ValueError(
+            "tokenring.hf.extend: this cache was prefilled from left-padded prompts (attention_mask), which extend "
+            "does not follow; prefill each conversation so far again: tokenring.hf.prefill(model, input_ids, "
+            "attention_mask=...)"
+        )
     held = cache.layers[0].total if cache.layers else 0
     if cache.layers and cache.layers[0].is_initialized and cache.layers[0].keys.shape[0] != input_ids.shape[0]:
         raise ValueError(
