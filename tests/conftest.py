@@ -42,6 +42,7 @@ SLOW_FILES = {
     "test_hierarchical.py",
     "test_launch.py",
     "test_testbed.py",
+    "test_trainer_matrix.py",
     "test_training.py",
     "test_trl.py",
     "test_varlen.py",

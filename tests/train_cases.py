@@ -4,7 +4,6 @@ use (transformers.Trainer, accelerate, DDP, FSDP2) against the same model and gl
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 
 import hf_cases
@@ -50,17 +49,12 @@ def build(family: str | None, attn: str):
     return family_cases.build(family, family_cases.FAMILIES[family][2] if attn == "sdpa" else attn, dtype=torch.float64)
 
 
-def reference(model, data: list[dict], family: str | None = None, smoothing: float = 0.0) -> tuple[float, dict]:
-    """One process: the global batch's mean next-token loss and its gradients (transformers' sdpa);
-    ``smoothing``: the stock Trainer's label smoothing of that loss."""
-    from transformers.trainer_pt_utils import LabelSmoother
-
+def reference(model, data: list[dict], family: str | None = None) -> tuple[float, dict]:
+    """One process: the global batch's mean next-token loss and its gradients (transformers' sdpa)."""
     ref = build(family, "sdpa")
     ref.load_state_dict(model.state_dict())
     ids = torch.stack([d["input_ids"] for d in data])
     out = ref(input_ids=ids, labels=ids, use_cache=False)
-    if smoothing:
-        out.loss = LabelSmoother(epsilon=smoothing)(out, ids, shift_labels=True, num_items_in_batch=ids[:, 1:].numel())
     out.loss.backward()
     return out.loss.item(), {n: p.grad.clone() for n, p in ref.named_parameters()}
 
@@ -85,7 +79,6 @@ def trainer_step(
     accumulate: int = 1,
     tiled: int | None = None,
     family: str | None = None,
-    smoothing: float = 0.0,
 ) -> dict:
     """One optimizer step of SequenceParallelTrainer over a (dp, P/dp) mesh: the gradients before the
     optimizer step and the logged loss vs one process on the whole global batch (``family``: a model of
@@ -97,7 +90,7 @@ def trainer_step(
     try:
         model = build(family, "tokenring")
         data = samples(dp * per_device * accumulate, S, model.config.vocab_size)
-        want = reference(model, data, family, smoothing) if rank == 0 else None
+        want = reference(model, data, family) if rank == 0 else None
         seen = {}
 
         class Grab(TrainerCallback):
@@ -119,7 +112,6 @@ def trainer_step(
                 disable_tqdm=True,
                 max_grad_norm=1e9,
                 per_device_eval_batch_size=per_device,
-                label_smoothing_factor=smoothing,
             )
             trainer = thf.SequenceParallelTrainer(
                 sp,
@@ -300,55 +292,6 @@ def misuse_refused(rank: int, P: int, S: int) -> dict:
     return msgs
 
 
-def trainer_resume(rank: int, P: int, dp: int, S: int) -> float:
-    """Two steps in one go vs one step, a checkpoint, and a resumed second step: the largest parameter
-    difference (the resumed run must continue exactly: same samples, optimizer state and schedule)."""
-    from transformers import TrainingArguments, default_data_collator
-
-    _env(rank, P)
-    sp = SequenceParallel(mesh_of(dp, P))
-    try:
-        data = samples(4 * dp, S, SMALL["vocab_size"])
-        finals = []
-        shared = [tempfile.mkdtemp() if rank == 0 else None]
-        dist.broadcast_object_list(shared, src=0)  # one output directory for every rank, as on one node
-        tmp = shared[0]
-        try:
-            paths = [os.path.join(tmp, "a"), os.path.join(tmp, "b")]
-            for i, out in enumerate(paths):
-                model = hf_cases.build("llama", "tokenring", **SMALL)
-                args = TrainingArguments(
-                    output_dir=out,
-                    per_device_train_batch_size=2,
-                    max_steps=2,
-                    report_to=[],
-                    use_cpu=True,
-                    save_strategy="steps",
-                    save_steps=1,
-                    learning_rate=1e-2,
-                    seed=0,
-                    disable_tqdm=True,
-                    max_grad_norm=1e9,
-                )
-                trainer = thf.SequenceParallelTrainer(
-                    sp, model=model, args=args, train_dataset=data, data_collator=default_data_collator
-                )
-                if i == 0:
-                    trainer.train()
-                else:  # the same run resumed from its first checkpoint (the first run's, written by its rank 0)
-                    trainer.train(resume_from_checkpoint=os.path.join(paths[0], "checkpoint-1"))
-                finals.append({n: p.detach().clone() for n, p in model.named_parameters()})
-                dist.barrier()
-        finally:
-            dist.barrier()
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-        return max((finals[0][n] - finals[1][n]).abs().max().item() for n in finals[0])
-    finally:
-        sp.close()
-        thf.configure(group=dist.group.WORLD)
-
-
 def single_process_trainer() -> dict:
     """SequenceParallelTrainer with no process group (one process: nothing is split): the logged loss is the
     model's own."""
@@ -378,91 +321,6 @@ def single_process_trainer() -> dict:
         return dict(loss=abs(logged - want) / want)
     finally:
         sp.close()
-
-
-def _tokenizer():
-    """A word-level tokenizer over ids 0..127 with pad id 0 (for transformers' padding collators; no hub)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {str(i): i for i in range(SMALL["vocab_size"])}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="0")), pad_token="0")
-
-
-def collator_step(rank: int, P: int, dp: int, collator: str, lengths: list[int]) -> dict:
-    """One SequenceParallelTrainer step over a (dp, P/dp) mesh with a stock collator on samples of ``lengths``
-    (``"flatten"``: DataCollatorWithFlattening, padding-free packing; ``"pad"``: DataCollatorForLanguageModeling
-    padding each batch on the right), vs one process running the same collator over the whole global batch:
-    the logged loss, the gradients before the optimizer step and the evaluation loss (relative errors)."""
-    from transformers import (
-        DataCollatorForLanguageModeling,
-        DataCollatorWithFlattening,
-        TrainerCallback,
-        TrainingArguments,
-    )
-
-    _env(rank, P)
-    sp = SequenceParallel(mesh_of(dp, P))
-    try:
-        model = hf_cases.build("llama", "tokenring", **SMALL)
-        gen = torch.Generator().manual_seed(7)
-        data = [{"input_ids": torch.randint(1, 128, (n,), generator=gen).tolist()} for n in lengths]
-        collate = (
-            DataCollatorWithFlattening()
-            if collator == "flatten"
-            else DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
-        )
-        want = None
-        if rank == 0:
-            ref = hf_cases.build("llama", "sdpa", **SMALL)
-            ref.load_state_dict(model.state_dict())
-            full = collate(data)
-            keep = ("input_ids", "labels", "position_ids", "attention_mask")
-            # use_cache=False: with a cache, transformers does not read packed documents from the position ids
-            out = ref(**{k: v for k, v in full.items() if k in keep}, use_cache=False)
-            out.loss.backward()
-            want = (out.loss.item(), {n: p.grad.clone() for n, p in ref.named_parameters()})
-        seen = {}
-
-        class Grab(TrainerCallback):
-            def on_pre_optimizer_step(self, args, state, control, **kw):
-                seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
-
-        with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(
-                output_dir=tmp,
-                per_device_train_batch_size=len(lengths) // dp,
-                per_device_eval_batch_size=len(lengths) // dp,
-                max_steps=1,
-                logging_steps=1,
-                report_to=[],
-                use_cpu=True,
-                save_strategy="no",
-                learning_rate=1e-3,
-                disable_tqdm=True,
-                max_grad_norm=1e9,
-                remove_unused_columns=False,
-                include_num_input_tokens_seen=True,
-            )
-            trainer = thf.SequenceParallelTrainer(
-                sp, model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Grab()]
-            )
-            evaluated = trainer.evaluate(eval_dataset=data)["eval_loss"]
-            trainer.train()
-        logged = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
-        if rank:
-            return {}
-        res = compare(logged, seen, want)
-        res["eval"] = abs(evaluated - want[0]) / want[0]
-        per = len(lengths) // dp  # what the stock Trainer counts over dp processes, each collating its samples
-        tokens = sum(collate(data[i : i + per])["input_ids"].numel() for i in range(0, len(lengths), per))
-        flos = 6 * tokens * model.num_parameters(exclude_embeddings=True)
-        res["tokens"] = (trainer.state.num_input_tokens_seen, tokens)
-        res["flos"] = abs(trainer.state.total_flos - flos) / flos
-        return res
-    finally:
-        sp.close()
-        thf.configure(group=dist.group.WORLD)
 
 
 def wiring_step(rank: int, P: int, dp: int, how: str) -> dict | str:
@@ -499,40 +357,5 @@ def wiring_step(rank: int, P: int, dp: int, how: str) -> dict | str:
             return str(e)
         loss.backward()
         return _outcome(rank, model, sp.reduce_loss(loss).item(), want)
-    finally:
-        _reset(sp)
-
-
-def compute_loss_func_refused(rank: int, P: int) -> str:
-    """SequenceParallelTrainer built with a compute_loss_func: the ValueError's message."""
-    from transformers import TrainingArguments
-
-    sp = SequenceParallel()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True)
-            model = hf_cases.build("llama", "tokenring", **SMALL)
-            return _expect_value_error(
-                lambda: thf.SequenceParallelTrainer(sp, model=model, args=args, compute_loss_func=lambda *a, **k: 0),
-                "compute_loss_func",
-            )
-    finally:
-        _reset(sp)
-
-
-def predict_without_labels(rank: int, P: int) -> str:
-    """SequenceParallelTrainer.predict on samples without labels: the ValueError's message (was an
-    AttributeError)."""
-    from transformers import TrainingArguments, default_data_collator
-
-    _env(rank, P)
-    sp = SequenceParallel()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, per_device_eval_batch_size=1)
-            model = hf_cases.build("llama", "tokenring", **SMALL)
-            data = [{"input_ids": d["input_ids"]} for d in samples(2, 16, model.config.vocab_size)]
-            trainer = thf.SequenceParallelTrainer(sp, model=model, args=args, data_collator=default_data_collator)
-            return _expect_value_error(lambda: trainer.predict(data), "predict without labels")
     finally:
         _reset(sp)

@@ -5,11 +5,14 @@ changes and why: docs/hf.md.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from accelerate.utils import recursively_apply
 from transformers import Trainer
 
 from .. import mixers
+from ..device import collective_device
 from .attention import _context
-from .batch import tiled_loss
+from .batch import gather_logits, reduce_loss, tiled_loss
 from .training import SequenceParallel
 
 __all__ = ["SequenceParallelTrainer"]
@@ -43,7 +46,6 @@ class SequenceParallelTrainer(Trainer):
                 "SequenceParallelTrainer needs a model whose forward takes num_items_in_batch "
                 "(transformers' causal language models do)"
             )
-        self.args.prediction_loss_only = True
 
     def train(self, *args, **kwargs):
         # undo the "prepared" mark an evaluate() before train() leaves, so train() wraps the model (docs/hf.md)
@@ -121,18 +123,78 @@ class SequenceParallelTrainer(Trainer):
         # W * (this rank's loss sum) / N: averaged over the W ranks, the global mean
         return (loss, outputs) if return_outputs else loss
 
+    def evaluation_loop(self, *args, **kwargs):
+        self.gather_function = self._gather_over_dp  # (the stock loop resets it when done)
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_over_dp(self, data):
+        """What ``accelerator.gather_for_metrics`` gives over ``dp`` processes: every dp rank's rows once (its
+        cp ranks hold the same ones), in dp order, without the samples that fill out the last batch."""
+        b, dp = self.args.per_device_eval_batch_size, self.sp.dp_size
+        state = self.accelerator.gradient_state
+        last = state.end_of_dataloader and state.remainder > 0
+        device = collective_device(self.sp.dp) if dp > 1 else None
+
+        def gather(t):
+            parts = [t]
+            if dp > 1:
+                parts = [torch.empty_like(t, device=device) for _ in range(dp)]
+                dist.all_gather(parts, t.to(device).contiguous(), group=self.sp.dp)
+            if last:  # rank r's real samples: the remainder's share past the ranks before it (rows per sample)
+                real = [max(0, min(b, state.remainder - r * b)) for r in range(dp)]
+                parts = [p[: -(-n * len(p) // b)] for p, n in zip(parts, real)]
+            return torch.cat(parts).to(t.device)
+
+        return recursively_apply(gather, data)
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        if inputs.get("labels") is None:
-            raise ValueError(
-                "SequenceParallelTrainer: evaluate/predict without labels is not supported (each rank holds a "
-                "shard of the logits; this trainer reports the loss only). Pass labels, or run the model under "
-                "tokenring.hf.shard_batch and gather the logits with tokenring.hf.gather_logits"
-            )
+        """The loss of this dp rank's batch (its mean, as one process computes it for that batch), and with
+        ``prediction_loss_only=False`` its full logits, gathered over cp in the caller's order."""
         inputs = self._prepare_inputs(inputs)
+        ids, labels = inputs["input_ids"], inputs.get("labels")
+        scored = self._without_fill(labels, inputs.get("position_ids"))
+        batch = self.sp.shard_batch(
+            ids,
+            labels=scored,
+            position_ids=inputs.get("position_ids"),
+            attention_mask=inputs.get("attention_mask"),
+            num_items_in_batch=None if scored is None else (scored[..., 1:] != -100).sum().clamp(min=1),
+        )
         with torch.no_grad():
-            loss = self.compute_loss(model, inputs).detach()
-        # the loss is this rank's W-scaled share: the Trainer averages it over the W ranks
-        return loss, None, None
+            outputs = model(**batch)
+        loss = logits = None
+        if scored is not None:
+            loss = outputs.loss
+            if self.label_smoother is not None:
+                loss = self.label_smoother(
+                    outputs, batch["shift_labels"], shift_labels=False, num_items_in_batch=batch["num_items_in_batch"]
+                )
+            # this rank's share, scaled by W: summed over cp and divided by W, this dp rank's batch mean
+            loss = reduce_loss(loss.detach().float(), group=self.sp.cp) / self.sp.world_size
+        if not prediction_loss_only:
+            logits = gather_logits(outputs.logits, self.sp.layout, self.sp.cp, ids.shape[1], batch.get("cu_seq_lens_q"))
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, logits, labels
+
+    def _without_fill(self, labels, position_ids):
+        """``labels`` with no targets in the samples accelerate repeats to even out the dp ranks' last batches
+        (the ``remainder`` real samples come first, in dp order); a packed row's samples are its documents."""
+        state = self.accelerator.gradient_state
+        if labels is None or not state.end_of_dataloader or state.remainder <= 0:
+            return labels
+        b = self.args.per_device_eval_batch_size
+        real = max(0, min(b, state.remainder - self.sp.dp_rank * b))
+        packed = position_ids is not None and labels.shape[0] == 1 and b > 1
+        if packed:  # DataCollatorWithFlattening: one row, a document per sample
+            starts = (position_ids[0] == 0).nonzero().flatten().tolist()
+            cut = starts[real] if real < len(starts) else labels.shape[1]
+            labels = labels.clone()
+            labels[:, cut:] = -100
+        elif real < labels.shape[0]:
+            labels = labels.clone()
+            labels[real:] = -100
+        return labels
 
 
 def _reduces_grads(model) -> bool:
