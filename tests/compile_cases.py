@@ -89,3 +89,70 @@ def checks_once_per_forward(rank: int, P: int, S: int, layers: int) -> dict:
         return res
     finally:
         hf_attention._check_inputs = real
+
+
+def over_lengths(rank: int, P: int, batches: list, strategy: str, dynamic) -> dict:
+    """``torch.compile(model, fullgraph=True, dynamic=dynamic)`` trained on batches of changing lengths (``(S,
+    documents or None)`` each) vs eager: the worst relative loss / gradient error, graphs compiled (``frames``;
+    ``graphs``: those with nodes, dynamic=True also compiles an empty one, as with PyTorch's own attention) and
+    graph breaks. The length is symbolic after the first recompile: no graph per length."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = hf_cases.build("llama", "tokenring", **SMALL)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter, dynamic=dynamic)
+    res = {"loss": 0.0, "grad": 0.0}
+    with thf.settings(strategy=strategy):
+        for S, docs in batches:
+            ids = hf_cases.tokens(S, model.config.vocab_size)
+            pos = hf_cases.packed_positions(docs) if docs else None
+            batch = thf.shard_batch(ids, labels=ids, position_ids=pos)
+            loss, grads = _step(model, batch)
+            closs, cgrads = _step(model, batch, compiled)
+            res["loss"] = max(res["loss"], abs(closs - loss) / abs(loss))
+            res["grad"] = max(res["grad"], *(hf_cases.rel(cgrads[n], g) for n, g in grads.items()))
+    res["frames"] = counter.frame_count
+    res["graphs"] = sum(1 for g in counter.graphs if len(g.graph.nodes))
+    res["breaks"] = sum(counters["graph_break"].values())
+    return res
+
+
+def refused_when_compiled(rank: int, P: int) -> dict:
+    """Bad calls of a compiled ``tokenring.attention`` (fullgraph): an odd local length under zigzag, after a
+    graph traced for a good one (dynamic shapes: checked in the op at run time), and ulysses over heads that do
+    not divide over the ranks (refused by the plan at trace time, raised by the op): each refusal's type and
+    message, eager's and compiled's."""
+    import torch._dynamo
+
+    from tokenring import attention
+
+    def call(q, k, v, strategy):
+        return attention(q, k, v, causal=True, strategy=strategy)
+
+    def outcome(fn, *args) -> str:
+        try:
+            fn(*args)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "ran"
+
+    def qkv(s, H):
+        g = torch.Generator().manual_seed(rank)
+        return [torch.randn(1, s, H, 8, generator=g) for _ in range(3)]
+
+    res = {}
+    for name, dynamic, strategy, H, good, bad in (
+        ("odd length", True, "token_ring", 4, 16, 15),
+        ("heads", None, "ulysses", 3, None, 8),
+    ):
+        torch._dynamo.reset()
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+        if good is not None:
+            res[f"{name} good"] = outcome(compiled, *qkv(good, H), strategy)
+        res[f"{name} eager"] = outcome(call, *qkv(bad, H), strategy)
+        res[f"{name} compiled"] = outcome(compiled, *qkv(bad, H), strategy)
+    return res

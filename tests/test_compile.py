@@ -43,3 +43,38 @@ def test_checks_once_per_forward(pools):
     for r in res:
         assert r[0][0] == 1 and r[1][0] == 1 and r[2][0] == 1, r
         assert r[0][1] > 1 and r[1][1] == 1 and r[2][1] == 1, r
+
+
+PACKED = (72, [10, 40, 22])  # a packed batch: its documents are values, read in the op
+
+
+def test_fullgraph_over_changing_lengths(pools):
+    """Lengths that change between steps: one graph for them all under dynamic=True, the static first one and one
+    dynamic graph under dynamic=None; the length's checks run in the op, not as guards. A packed batch passes
+    documents (other inputs): one graph more, for every length."""
+    batches = [(64, None), (96, None), (52, None), PACKED]
+    for dynamic, graphs in ((None, 3), (True, 2)):
+        for r in pools(2).run(compile_cases.over_lengths, batches, "token_ring", dynamic):
+            assert r["graphs"] <= graphs and r["frames"] <= 3 and r["breaks"] == 0, (dynamic, r)
+            assert r["loss"] < 1e-6 and r["grad"] < 1e-6, (dynamic, r)
+
+
+@pytest.mark.parametrize(
+    "P, strategy, dynamic", [(1, "token_ring", True), (2, "ring", None), (2, "ulysses", True), (3, "auto", None)]
+)
+def test_changing_lengths_per_strategy(pools, P, strategy, dynamic):
+    """The same over other strategies and group sizes (``auto`` chooses by the first dynamic length's hint)."""
+    batches = [(S * P, None) for S in (32, 48, 26)] + [(12 * P, [6 * P, 6 * P])]
+    for r in pools(P).run(compile_cases.over_lengths, batches, strategy, dynamic):
+        assert r["graphs"] <= (3 if dynamic is None else 2) and r["frames"] <= 3 and r["breaks"] == 0, r
+        assert r["loss"] < 1e-6 and r["grad"] < 1e-6, r
+
+
+def test_compiled_refusals_are_value_errors(pools):
+    """A compiled call refused (a length in the op at run time, heads by the plan at trace time) raises eager's
+    ValueError, on every rank."""
+    for r in pools(2).run(compile_cases.refused_when_compiled):
+        assert r["odd length good"] == "ran", r
+        for name in ("odd length", "heads"):
+            assert r[f"{name} eager"].startswith("ValueError: rank "), r
+            assert r[f"{name} compiled"] == r[f"{name} eager"], r

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental import symbolic_shapes
 
 from .choice import choose_strategy, resolve
 from .device import device_type as device_kind
@@ -84,22 +85,27 @@ def attention(
         if P == 1 or compiling:
             raise _ranked(e, rank) from None
         _refuse_everywhere(_ranked(e, rank), group, rank, P)
-    strategy, scale, layout, window, n, cu_list, plain = call
-    if cu_list is not None:
+    strategy, scale, layout, window, n, cu_list, plain, shortest, refused = call
+    if shortest and q.shape[1] < shortest:  # a guard, never taken when traced: a shorter length traces anew
+        raise AssertionError(f"tokenring: {strategy!r} was traced for local lengths of at least {shortest}")
+    if cu_list is not None and not refused:
         cu = torch.tensor(cu_list, dtype=torch.int64)
     if plain:  # one rank, nothing to mask: PyTorch's own attention
         q, scale = fold_scale(q, scale)
         return _single_device(q, k, v, causal, scale)
-    return _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, n, backward, compiling)
+    recheck = compiling and not _static(q.shape[1])
+    return _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, n, backward, compiling,
+                   recheck, refused)  # fmt: skip
 
 
-def _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, n, backward, compiling: bool):
+def _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, n, backward, compiling: bool,
+            recheck: bool = False, refused: str = ""):  # fmt: skip
     """The ``tokenring::attention_fwd`` op for a planned call, with this call's instruments (eager only)."""
     hooks = current_instruments()
     if hooks is not None and compiling:
         raise ValueError("tokenring.attention: tokenring.instrument() (tracing, byte logs) works in eager mode only")
     extras_id, holder = register_extras(hooks)
-    call = Call(strategy, causal, scale, layout, window, _group_name(group), n, backward, extras_id)
+    call = Call(strategy, causal, scale, layout, window, _group_name(group), n, backward, extras_id, recheck, refused)
     out = attention_op(q, k, v, sinks, cu, call)
     del holder  # the op's autograd context keeps it while backward may still run
     return out
@@ -174,7 +180,33 @@ def _checked_plan(q, k, v, sinks, cu, cu_seqlens, strategy, causal, softmax_scal
     if cu is not None:
         check_bounds_tensor(cu)
     frozen_cu = None if cu_seqlens is None or cu is not None else _frozen(cu_seqlens)
+    if not compiling:
+        return plan(
+            tuple(q.shape), tuple(k.shape), q.dtype, device_kind(q), strategy, causal, softmax_scale, layout,
+            frozen_cu, cu is not None, _frozen(window), sinks is not None, _group_name(group), inner_size, backward,
+            False,
+        )  # fmt: skip
+    if softmax_scale is not None:  # a float attribute is symbolic under dynamic=True: a guard fixes it
+        softmax_scale = symbolic_shapes.guard_scalar(softmax_scale)
+    if window is not None:
+        window = tuple(symbolic_shapes.guard_scalar(w) if isinstance(w, (int, float)) else w for w in window)
     return plan(
-        tuple(q.shape), tuple(k.shape), q.dtype, device_kind(q), strategy, causal, softmax_scale, layout, frozen_cu,
-        cu is not None, _frozen(window), sinks is not None, _group_name(group), inner_size, backward, compiling,
+        _constant_shape(q), _constant_shape(k), q.dtype, device_kind(q), strategy, causal, softmax_scale, layout,
+        frozen_cu, cu is not None, _frozen(window), sinks is not None, _group_name(group), inner_size, backward, True,
+        not _static(q.shape[1]),
     )  # fmt: skip
+
+
+# What dynamo traces without a guard: a symbolic size's hint (torch < 2.10: the size), whether a size is symbolic.
+_hint = getattr(symbolic_shapes, "optimization_hint", lambda x: x)
+_static = getattr(symbolic_shapes, "has_static_value", lambda x: not isinstance(x, torch.SymInt))
+
+
+def _constant_shape(t: torch.Tensor) -> tuple:
+    """``t``'s shape as the constant plan takes it under ``torch.compile``: batch and length (symbolic under
+    dynamic shapes) by their hints, without a guard (the op checks the length it runs: :attr:`Call.recheck`);
+    heads and head dim by a guard (they fix the scale and what the plan checked)."""
+    shape = tuple(_hint(x) for x in t.shape)
+    if t.shape[2] != shape[2] or t.shape[3] != shape[3]:  # a guard, never taken when traced
+        raise AssertionError(f"tokenring: traced for {shape[2]} heads of dim {shape[3]}")
+    return shape

@@ -125,11 +125,13 @@ class Call:
     inner: int  # ranks per node (0: unknown)
     backward: bool
     extras: int  # register_extras' id of the call's tokenring.instrument() fields (0: none)
+    recheck: bool = False  # traced over a symbolic length: the op checks the length it runs (plan could not)
+    refused: str = ""  # traced and refused by the plan: the op raises this, on every rank, when it runs
 
     def args(self) -> tuple:
         window = list(self.window) if self.window is not None else None
         return (self.strategy, self.causal, self.scale, self.layout, window, self.group, self.inner, self.backward,
-                self.extras)  # fmt: skip
+                self.extras, self.recheck, self.refused)  # fmt: skip
 
     def backward_args(self) -> tuple:
         """The backward op's options (its strategy is the one the forward ran)."""
@@ -239,12 +241,33 @@ def _frozen(x):
 def plan(
     q_shape, k_shape, dtype, device_type: str, strategy: str, causal: bool, softmax_scale, layout, cu_list,
     cu_tensor: bool, window, sinks: bool, group_name: str, inner_size, backward: bool, compiling: bool,
+    dynamic: bool = False,
 ):  # fmt: skip
     """What can be decided from the call's constants (shapes, dtypes, options), before any value is read or a
-    rank is asked: ``(strategy, scale, layout, window, node size, cu_seqlens list, plain)``. Under
-    ``torch.compile`` it runs once per trace (a constant of the graph) and also picks the concrete strategy
-    (:func:`trace_choice`). ``plain``: one rank and no mask or sinks (PyTorch's SDPA). ValueError for what
-    this rank refuses."""
+    rank is asked: ``(strategy, scale, layout, window, node size, cu_seqlens list, plain, shortest, refused)``.
+    ValueError for what this rank refuses. Under ``torch.compile`` it runs once per trace (a constant of the
+    graph), also picks the concrete strategy (:func:`trace_choice`), and returns a refusal as ``refused`` (the op
+    raises it at run time: dynamo would turn a ValueError here into its own error). ``dynamic``: the local
+    length in ``q_shape`` is a symbolic length's hint, so nothing is decided by it that another length could
+    change: its checks and the mask run in the op (:attr:`Call.recheck`), and ``shortest`` is the local length
+    below which a strategy ``auto`` chose cannot run (a guard there retraces). ``plain``: one rank and no mask
+    or sinks (PyTorch's SDPA)."""
+    try:
+        return (*_plan(q_shape, k_shape, dtype, device_type, strategy, causal, softmax_scale, layout, cu_list,
+                       cu_tensor, window, sinks, group_name, inner_size, backward, compiling, dynamic), "")  # fmt: skip
+    except ValueError as e:
+        if not compiling:
+            raise
+        layout = layout if layout in LAYOUTS else default_layout(causal)
+        return "ring", 1.0, layout, None, 0, None, False, 0, str(e)
+
+
+def _plan(
+    q_shape, k_shape, dtype, device_type: str, strategy: str, causal: bool, softmax_scale, layout, cu_list,
+    cu_tensor: bool, window, sinks: bool, group_name: str, inner_size, backward: bool, compiling: bool,
+    dynamic: bool,
+):  # fmt: skip
+    """:func:`plan`'s body, raising what it refuses."""
     group = resolve_group(group_name)
     rank, P = group_info(group)
     layout = layout if layout is not None else default_layout(causal)
@@ -256,22 +279,55 @@ def plan(
     scale = softmax_scale_of(softmax_scale, d)
     cu_list = whole_numbers(cu_list, "cu_seqlens") if cu_list is not None else None
     window = list(window_pair(window)) if window is not None else None
-    _check_shards(q_shape[2], k_shape[2], s, P, strategy, causal, layout)
+    _check_shards(q_shape[2], k_shape[2], None if dynamic else s, P, strategy, causal, layout)
     by_docs = layout in DOCUMENT_LAYOUTS
-    if cu_list is not None or (by_docs and not cu_tensor) or window is not None:
+    if not dynamic and (cu_list is not None or (by_docs and not cu_tensor) or window is not None):
         _mask_of(s, P, cu_list, window, causal, layout)  # malformed documents / windows fail here (a tensor: later)
-    masked = cu_list is not None or cu_tensor or by_docs or make_mask(s, None, window, causal) is not None
+    # a window may cover one length whole and not another
+    windowed = window is not None if dynamic else make_mask(s, None, window, causal) is not None
+    masked = cu_list is not None or cu_tensor or by_docs or windowed
     plain = P == 1 and not masked and not sinks
+    shortest = 0
     if compiling and P > 1:
         documents = cu_list is not None or cu_tensor
-        strategy = trace_choice(q_shape, k_shape, dtype, device_type, strategy, causal, layout, window, documents,
-                                backward, group, n, scale, sinks)  # fmt: skip
-    return strategy, scale, layout, window, n, cu_list, plain
+        zigzag = causal and layout == "zigzag"
+        if dynamic and _check_length(q_shape[2], k_shape[2], s, P, strategy, causal, layout):
+            q_shape = (q_shape[0], None, *q_shape[2:])  # a length refused (at run time): choose by heads only
+        chosen = trace_choice(q_shape, k_shape, dtype, device_type, strategy, causal, layout, window, documents,
+                              backward, group, n, scale, sinks)  # fmt: skip
+        if dynamic and chosen != strategy and q_shape[1] is not None:
+            shortest = _shortest(chosen, q_shape[2], k_shape[2], s, P, zigzag)
+        strategy = chosen
+    return strategy, scale, layout, window, n, cu_list, plain, shortest
+
+
+def _check_length(H: int, Hkv: int, s: int, P: int, strategy: str, causal: bool, layout: str) -> str | None:
+    """Why :func:`_check_shards` refuses local length ``s`` (``None``: it does not)."""
+    try:
+        _check_shards(H, Hkv, s, P, strategy, causal, layout)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _shortest(strategy: str, H: int, Hkv: int, s: int, P: int, zigzag: bool) -> int:
+    """The shortest local length from which on the variant ``strategy`` (which runs ``s``) runs: its checks ask
+    for enough rows per chunk, more as the length falls (a bisection)."""
+    st = get_strategy(strategy)
+    lo, hi = 1, s
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if st.check(H, Hkv, P, mid, zigzag) is None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _check_shards(H: int, Hkv: int, s: int, P: int, strategy: str, causal: bool, layout: str) -> None:
-    """ValueError when the local length does not fit the layout or a named strategy cannot run these heads."""
-    if P > 1 and layout == "zigzag" and s % 2:
+    """ValueError when the local length does not fit the layout or a named strategy cannot run these heads
+    (``s`` ``None``: the heads only)."""
+    if P > 1 and layout == "zigzag" and s is not None and s % 2:
         raise ValueError(
             f"layout='zigzag' needs an even local length (two chunks per rank), got {s}; for a sequence of any "
             f"length shard it with tokenring.shard(x, layout='zigzag') and pass seq_len= (its length)"
@@ -311,6 +367,8 @@ def trace_choice(
     if st is not None and st.mode != "auto":
         return strategy
     rank, P = group_info(group)
+    if q_shape[1] is None:  # no length to choose by: the shape-free rule (any length runs it)
+        return resolve(strategy, tuple(q_shape), tuple(k_shape), P, inner_size=inner or None).name
     mask = None if documents else make_mask(q_shape[1] * P, None, window, causal)
     sig = _signature_of(
         q_shape,
@@ -541,6 +599,10 @@ def run_forward(q, k, v, sinks, cu, call: Call):
     group, backward, n, extras = resolve_group(call.group), call.backward, call.inner, _extras(call.extras)
     rank, P = group_info(group)
     try:
+        if call.refused:
+            raise ValueError(call.refused)
+        if call.recheck:  # traced over a symbolic length: its checks, for the length this call runs
+            _check_shards(q.shape[2], k.shape[2], q.shape[1], P, strategy, causal, layout)
         mask = _mask_of(q.shape[1], P, cu, window, causal, layout)
     except ValueError as e:
         if P == 1:
@@ -605,6 +667,8 @@ def fake_extra(q, k, v, cu, call: Call):
     """Empty tensors shaped like :func:`run_forward`'s ``extra`` for a concrete ``strategy`` (the op's fake)."""
     strategy, causal, layout, group = call.strategy, call.causal, call.layout, resolve_group(call.group)
     rank, P = group_info(group)
+    if call.refused:  # the op raises before it returns anything
+        return []
     st = get_strategy(strategy) if P > 1 else SINGLE
     if P > 1 and (strategy == "auto" or st.mode == "auto"):
         raise ValueError(f"tokenring: strategy {strategy!r} must be resolved before tracing (tokenring.ops)")
@@ -651,9 +715,11 @@ def attention_fwd(
     inner: int,
     backward: bool,
     extras: int,
+    recheck: bool,
+    refused: str,
 ) -> List[torch.Tensor]:
     with no_autocast(q):  # the inputs are already in the autocast dtype
-        call = Call(strategy, causal, scale, layout, window, group, inner, backward, extras)
+        call = Call(strategy, causal, scale, layout, window, group, inner, backward, extras, recheck, refused)
         out, strat, extra = run_forward(q, k, v, sinks, cu_seqlens, call)
     return [out, _choice(strat), *_unaliased([out, *extra], (q, k, v))[1:]]
 
@@ -736,7 +802,7 @@ def _backward(ctx, grads):
         dout = torch.zeros_like(out)
     res = attention_bwd(dout.contiguous(), q, k, v, out, sinks, cu, choice, extra, *ctx.call.backward_args())
     dsinks = res[3] if ctx.has_sinks else None
-    return (res[0], res[1], res[2], dsinks) + (None,) * 10
+    return (res[0], res[1], res[2], dsinks) + (None,) * 12
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
