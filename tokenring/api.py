@@ -186,7 +186,7 @@ def _checked_plan(q, k, v, sinks, cu, cu_seqlens, strategy, causal, softmax_scal
             frozen_cu, cu is not None, _frozen(window), sinks is not None, _group_name(group), inner_size, backward,
             False,
         )  # fmt: skip
-    if softmax_scale is not None:  # a float attribute is symbolic under dynamic=True: a guard fixes it
+    if isinstance(softmax_scale, (int, float)):  # a float attribute is symbolic under dynamic=True: a guard fixes it
         softmax_scale = symbolic_shapes.guard_scalar(softmax_scale)
     if window is not None:
         window = tuple(symbolic_shapes.guard_scalar(w) if isinstance(w, (int, float)) else w for w in window)
