@@ -23,3 +23,21 @@ def test_every_strategy_module_in_the_module_maps():
     for doc in (_read("README.md"), _read("docs", "DESIGN.md")):
         missing = {f for f in files if f not in doc}
         assert not missing, missing
+
+
+def recipe_diff(name: str) -> str:
+    """The changed lines from examples/recipes/stock/``name`` to examples/recipes/``name`` ("-"/"+" lines)."""
+    import difflib
+
+    stock = _read("examples", "recipes", "stock", name).splitlines()
+    ours = _read("examples", "recipes", name).splitlines()
+    return "\n".join(d[0] + d[2:] for d in difflib.ndiff(stock, ours) if d[:2] in ("- ", "+ ") and d[2:].strip())
+
+
+def test_readme_recipe_diffs_are_the_files_diffs():
+    """The README's training and generation diffs are the recipes' real diffs, each adding at most 5 lines."""
+    readme = _read("README.md")
+    for name in ("trainer.py", "trl_sft.py", "plain_loop.py", "generate.py"):
+        diff = recipe_diff(name)
+        assert f"```diff\n{diff}\n```" in readme, name
+        assert sum(line.startswith("+") for line in diff.splitlines()) <= 5, name

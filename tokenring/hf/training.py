@@ -4,6 +4,8 @@ with each rank's loss scaled so that DDP/FSDP's average is the global mean's gra
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -22,6 +24,8 @@ class SequenceParallel:
     def __init__(
         self, mesh=None, *, dp_dim: str = "dp", cp_dim: str = "cp", layout: str = "zigzag", verify: bool = True
     ):
+        if mesh is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group()  # torchrun's environment, as init_device_mesh would (gloo on CPU, NCCL on GPU)
         if mesh is None or mesh.ndim == 1:
             self.cp = mesh.get_group() if mesh is not None else dist.group.WORLD
             self.dp = None
