@@ -39,6 +39,8 @@ FEATURES = {
     "packing": {"data": "flatten"},
     "resume": {"resume": True},
     "tiled_loss": {"sp": dict(tiled_loss=16)},  # SequenceParallelTrainer's own option (the stock run: none)
+    # packed batches of a different length every step: traced once more for dynamic shapes, not per length
+    "compile": {"data": "flatten", "args": dict(torch_compile=True, torch_compile_backend="aot_eager")},
 }
 
 # what SequenceParallelTrainer refuses when it is built (on every rank), and a phrase of the ValueError

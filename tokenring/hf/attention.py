@@ -23,6 +23,7 @@ from ..ops import IdentityCache, _group_name, _pretended_meta, resolve_group
 from .cache import forget_steps, step_attention, take_step
 from .config import NAME, _settings
 from .ddp import check_ddp
+from .masks import _mask_problem
 
 __all__ = ["attention_forward", "mask_forward", "prepare", "register"]
 
@@ -35,25 +36,6 @@ def _where(module) -> str:
 def _refuse(module, why: str) -> ValueError:
     where = module if isinstance(module, str) else _where(module)
     return ValueError(f"tokenring (attn_implementation='tokenring', {where}): {why}")
-
-
-def _mask_problem(attention_mask, allow_padding: bool = False) -> str | None:
-    """What cannot be sharded about ``attention_mask`` (``None``: nothing). ``allow_padding``: a 2D padding mask
-    passes here; whether it pads on the right, which causal layers never see, is checked on the whole batch."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        return (
-            f"got an attention mask of type {type(attention_mask).__name__}; only full causal or full "
-            f"bidirectional attention can be sharded (pass attention_mask=None)"
-        )
-    if attention_mask.dim() == 2 and (allow_padding or bool(attention_mask.to(torch.bool).all())):
-        return None  # all ones means no padding
-    return (
-        f"got an attention mask of shape {tuple(attention_mask.shape)} that masks tokens (padding or a "
-        f"custom mask). TokenRing computes exact full causal/bidirectional attention over the sharded sequence "
-        f"and cannot express padding masks: pass unpadded sequences of one length with attention_mask=None"
-    )
 
 
 def _documents(full: torch.Tensor, local_default: bool, S: int, layout: str) -> tuple[list[int] | None, str | None]:

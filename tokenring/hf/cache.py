@@ -14,6 +14,7 @@ from ..device import collective_device
 from ..extend import extend_attention
 from ..layouts import group_info
 from ..strategies.extend import Shards
+from .masks import _mask_problem
 
 __all__ = ["ShardedCache", "ShardedLayer", "take_step", "forget_steps", "step_attention"]
 
@@ -159,8 +160,6 @@ class ShardedCache(Cache):
         return verdict
 
     def _mask_verdict(self, mask, length: int) -> str | None:
-        from .attention import _mask_problem
-
         tensor2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
         if self.pads is None:
             if tensor2d and not bool(mask.to(torch.bool).all()):

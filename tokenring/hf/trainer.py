@@ -205,6 +205,7 @@ def _reduces_grads(model) -> bool:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     except ImportError:  # pragma: no cover
         FSDPModule = FullyShardedDataParallel = DistributedDataParallel
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule around DDP (torch_compile=True)
     return isinstance(model, (DistributedDataParallel, FSDPModule, FullyShardedDataParallel)) or type(
         model
     ).__name__ in ("DeepSpeedEngine",)
