@@ -41,6 +41,7 @@ SLOW_FILES = {
     "test_hf.py",
     "test_hierarchical.py",
     "test_launch.py",
+    "test_refusals.py",
     "test_testbed.py",
     "test_trainer_matrix.py",
     "test_training.py",

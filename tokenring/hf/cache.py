@@ -212,14 +212,16 @@ class ShardedCache(Cache):
 
     def snapshot(self) -> tuple:
         """What :meth:`restore` puts back after a failed step: every layer's rows, positions, counts, total and
-        skip, and the spans (tensors are replaced, never written in place, so references suffice)."""
+        skip, the spans and the extend schedule (tensors are replaced, never written in place, so references
+        suffice)."""
         layers = [
             (layer, {k: list(v) if isinstance(v, list) else v for k, v in vars(layer).items()}) for layer in self.layers
         ]
-        return layers, len(self.layers), list(self.spans)
+        # and the extend schedule: a refused extend(strategy=...) must not leave its strategy on the cache
+        return layers, len(self.layers), list(self.spans), (self.strategy, self._chosen)
 
     def restore(self, snap: tuple) -> None:
-        layers, n, spans = snap
+        layers, n, spans, (self.strategy, self._chosen) = snap
         for layer, state in layers:
             vars(layer).clear()
             vars(layer).update(state)

@@ -46,14 +46,17 @@ def configure(
     layer of models with ``attn_implementation="tokenring"``; ``inner_size``: ranks per node for the
     hierarchical strategies (``"usp"``, ``"double_ring"``, ``"token_ring_2d"``; default ``$LOCAL_WORLD_SIZE``).
     Arguments left ``None`` keep their value."""
+    # Every argument is checked before any is set: a refused call (say a good strategy with a bad layout)
+    # leaves the settings as they were, not half changed.
     if inner_size is not None:
         node_size(inner_size)  # a positive number of ranks per node, or a ValueError saying so
-    if strategy is not None:
-        if strategy != "auto":
-            get_strategy(strategy)  # unknown names and malformed variants fail here, with what is accepted
-        _settings.strategy = strategy
+    if strategy is not None and strategy != "auto":
+        get_strategy(strategy)  # unknown names and malformed variants fail here, with what is accepted
     if layout is not None:
         check_layout(layout)
+    if strategy is not None:
+        _settings.strategy = strategy
+    if layout is not None:
         _settings.layout = layout
     if group is not None:
         _settings.group = group
