@@ -34,11 +34,11 @@ def test_accelerate_loop(pools, dp):
     assert r["loss"] < TOL and r["grad"] < TOL, r
 
 
-@pytest.mark.parametrize("flat", [True, False])
-def test_fsdp2(pools, flat):
+@pytest.mark.parametrize("flat,tiled", [(True, None), (False, None), (True, 16), (False, 16)])
+def test_fsdp2(pools, flat, tiled):
     """FSDP2 over the flattened dp x cp mesh (loss scaled), or over dp with all_reduce_grads over cp (DTensor
-    gradients)."""
-    r = pools(4).run(train_cases.fsdp_step, 2, 64, 2, flat)[0]
+    gradients); with the loss tiled (the head's sharded weight used chunk by chunk) or not."""
+    r = pools(4).run(train_cases.fsdp_step, 2, 64, 2, flat, tiled)[0]
     assert r["loss"] < TOL and r["grad"] < TOL, r
 
 

@@ -3,6 +3,7 @@ use (transformers.Trainer, accelerate, DDP, FSDP2) against the same model and gl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -218,7 +219,7 @@ def _reset(sp) -> None:
     thf.configure(group=dist.group.WORLD)
 
 
-def fsdp_step(rank: int, P: int, dp: int, S: int, per_device: int, flat: bool) -> dict:
+def fsdp_step(rank: int, P: int, dp: int, S: int, per_device: int, flat: bool, tiled: int | None = None) -> dict:
     """FSDP2 with tokenring over cp: ``flat``: fully_shard over the flattened dp x cp mesh with SequenceParallel's
     loss scaling (FSDP averages over every rank); else fully_shard over dp and all_reduce_grads over cp (DTensor
     gradients). First step's gradients vs one process on the global batch."""
@@ -238,14 +239,16 @@ def fsdp_step(rank: int, P: int, dp: int, S: int, per_device: int, flat: bool) -
         ids = torch.stack([d["input_ids"] for d in mine])
         if flat:
             batch = sp.shard_batch(ids, labels=ids)
-            loss = model(**batch).loss
+            with thf.tiled_loss(model, tiled) if tiled else contextlib.nullcontext():
+                loss = model(**batch).loss
             loss.backward()
             got = sp.reduce_loss(loss).item()
         else:
             cp = mesh["cp"].get_group()
             thf.configure(group=cp)
             batch = thf.shard_batch(ids, labels=ids, group=cp)
-            loss = model(**batch).loss
+            with thf.tiled_loss(model, tiled) if tiled else contextlib.nullcontext():
+                loss = model(**batch).loss
             loss.backward()
             thf.all_reduce_grads(model, group=cp)
             total = thf.reduce_loss(loss, group=cp)  # this dp group's mean; average over dp
