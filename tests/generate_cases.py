@@ -48,7 +48,8 @@ def padded_generate(
     torch.manual_seed(1234)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, cache=cache, **kw)
-    res = dict(tokens=out.sequences[:, S:].tolist())
+    # no layer still holds the K/V from before its last step (kept only until the step's checks pass)
+    res = dict(tokens=out.sequences[:, S:].tolist(), kept=sum("_before" in vars(layer) for layer in cache.layers))
     if rank == 0:
         ref = build(arch, REF_ATTN.get(arch, "sdpa"), **over).eval()
         ref.load_state_dict(model.state_dict())

@@ -24,6 +24,7 @@ def test_left_padded_batch_matches_single_process(pools, P, lengths, sample):
     res = pools(P).run(generate_cases.padded_generate, lengths, 12, sample)
     for r in res:
         assert r["tokens"] == res[0]["want"], "generated ids differ from one process"
+        assert r["kept"] == 0, "a layer keeps the K/V of before its last step (twice the cache's memory)"
     assert res[0]["logits"] < 1e-4, res[0]["logits"]
 
 

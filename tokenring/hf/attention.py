@@ -214,6 +214,8 @@ def attention_forward(
         if stepping:
             step[0].undo()  # a refused step leaves the cache as it was (a refusal comes at the first layer)
         raise
+    if stepping:
+        step[0].commit()  # not refused: the K/V before this step need not be kept (they would double the cache)
     s = query.shape[2]
     if not torch.compiler.is_compiling():
         check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, mixers.model_on_stack(module))

@@ -102,6 +102,10 @@ class ShardedLayer(DynamicLayer):
         if before is not None:
             self.keys, self.values, self.positions, self.counts, self.total, self.skip = before
 
+    def commit(self) -> None:
+        """The last :meth:`update`'s step stands: drop what :meth:`undo` would have put back."""
+        vars(self).pop("_before", None)
+
     def _store(self, keys, values, a: int, b: int, ranges, step: int) -> int:
         """Append this rank's new tokens ``a..b-1`` of a step; returns the step's first global position."""
         start = self.total
