@@ -74,3 +74,11 @@ def test_unsupported_settings_are_refused(pools):
         assert "attn_implementation" in got["sdpa"], got
         assert "precompute_ref_log_probs" in got["precompute"], got
         assert "reference model" in got["ref_sdpa"], got
+
+
+@pytest.mark.parametrize("kind", ["completion", "padding_free"])
+def test_sft_evaluate_matches_one_process(pools, kind):
+    """evaluate() over a remainder batch at dp=2 x cp=2: one process's eval_loss on every rank."""
+    want = trl_cases.sft_evaluate(kind)
+    for got in pools(4).run(trl_cases.sft_evaluate_step, 2, kind):
+        assert abs(got - want) <= TOL * abs(want), (got, want)

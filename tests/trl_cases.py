@@ -254,3 +254,30 @@ def refused(rank: int, P: int) -> dict:
     finally:
         sp.close()
         thf.configure(group=dist.group.WORLD)
+
+
+def sft_evaluate(kind: str, sp=None) -> float:
+    """SFTTrainer.evaluate on 3 samples in batches of 2 per dp rank (a remainder batch): the stock trainer in
+    one process (``sp`` None) or SequenceParallelSFTTrainer over ``sp``."""
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    from tokenring.hf.trl import SequenceParallelSFTTrainer
+
+    model = hf_cases.build("llama", "sdpa" if sp is None else "tokenring", **SMALL)
+    data = Dataset.from_list(sft_data(kind))
+    with tempfile.TemporaryDirectory() as tmp:
+        kw = dict(model=model, args=sft_config(kind, tmp, 2), train_dataset=data, eval_dataset=data.select(range(3)))
+        kw["processing_class"] = tokenizer()
+        trainer = SFTTrainer(**kw) if sp is None else SequenceParallelSFTTrainer(sp, **kw)
+        return trainer.evaluate()["eval_loss"]
+
+
+def sft_evaluate_step(rank: int, P: int, dp: int, kind: str) -> float:
+    _env(rank, P)
+    sp = SequenceParallel(mesh_of(dp, P))
+    try:
+        return sft_evaluate(kind, sp)
+    finally:
+        sp.close()
+        thf.configure(group=dist.group.WORLD)
