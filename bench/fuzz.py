@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""The public-API fuzz run of ``tokenring.attention``: random valid and invalid calls at P = 2, 3 and 4 on local gloo
-ranks (tests/fuzz_cases.py draws them and states the rules; tests/test_fuzz.py runs a 100-call sample in CI).
-Every call's outcome is kept in ``bench/results/fuzz.json``, a summary in ``fuzz.md``:
+"""The public-API fuzz run: random valid and invalid calls at P = 2, 3 and 4 on local gloo ranks, of
+``tokenring.attention`` (``--api attention``: tests/fuzz_cases.py draws them and states the rules) or of
+tokenring.hf's ``shard_batch`` + HF layers, ``prefill``, ``extend`` and ``generate`` (``--api hf``:
+tests/fuzz_hf_cases.py); tests/test_fuzz_sample.py runs a 100-call sample of each in CI. Every call's outcome is
+kept in ``bench/results/fuzz[_hf].json``, a summary in ``fuzz[_hf].md``:
 
     .venv/bin/python bench/fuzz.py --calls 700 --seed 1
+    .venv/bin/python bench/fuzz.py --api hf --calls 700 --seed 1
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import fuzz_cases  # noqa: E402
+import fuzz_hf_cases  # noqa: E402
 
 from tokenring.device import machine  # noqa: E402
 from tokenring.tools.launch import RankPool  # noqa: E402
@@ -26,26 +30,30 @@ from tokenring.tools.launch import RankPool  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--api", choices=["attention", "hf"], default="attention")
     ap.add_argument("--calls", type=int, default=700, help="calls per world size")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--chunk", type=int, default=50, help="calls per pool run (a failure names its chunk)")
     a = ap.parse_args(argv)
+    cases = fuzz_cases if a.api == "attention" else fuzz_hf_cases
     res = dict(
-        command=f"python bench/fuzz.py --calls {a.calls} --seed {a.seed} --ranks {' '.join(map(str, a.ranks))}",
+        api=a.api,
+        command=f"python bench/fuzz.py --api {a.api} --calls {a.calls} --seed {a.seed} "
+        f"--ranks {' '.join(map(str, a.ranks))}",
         machine=machine(),
-        rules=fuzz_cases.__doc__,
+        rules=cases.__doc__,
         runs=[],
     )
     for P in a.ranks:
-        calls = fuzz_cases.draw_calls(a.seed, P, a.calls)
+        calls = cases.draw_calls(a.seed, P, a.calls)
         pool = RankPool(P, timeout=60)
         t0 = time.time()
         try:
             for i in range(0, len(calls), a.chunk):
                 chunk = calls[i : i + a.chunk]
                 try:
-                    every = pool.run(fuzz_cases.run_calls, chunk)
+                    every = pool.run(cases.run_calls, chunk)
                 except Exception as e:  # keep going: the failure is the result
                     res["runs"].append(dict(P=P, first=i, failed=str(e)[-4000:]))
                     pool.close()
@@ -60,7 +68,7 @@ def main(argv=None) -> int:
         finally:
             pool.close()
         print(f"P={P}: {len(calls)} calls in {time.time() - t0:.0f} s", flush=True)
-    out = os.path.join(HERE, "results", "fuzz")
+    out = os.path.join(HERE, "results", "fuzz" if a.api == "attention" else "fuzz_hf")
     with open(out + ".json", "w") as f:
         json.dump(res, f, indent=1, default=str)
     with open(out + ".md", "w") as f:
@@ -69,47 +77,71 @@ def main(argv=None) -> int:
     return 0
 
 
+NONE = (None, False)
+
+
 def report(res: dict) -> str:
+    hf = res.get("api") == "hf"
     runs = [r for r in res["runs"] if "kind" in r]
     failed = [r for r in res["runs"] if "failed" in r]
     valid = [r for r in runs if r["kind"] == "valid"]
+    rules = "tests/fuzz_hf_cases.py" if hf else "tests/fuzz_cases.py"
+    api = "tokenring.hf: shard_batch, prefill, extend, generate" if hf else "tokenring.attention"
     lines = [
-        "# Public-API fuzz of tokenring.attention",
+        f"# Public-API fuzz of {api}",
         "",
         f"Command: `{res['command']}`. Machine: {res['machine'].get('cpu')}, {res['machine'].get('cores')} cores, "
-        f"torch {res['machine'].get('torch')}, local gloo ranks. Rules: tests/fuzz_cases.py.",
+        f"torch {res['machine'].get('torch')}, local gloo ranks. Rules: {rules}.",
         "",
         f"{len(runs)} calls completed ({len(valid)} valid, {len(runs) - len(valid)} invalid); "
         f"{len(failed)} chunks failed" + (":" if failed else "."),
     ]
     for r in failed:
         lines.append(f"- P={r['P']} from call {r['first']}: {r['failed'][-600:]!r}")
-    lines += ["", "| P | valid | invalid | worst relative error (float64 / float32 / bfloat16) |", "|---|---|---|---|"]
+    dtypes = ("float64",) if hf else ("float64", "float32", "bfloat16")
+    lines += ["", f"| P | valid | invalid | worst relative error ({' / '.join(dtypes)}) |", "|---|---|---|---|"]
     for P in sorted({r["P"] for r in runs}):
         mine = [r for r in runs if r["P"] == P]
         worst = {
-            dt: max((r["err"] for r in mine if r["kind"] == "valid" and r["case"]["dtype"] == dt), default=None)
-            for dt in ("float64", "float32", "bfloat16")
+            dt: max(
+                (r["err"] for r in mine if r["kind"] == "valid" and r["case"].get("dtype", "float64") == dt),
+                default=None,
+            )
+            for dt in dtypes
         }
         shown = " / ".join("-" if v is None else f"{v:.2g}" for v in worst.values())
         n_valid = sum(r["kind"] == "valid" for r in mine)
         lines.append(f"| {P} | {n_valid} | {len(mine) - n_valid} | {shown} |")
     kinds = Counter(r["kind"] for r in runs if r["kind"] != "valid")
-    strategies = Counter(r["case"]["strategy"] for r in valid)
-    features = Counter(
-        f for r in valid for f in ("cu_seqlens", "window", "sinks", "dv") if r["case"].get(f) not in (None, False)
-    )
     lines += [
         "",
         "Invalid calls (each raised a ValueError on every rank, and the next valid call matched the reference): "
         + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())),
         "",
-        "Valid calls by strategy: " + ", ".join(f"`{k}` {n}" for k, n in sorted(strategies.items())),
-        "",
-        "Valid calls with documents / windows / sinks / a value head dim of its own: "
-        + ", ".join(f"{k} {n}" for k, n in sorted(features.items())),
-        "",
     ]
+    if hf:
+        tallies = {
+            "Valid calls by kind": Counter(r["case"]["kind"] for r in valid),
+            "by model family": Counter(r["case"]["arch"] for r in valid),
+            "by strategy": Counter(r["case"]["strategy"] for r in valid),
+            "by layout": Counter(r["case"]["layout"] for r in valid),
+            "training batches by form": Counter(r["case"]["form"] for r in valid if r["case"]["kind"] == "train"),
+            "generations sampled / padded": Counter(
+                f"sampled={r['case']['sample']} padded={r['case']['padded']}"
+                for r in valid
+                if r["case"]["kind"] == "generate"
+            ),
+            "extend strategies": Counter(str(r["case"]["extend"]) for r in valid if r["case"]["kind"] == "extend"),
+        }
+    else:
+        tallies = {
+            "Valid calls by strategy": Counter(r["case"]["strategy"] for r in valid),
+            "Valid calls with documents / windows / sinks / a value head dim of its own": Counter(
+                f for r in valid for f in ("cu_seqlens", "window", "sinks", "dv") if r["case"].get(f) not in NONE
+            ),
+        }
+    for title, counts in tallies.items():
+        lines += [f"{title}: " + ", ".join(f"`{k}` {n}" for k, n in sorted(counts.items())), ""]
     return "\n".join(lines)
 
 

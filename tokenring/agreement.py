@@ -101,10 +101,15 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
 
 
 def ranks_differing(values: Sequence[float], group, rank: int, P: int, who: str, what: str) -> list[int]:
-    """The ranks whose ``values`` (checksums, shapes) differ from rank 0's, the same list on every rank (empty on
-    the fake process group)."""
-    rows = exchange(values, group, rank, P, who, what)
-    return [r for r, row in enumerate(rows or []) if row != rows[0]]
+    """The ranks whose ``values`` (checksums, shapes) differ from the most common ones, so that the odd rank out
+    is named even when it is rank 0; every rank when no values are the most common (two ranks that differ: which
+    one is wrong cannot be told). The same list on every rank (empty on the fake process group)."""
+    rows = [tuple(row) for row in exchange(values, group, rank, P, who, what) or []]
+    counts = {row: rows.count(row) for row in rows}
+    usual = [row for row in counts if counts[row] == max(counts.values())]
+    if len(usual) > 1:
+        return list(range(len(rows)))
+    return [r for r, row in enumerate(rows) if row != usual[0]]
 
 
 def _shown(name: str, value: float) -> str:

@@ -101,7 +101,8 @@ def same_batch(group, tensors: list) -> None:
     if differ:
         raise ValueError(
             f"tokenring: the ranks of one sequence-parallel group hold different samples (ranks "
-            f"{differ} differ from rank 0); they must all get the same full sequences, which each "
+            f"{differ} differ from the rest; every rank named where none is the most common); they must all get "
+            f"the same full sequences, which each "
             f"shards. The data loader is the likely cause: it must be sharded over the data-parallel "
             f"ranks only (a DistributedSampler over dp, or tokenring.hf.SequenceParallelTrainer), "
             f"not over every rank"

@@ -133,8 +133,9 @@ def _same_everywhere(input_ids: torch.Tensor, group, rank: int, P: int, who: str
     bad = ranks_differing(values, group, rank, P, f"tokenring.hf.{who}", f"the {what}")
     if bad:
         raise ValueError(
-            f"tokenring.hf.{who} (rank {rank}): rank(s) {bad} pass a different {what} than rank 0 (shape, "
-            f"tokens or attention_mask); every rank must pass the same full {what}"
+            f"tokenring.hf.{who} (rank {rank}): the ranks pass different {what}s: rank(s) {bad} differ from the "
+            f"rest (shape, tokens or attention_mask; every rank named where none is the most common); every rank must "
+            f"pass the same full {what}"
         )
 
 
