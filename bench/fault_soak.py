@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fault soak: many calls, each with one rank killed, stalled or refusing its input, in its forward or backward.
 
-    .venv/bin/python bench/fault_soak.py [--trials 500] [--timeout 2] [--seed 0] [--ranks 2 3 4]
+    .venv/bin/python bench/fault_soak.py [--trials 500] [--timeout 2] [--seed 0] [--ranks 2 3 4] [--mix ...]
     .venv/bin/python bench/fault_soak.py --memory 10000     # RSS over many calls with a new mask each
 
 Each trial: P local gloo ranks, drawn from ``--ranks`` (``RankPool``; after a death, a stall or a refusal it
@@ -17,7 +17,14 @@ A surviving rank that neither raises nor completes within the pool's limit is a 
 started by the soak may be left. ``--workers W`` runs W trials at once, each on its own ranks (trial ``i`` is
 drawn from its own seed, whoever runs it; ``--only`` runs some of them again, ``--resume`` the ones an interrupted
 soak did not reach, keeping the others and each rerun trial's earlier outcome). Ranks are started, and checked to
-answer, before a trial's clock starts. Writes every trial to ``bench/results/fault_soak.json`` (after every
+answer, before a trial's clock starts.
+
+``--mix attention hf_train generate trainer`` draws each trial's workload: a ``tokenring.attention`` call as
+above, or a 2-layer Llama (``attn_implementation="tokenring"``) run twice, the same way (a warm-up, then the
+faulty run): a training step through ``shard_batch``; ``prefill`` + 3 greedy tokens (the fault in prefill's forward
+or a decode step); two steps of ``SequenceParallelTrainer.train()``. An HF refusal is the victim passing other
+samples or another prompt (the agreement checks refuse it on every rank); a survivor that completes must give
+the warm-up run's result bit for bit. Writes every trial to ``bench/results/fault_soak.json`` (after every
 trial, with ``finished: false`` until the end) and prints the counts.
 """
 
@@ -29,11 +36,13 @@ import multiprocessing
 import os
 import platform
 import random
+import re
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # the HF workloads' small model (hf_cases)
 
 SPECS = ["token_ring:relay", "token_ring:direct,c=2,k=1", "ring", "ring:direct,c=2,k=1", "ring_bidir", "ulysses"]
 
@@ -75,7 +84,7 @@ def trial(
             t0 = time.monotonic()
         out.sum().backward()
     except (RuntimeError, ValueError) as e:
-        names = f"Rank {victim} is" in str(e) or f"rank {victim} (" in str(e) or f"rank(s) [{victim}]" in str(e)
+        names = names_victim(str(e), victim)
         return dict(
             outcome="refused" if isinstance(e, ValueError) else "raised",
             seconds=time.monotonic() - t0,
@@ -84,6 +93,15 @@ def trial(
         )
     seconds = time.monotonic() - t0
     return dict(outcome="completed", seconds=seconds, error=completed_error(rank, P, q, k, v, out, causal, layout, cu))
+
+
+def names_victim(message: str, victim: int) -> bool:
+    """Whether a survivor's message names the victim: "Rank v is", "rank v (", or a list of ranks "[..]" after
+    "rank(s)" / "ranks" holding it."""
+    if f"Rank {victim} is" in message or f"rank {victim} (" in message:
+        return True
+    lists = re.findall(r"(?:rank\(s\)|ranks) \[([0-9, ]+)\]", message)
+    return any(str(victim) in [x.strip() for x in found.split(",")] for found in lists)
 
 
 def ready(rank: int, P: int) -> bool:
@@ -121,6 +139,113 @@ def completed_error(rank: int, P: int, q, k, v, out, causal: bool, layout: str, 
     me = pos[rank]
     pairs = [(out, ref[:, me]), (q.grad, Q.grad[:, me]), (k.grad, K.grad[:, me]), (v.grad, V.grad[:, me])]
     return max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in pairs)
+
+
+WORKLOADS = ("attention", "hf_train", "generate", "trainer")
+
+
+def _hf_model():
+    """A 2-layer GQA Llama (float32, random weights from a config; the same on every rank)."""
+    from hf_cases import build
+
+    return build("llama", "tokenring", num_hidden_layers=2, hidden_size=96, intermediate_size=128,
+                 num_attention_heads=12, num_key_value_heads=2, vocab_size=97)  # fmt: skip
+
+
+def _hf_run(workload: str, model, start: dict, P: int, refuse: bool, trainer=None):
+    """One run of ``workload`` from the weights ``start``; what it gives (compared bit for bit with the warm-up
+    run's when a survivor completes). ``refuse``: this rank passes what tokenring.hf refuses (other samples or
+    another prompt than the other ranks, caught by the agreement checks)."""
+    import torch
+
+    import tokenring.hf as thf
+
+    model.load_state_dict(start)
+    model.zero_grad(set_to_none=True)
+    ids = _ids(P)
+    if refuse:
+        ids = ids % 96 + 1
+    if workload == "hf_train":
+        batch = thf.shard_batch(ids, labels=ids, verify=True)
+        out = model(**batch)
+        out.loss.backward()
+        return [out.loss.detach()] + [p.grad for p in model.parameters()]
+    if workload == "generate":
+        with torch.no_grad():
+            cache = thf.prefill(model, ids)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=3,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+        return [out]
+    trainer.train()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _ids(P: int):
+    import torch
+
+    return torch.randint(1, 97, (1, 24 * P), generator=torch.Generator().manual_seed(3))
+
+
+def _trainer(model, P: int, tmp: str):
+    """SequenceParallel (dp=1, cp=P) and a SequenceParallelTrainer over it: two SGD steps over 2 samples."""
+    from transformers import PrinterCallback, TrainingArguments
+
+    import tokenring.hf as thf
+
+    ids = _ids(P)
+    data = [dict(input_ids=row, labels=row) for row in (ids[0], ids[0].flip(0))]
+    sp = thf.SequenceParallel()
+    args = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                             per_device_train_batch_size=1, max_steps=2, learning_rate=0.1, optim="sgd",
+                             lr_scheduler_type="constant")  # fmt: skip
+    trainer = thf.SequenceParallelTrainer(sp, model=model, args=args, train_dataset=data)
+    trainer.remove_callback(PrinterCallback)  # no log lines per run
+    return sp, trainer
+
+
+def hf_trial(rank: int, P: int, workload: str, spec: str, phase: str, victim: int, step: int, timeout: float,
+             fault: str):  # fmt: skip
+    """``trial`` for the HF workloads: a warm-up run (the signatures cached), then the run with one fault on
+    rank ``victim``: ``kill`` / ``stall`` at ``step`` of its ``phase`` pass of any attention call (prefill's
+    forward, a ``decode`` step, a training step's forward or backward), or ``refuse`` (another prompt or other
+    samples on the victim: the agreement checks refuse it on every rank). The trainer is built before the
+    clock starts, its ``train()`` run twice."""
+    import contextlib
+    import tempfile
+
+    import torch
+    from refusal_cases import _env
+
+    import tokenring
+    import tokenring.hf as thf
+    from tokenring.tools.launch import exit_at_step
+
+    tokenring.set_timeout(timeout)
+    model = _hf_model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        stack.enter_context(thf.settings(strategy=spec))
+        trainer = None
+        if workload == "trainer":
+            stack.enter_context(_env(rank, P))
+            sp, trainer = _trainer(model, P, tmp)
+            stack.callback(sp.close)
+        warm = _hf_run(workload, model, start, P, False, trainer)
+        if rank == victim and fault != "refuse":
+            exit_at_step(phase, step, stall=timeout + 3 if fault == "stall" else 0.0)
+        t0 = time.monotonic()
+        try:
+            got = _hf_run(workload, model, start, P, rank == victim and fault == "refuse", trainer)
+        except (RuntimeError, ValueError) as e:
+            return dict(
+                outcome="refused" if isinstance(e, ValueError) else "raised",
+                seconds=time.monotonic() - t0,
+                names_victim=names_victim(str(e), victim) or (rank == victim),
+                message=str(e)[:400],
+            )
+    same = len(got) == len(warm) and all(torch.equal(a, b) for a, b in zip(got, warm))
+    return dict(outcome="completed", seconds=time.monotonic() - t0, error=0.0 if same else float("inf"))
 
 
 def memory(rank: int, P: int, calls: int, every: int) -> list[tuple[int, float]]:
@@ -165,23 +290,32 @@ def leftover_children() -> list[int]:
     return out
 
 
-def draw(i: int, seed: int, ranks: list[int]) -> dict:
+def draw(i: int, seed: int, ranks: list[int], mix: tuple[str, ...] = ("attention",)) -> dict:
     """Trial ``i``'s setup, drawn from its own seed (the same whichever worker runs it)."""
     from tokenring.masks import make_mask
     from tokenring.strategies import get, why_not
+    from tokenring.strategies.extend import decode_schedule
 
     rnd = random.Random(seed * 1_000_003 + i)
     P = rnd.choice(ranks)
+    workload = rnd.choice(mix)
     spec = rnd.choice([s for s in SPECS if why_not(s, 12, 2, P) is None])
     causal, phase = rnd.random() < 0.5, rnd.choice(["forward", "backward"])
-    fault = rnd.choice(["kill", "stall", "refuse"])
+    if workload != "attention":  # the HF models: causal, zigzag, no documents; generate decodes, never backward
+        causal = True
+        phase = rnd.choice(["forward", "decode"]) if workload == "generate" else phase
+    fault = rnd.choice(["kill", "stall"] if workload == "trainer" else ["kill", "stall", "refuse"])
     phase = "forward" if fault == "refuse" else phase
     layout, S, victim = "zigzag" if causal else "contiguous", 24 * P, rnd.randrange(P)
-    cu = [0] + sorted(rnd.sample(range(1, S), 3)) + [S] if rnd.random() < 0.5 else None
+    cu = [0] + sorted(rnd.sample(range(1, S), 3)) + [S] if workload == "attention" and rnd.random() < 0.5 else None
     mask = make_mask(S, cu, None, causal) if cu else None  # the victim's steps: its own plan's
-    steps = len(get(spec).rank_schedule(P, layout, causal, phase == "backward", mask, victim).steps)
+    if phase == "decode":
+        steps = len(decode_schedule(P).steps)
+    else:
+        steps = len(get(spec).rank_schedule(P, layout, causal, phase == "backward", mask, victim).steps)
     return dict(
         trial=i,
+        workload=workload,
         P=P,
         strategy=spec,
         causal=causal,
@@ -207,6 +341,7 @@ def summarize(rows: list[dict], timeout: float, left: list[int], wall: float) ->
         completed_correct=sum(r["outcome"] == "completed" and r["error"] < 1e-4 for r in surv),
         completed_worst_error=max((r["error"] for r in surv if r["outcome"] == "completed"), default=None),
         faults={f: sum(row["fault"] == f for row in rows) for f in ("kill", "stall", "refuse")},
+        workloads={w: sum(row.get("workload", "attention") == w for row in rows) for w in WORKLOADS},
         masked_trials=sum(row["cu_seqlens"] is not None for row in rows),
         raised_within_bound=sum(r["seconds"] <= bound for r in raised),
         raised_naming_victim=sum(r["names_victim"] for r in raised),
@@ -232,11 +367,18 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4], help="group sizes to draw from")
+    ap.add_argument("--mix", nargs="+", choices=WORKLOADS, default=["attention"], help="workloads to draw from")
+    ap.add_argument("--start", choices=["spawn", "fork"], default="spawn", help="how ranks start (RankPool)")
     ap.add_argument("--workers", type=int, default=1, help="trials run at once, each on its own ranks")
     ap.add_argument("--only", type=int, nargs="+", help="run just these trials (their draws from --seed)")
     ap.add_argument("--out", default="fault_soak.json", help="file name under bench/results")
     ap.add_argument("--resume", action="store_true", help="keep the trials in --out, run the missing ones")
     a = ap.parse_args(argv)
+    if a.start == "fork" and set(a.mix) - {"attention"}:  # imported once here, not by every fresh rank
+        import refusal_cases  # noqa: F401
+        from transformers import LlamaForCausalLM, Trainer  # noqa: F401
+
+        import tokenring.hf  # noqa: F401
     if a.memory:
         return memory_run(a.memory)
     rows: list[dict] = []
@@ -274,26 +416,22 @@ def main(argv=None) -> int:
         try:
             todo = sorted(set(a.only or ()) | ({i for i in range(a.trials) if i not in done} if a.resume else set()))
             for i in todo[w :: a.workers] if todo else range(w, a.trials, a.workers):
-                row = draw(i, a.seed, a.ranks)
+                row = draw(i, a.seed, a.ranks, tuple(a.mix))
                 if i in tried:  # run again: its earlier outcome stays with it
                     row["earlier"] = {k: v for k, v in tried[i].items() if k in ("hang", "ranks")}
                 P, spec, victim, fault = row["P"], row["strategy"], row["victim"], row["fault"]
-                pool = pools.setdefault(P, RankPool(P, threads=1, timeout=3 * a.timeout + 30))
+                pool = pools.get(P) or pools.setdefault(P, RankPool(P, 1, 3 * a.timeout + 30, start=a.start))
                 limit, pool.timeout = pool.timeout, 600.0  # fresh ranks start up untimed (a loaded host is slow)
                 pool.run(ready)
                 pool.timeout = limit
-                args = (
-                    spec,
-                    row["causal"],
-                    row["phase"],
-                    victim,
-                    row["kill_step"],
-                    a.timeout,
-                    fault,
-                    row["cu_seqlens"],
-                )
+                if row["workload"] == "attention":
+                    fn, args = trial, (spec, row["causal"], row["phase"], victim, row["kill_step"], a.timeout, fault,
+                                       row["cu_seqlens"])  # fmt: skip
+                else:
+                    where = (row["phase"], victim, row["kill_step"], a.timeout, fault)
+                    fn, args = hf_trial, (row["workload"], spec, *where)
                 try:
-                    res = pool.run(trial, *args, allow_exit=True)
+                    res = pool.run(fn, *args, allow_exit=True)
                     row["ranks"] = [None if r == victim else res[r] for r in range(P)]
                     row["victim_answered"] = res[victim] is not None and fault == "kill"
                 except RankError as e:  # a survivor that gave no answer in time: a hang
@@ -302,7 +440,7 @@ def main(argv=None) -> int:
                     pools.pop(P).close()  # fresh ranks (a refusal after agreeing reaches the others as a timeout)
                 surv = [r for r in row.get("ranks", []) if r]
                 line = (
-                    f"{i:3d} P={P} {spec:26s} {'causal' if row['causal'] else 'full  '} "
+                    f"{i:3d} {row['workload']:9s} P={P} {spec:26s} {'causal' if row['causal'] else 'full  '} "
                     f"{'docs' if row['cu_seqlens'] else '    '} {row['phase']:8s} {fault} "
                     f"r{victim}@{row['kill_step']}: "
                 ) + (

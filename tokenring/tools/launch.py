@@ -97,12 +97,14 @@ class RankPool:
     rank (``fn`` importable: defined at module level) and returns the per-rank results. An exception on any
     rank fails the call with every failing rank's traceback (:class:`RankError`); so does a rank that exits or
     hangs, within ``timeout`` seconds (``None``: no limit). After a rank died or hung the pool starts fresh
-    ranks for the next call. ``threads``: torch threads per rank (default: the cores shared out evenly)."""
+    ranks for the next call. ``threads``: torch threads per rank (default: the cores shared out evenly).
+    ``start``: how ranks start, ``"spawn"`` (a fresh interpreter) or ``"fork"`` (a copy of this process, with
+    its imports: fast restarts for a fault soak; the caller must not have run threaded torch ops before)."""
 
-    def __init__(self, P: int, threads: int | None = None, timeout: float | None = 300.0):
+    def __init__(self, P: int, threads: int | None = None, timeout: float | None = 300.0, start: str = "spawn"):
         self.P, self.timeout = P, timeout
         self.threads = threads or max(1, (os.cpu_count() or 2) // P)
-        self._ctx = mp.get_context("spawn")
+        self._ctx = mp.get_context(start)
         self._procs: list = []
         self._finalizer = None
         self._broken = False  # a rank died or hung: start fresh ranks before the next call
