@@ -811,3 +811,33 @@ def settings_on_rank0_case(rank: int, P: int, name: str, value, s: int = 8) -> s
         return str(e)
     finally:
         tokenring.configure(**{name: None})
+
+
+def check_calls_case(rank: int, P: int, strategy: str) -> dict:
+    """``check_calls`` on every rank: two calls agree a signature, then rank 1 passes K/V of another head dim on
+    that signature (a refusal on a cached signature). Returns this rank's message, and whether a forward +
+    backward after it equals, bit for bit, the same call before it (the group still usable)."""
+    tokenring.set_timeout(20)
+    tokenring.configure(check_calls=True)
+    try:
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(1, 8, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+
+        def call(kk=k, vv=v):
+            x, y, z = (t.clone().requires_grad_() for t in (q, kk, vv))
+            out = tokenring.attention(x, y, z, causal=True, strategy=strategy)
+            out.backward(torch.ones_like(out))
+            return [out.detach(), x.grad, y.grad, z.grad]
+
+        before = call()
+        call()
+        bad = torch.randn(1, 8, 2, 8, dtype=torch.float64)
+        try:
+            call(*((bad, bad) if rank == 1 else (k, v)))
+            msg = None
+        except ValueError as e:
+            msg = str(e)
+        after = call()
+        return dict(message=msg, same=all(torch.equal(a, b) for a, b in zip(before, after)))
+    finally:
+        tokenring.configure(check_calls=None)

@@ -69,3 +69,27 @@ def test_a_setting_on_rank_0_only_runs_or_is_named_on_every_rank(pools):
         assert pools(4).run(cases.settings_on_rank0_case, "cpu_backward", "math") == ["ok"] * 4
     for msg in pools(4).run(cases.settings_on_rank0_case, "node_size", 2, 12):
         assert "inner_size (ranks per node)" in msg, msg
+
+
+@pytest.mark.parametrize("strategy", ["token_ring", "ring", "ulysses"])
+def test_check_calls_makes_a_refusal_on_a_cached_signature_a_value_error(pools, strategy):
+    """With check_calls on every rank, a rank refusing its input on a signature all ranks verified before reaches
+    every rank as a ValueError naming it, within the call, and the group stays usable: the next call equals the
+    same call before the refusal, bit for bit. (Without it, the others name the rank in a RuntimeError after the
+    timeout: tests/test_comm_and_errors.py.)"""
+    import cases
+
+    every = pools(4).run(cases.check_calls_case, strategy)
+    for rank, res in enumerate(every):
+        assert res["message"] is not None, f"rank {rank} did not raise"
+        assert "rank(s) [1] refused" in res["message"] or rank == 1, res["message"]
+        assert res["same"], f"rank {rank}: the call after the refusal differs"
+
+
+def test_check_calls_on_one_rank_only_is_named(pools):
+    """check_calls set on rank 0 only, at a new signature: a ValueError naming the setting on every rank (at a
+    signature the ranks skip comparing, the ranks would pair an exchange with a schedule)."""
+    import cases
+
+    for msg in pools(4).run(cases.settings_on_rank0_case, "check_calls", True, 14):
+        assert "check_calls setting is on for rank(s) [0] only" in msg, msg

@@ -95,7 +95,9 @@ def silent_ranks(store, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> 
                 return (
                     f" Rank {r} is the one that stopped: it refused its arguments to attention (at this or an "
                     f"earlier call; the ranks had agreed on these shapes before, so the others went ahead "
-                    f"without it): {store.get(refused).decode()}"
+                    f"without it): {store.get(refused).decode()} (tokenring.configure(check_calls=True) on every "
+                    f"rank makes such a refusal a ValueError on every rank, the group usable, at one small "
+                    f"exchange per call)"
                 )
             while not store.check([key]) and time.monotonic() < deadline:
                 time.sleep(0.02)

@@ -482,13 +482,20 @@ def _agree(
     ``decide()`` resolves the strategy; only rank 0 calls it (``auto`` runs the cost model there) and its
     answer travels with the signature exchange. Done once per (group, signature); later calls reuse the
     result. ``remember=False`` (a rank that will refuse its arguments): exchange every time, never skip.
-    ``decide`` ``None``: this rank refuses its arguments (``sig`` is ``_REFUSED``)."""
+    ``decide`` ``None``: this rank refuses its arguments (``sig`` is ``_REFUSED``). The ``check_calls`` setting
+    (the same on every rank): exchange at every call, so that a rank refusing its arguments on a signature the
+    others verified earlier meets them in this exchange, not in the schedule."""
     key = (id(group), tuple(sig))  # nothing per-host in it: a rank that re-checked alone would wait for the others
-    if remember and key in _checked:
-        return _checked[key]
+    known = _checked.get(key) if remember else None
+    if known is not None and not settings.get("check_calls"):
+        return known
     lazy = rank == 0 and calibrate_for is not None and settings.get("calibrate") and id(group) not in _calibrated
-    choice = strategy_code(decide()) if rank == 0 and decide is not None and not lazy else [-1.0] * CODE_LEN
-    rows = exchange(sig + choice + [float(lazy)], group, rank, P, "tokenring.attention", "call signatures")
+    if rank == 0 and decide is not None and not lazy:
+        choice = strategy_code(known if known is not None else decide())
+    else:
+        choice = [-1.0] * CODE_LEN
+    check = float(settings.get("check_calls"))  # compared, not part of the key: ranks must skip alike
+    rows = exchange(sig + choice + [check, float(lazy)], group, rank, P, "tokenring.attention", "call signatures")
     if rows is None:  # PyTorch's fake process group: nothing to compare, each rank decides
         if decide is None:
             return None
@@ -499,6 +506,12 @@ def _agree(
         raise ValueError(
             f"tokenring: rank(s) {refused} refused their arguments to attention (each raised an error "
             f"saying why); here: {describe}"
+        )
+    checking = [r for r, row in enumerate(rows) if row[-2]]
+    if checking and len(checking) < P:
+        raise ValueError(
+            f"tokenring.attention (rank {rank}): the check_calls setting is on for rank(s) {checking} only; set "
+            f"tokenring.configure(check_calls=...) (or $TOKENRING_CHECK_CALLS) alike on every rank"
         )
     require_same(
         rows,
@@ -514,7 +527,7 @@ def _agree(
         _calibrate(group, *calibrate_for)
         _calibrated.add(id(group))
         return _agree(sig, decide, describe, group, rank, P, remember, calibrate_for)
-    chosen = from_code(rows[0][-CODE_LEN - 1 : -1])
+    chosen = from_code(rows[0][-CODE_LEN - 2 : -2])
     if remember:
         _checked[key] = chosen
     return chosen
@@ -533,7 +546,9 @@ def _refuse_everywhere(problem: ValueError, group, rank: int, P: int):
         raise ValueError(
             f"{problem} (The other ranks did not compare signatures with this one: they had agreed on their "
             f"shapes at an earlier call and went ahead, so they will fail waiting for this rank and name it. "
-            f"The process group cannot be used again after this: destroy it and start the ranks again.)"
+            f"The process group cannot be used again after this: destroy it and start the ranks again. "
+            f"tokenring.configure(check_calls=True) on every rank makes such a refusal a ValueError on every "
+            f"rank, the group usable, at one small exchange per call.)"
         ) from None
     raise problem from None
 

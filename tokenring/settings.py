@@ -77,6 +77,14 @@ SETTINGS = {
             "calibrate a group's kernels and links at its first auto call",
         ),
         Setting(
+            "check_calls",
+            "TOKENRING_CHECK_CALLS",
+            False,
+            _flag,
+            "compare every attention call's signature across ranks, not only a new one's (one small all_gather "
+            "per call): a rank refusing its input then reaches the others as the ValueError, the group usable",
+        ),
+        Setting(
             "node_size",
             "LOCAL_WORLD_SIZE",
             0,
