@@ -126,7 +126,10 @@ def _recipe(tmp_path, path: str, n: int) -> list:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert [p.returncode for p in procs] == [0] * n, outs
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * n, "\n".join(
+        f"--- rank {r} exited {c}:\n{o[-4000:]}" for r, (c, o) in enumerate(zip(codes, outs))
+    )
     printed = [[x.split(" ", 1)[1] for x in out.splitlines() if x.startswith(("losses ", "tokens "))] for out in outs]
     assert all(len(p) == 1 for p in printed), outs
     return [ast.literal_eval(p[0]) for p in printed]

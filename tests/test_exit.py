@@ -46,3 +46,13 @@ def test_refused_call_then_clean_exit(tmp_path, what):
         for code, text in _run(tmp_path, what):
             assert code == 0 and "terminate called" not in text, text
             assert "refused:" in text, text
+
+
+def test_no_abort_after_the_last_collective(tmp_path):
+    """A script whose last gloo collective comes right before its end, its group never destroyed, exits with 0:
+    tokenring's first call registers a grace period at exit (comm.guard_exit). Without it such runs abort in
+    about a third of the tries here (bench/results/gloo_exit.md), so 8 clean runs of 2 ranks are unlikely by
+    chance (~3%)."""
+    for _ in range(8):
+        for code, text in _run(tmp_path, "last_collective"):
+            assert code == 0 and "terminate called" not in text and "done 2" in text, (code, text)

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import get_timeout, group_store
+from .comm import get_timeout, group_store, guard_exit
 from .device import collective_device, values_travel
 
 __all__ = [
@@ -73,6 +73,7 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
             store.delete_key(f"tokenring/arrived/{n - 2}/{rank}")
     except Exception:
         pass
+    guard_exit(group)
     work = dist.all_gather(every, mine, group=group, async_op=True)
     if not values_travel(group):
         work.wait()

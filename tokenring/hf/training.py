@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..comm import guard_exit
 from ..device import collective_device
 from ..layouts import group_info
 from .batch import shard_batch
@@ -41,6 +42,7 @@ class SequenceParallel:
             self.dp = mesh[dp_dim].get_group()
             self.flat_mesh = mesh[(dp_dim, cp_dim)]._flatten(f"{dp_dim}_{cp_dim}")
         self.world = self.flat_mesh.get_group() if self.flat_mesh is not None else dist.group.WORLD
+        guard_exit(self.world)
         self.cp_size = group_info(self.cp)[1]  # 1 without a process group: one process, nothing to split
         self.dp_size = dist.get_world_size(self.dp) if self.dp is not None else 1
         self.world_size = self.cp_size * self.dp_size
