@@ -62,7 +62,9 @@ def main(argv=None) -> int:
                 for j, per_rank in enumerate(zip(*every)):
                     res["runs"].append(
                         dict(P=P, index=i + j, kind=per_rank[0]["kind"], case=chunk[j],
-                             err=max(r.get("err", 0.0) for r in per_rank),
+                             err=max(r.get("err", 0.0) for r in per_rank), ok=all(r.get("ok", True) for r in per_rank),
+                             failed=[r["failed"] for r in per_rank if r.get("failed")] or None,
+                             one_process=[r["one_process"] for r in per_rank if r.get("one_process")] or None,
                              messages=[r.get("message") for r in per_rank] if per_rank[0]["kind"] != "valid" else None)
                     )  # fmt: skip
         finally:
@@ -83,7 +85,7 @@ NONE = (None, False)
 def report(res: dict) -> str:
     hf = res.get("api") == "hf"
     runs = [r for r in res["runs"] if "kind" in r]
-    failed = [r for r in res["runs"] if "failed" in r]
+    failed = [r for r in res["runs"] if "first" in r]  # chunks that failed whole
     valid = [r for r in runs if r["kind"] == "valid"]
     rules = "tests/fuzz_hf_cases.py" if hf else "tests/fuzz_cases.py"
     api = "tokenring.hf: shard_batch, prefill, extend, generate" if hf else "tokenring.attention"
@@ -98,6 +100,20 @@ def report(res: dict) -> str:
     ]
     for r in failed:
         lines.append(f"- P={r['P']} from call {r['first']}: {r['failed'][-600:]!r}")
+    wrong = [r for r in runs if not r.get("ok", True)]  # (attention only: the hf rules compare with one process)
+    near = [r for r in runs if r.get("ok", True) and r.get("one_process")]
+    if not hf:
+        lines += ["", f"Valid calls out of both bounds: {len(wrong)}" + (":" if wrong else ".")]
+        lines += [f"- P={r['P']} call {r['index']} {r['case']}: {'; '.join(r['failed'])}" for r in wrong]
+        lines += [
+            "",
+            f"Valid calls over the dtype's tolerance but within the bound of the same call in one process: "
+            f"{len(near)}" + (":" if near else "."),
+        ]
+    for r in near:
+        worst = {k: max(o[k] for o in r["one_process"]) for k in r["one_process"][0]}
+        shown = ", ".join(f"{k} {v:.3g}" for k, v in worst.items())
+        lines.append(f"- P={r['P']} call {r['index']} {r['case']}: largest error {r['err']:.3g}; one process: {shown}")
     dtypes = ("float64",) if hf else ("float64", "float32", "bfloat16")
     lines += ["", f"| P | valid | invalid | worst relative error ({' / '.join(dtypes)}) |", "|---|---|---|---|"]
     for P in sorted({r["P"] for r in runs}):

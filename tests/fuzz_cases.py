@@ -4,18 +4,30 @@ bench/fuzz.py (the long run). Rules checked on every rank:
 - a valid call equals float64 attention over the whole sequence, forward and backward, within the dtype's
   tolerance (float64 1e-9, float32 1e-5, bfloat16 2e-2) relative to this rank's largest reference value, or to
   0.1 * sqrt(d) where that is larger (cases.check_case: gradients that are 0 in theory, as with one-token
-  documents or a window of 0, come out as rounding noise);
+  documents or a window of 0, come out as rounding noise); the sinks' gradient, summed over the ranks' shares,
+  relative to the sum of the shares' sizes where larger, within 5e-2 in bfloat16 (one process reaches a few 1e-2);
+- or, where an error is over that tolerance, it is at most ``ONE_PROCESS`` times the same call's error in one
+  process (the same inputs, tokenring on a group of one rank: the kernels' own rounding of these values, as in
+  float32 dq with a window of 0-2 keys); the call is recorded with both errors;
 - an invalid call raises a ValueError on every rank, and the valid call after it still equals the reference
   (the group stays usable).
+
+A valid call out of both bounds is recorded as failed (``ok`` False, the errors named) and the run goes on: every
+rank makes the same collectives whatever its errors.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import cases
+import torch
+import torch.distributed as dist
 
 from tokenring.strategies import ALIASES, FAMILIES, HIERARCHICAL, why_not
+
+ONE_PROCESS = 2.0  # a distributed call's error may be up to this many times the same call's in one process
 
 # Refusals that hold at any P (cases.expect_error builds their tensors).
 INVALID = [
@@ -77,6 +89,30 @@ def run_calls(rank: int, P: int, calls: list[dict]) -> list[dict]:
         if "invalid" in call:
             out.append(dict(kind=call["invalid"], ok=True, message=cases.expect_error(rank, P, call["invalid"])))
             continue
-        errs = cases.check_case(rank, P, call)
-        out.append(dict(kind="valid", ok=True, err=max(errs.values()), case=call))
+        out.append(_valid(rank, P, call))
     return out
+
+
+_solo: dict = {}  # this rank's group of one, per world
+
+
+def _valid(rank: int, P: int, call: dict) -> dict:
+    """One valid call: its errors against float64, and where one is over the dtype's tolerance, the same call's
+    errors in one process (see the module's rules)."""
+    tol = cases.TOL[getattr(torch, call["dtype"])]
+    errs = cases.check_case(rank, P, call, tol=math.inf)
+    sinks_tol = max(tol, 5e-2) if call["dtype"] == "bfloat16" else tol  # as cases.check_case
+    over = {name: e for name, e in errs.items() if not e <= (sinks_tol if name == "dsinks" else tol)}
+    if not over:
+        return dict(kind="valid", ok=True, err=max(errs.values()), case=call)
+    if P not in _solo:
+        _solo[P] = dist.new_group([rank], use_local_synchronization=True)
+    alone = dict(call, s=call["s"] * P, strategy="ring")
+    solo = cases.check_case(0, 1, alone, tol=math.inf, group=_solo[P])
+    bad = {name: (e, solo[name]) for name, e in over.items() if not e <= ONE_PROCESS * solo[name]}
+    return dict(
+        kind="valid", ok=not bad, err=max(errs.values()), case=call, one_process=solo,
+        failed=None if not bad else f"rank {rank}/{P}: " + ", ".join(
+            f"{name} {e:.3g} > {tol:g} and > {ONE_PROCESS:g} x one process's {s1:.3g}" for name, (e, s1) in bad.items()
+        ),
+    )  # fmt: skip

@@ -17,6 +17,8 @@ def test_fuzz_sample(pools, P, n):
     for per_rank in zip(*every):
         if per_rank[0]["kind"] != "valid":
             assert all(r["message"] for r in per_rank), per_rank
+        else:
+            assert all(r["ok"] for r in per_rank), [r.get("failed") for r in per_rank]
 
 
 @pytest.mark.parametrize("P,n", SPLIT)
