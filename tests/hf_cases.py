@@ -324,6 +324,26 @@ def generate_refusals(rank: int, P: int) -> dict:
         other.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, pad_token_id=0)
     except ValueError as e:
         msgs["model"] = str(e)
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Shift(LogitsProcessor):  # rank 1 alone picks another token than the greedy one
+        def __call__(self, input_ids, scores):
+            return scores.roll(1, dims=-1)
+
+    def run(shift: bool):
+        procs = LogitsProcessorList([Shift()] if shift else [])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), cache=thf.prefill(model, ids), max_new_tokens=3,
+            pad_token_id=0, logits_processor=procs,
+        )  # fmt: skip
+        return out[:, ids.shape[1] :]
+
+    before = run(False)
+    try:
+        run(rank == 1)
+    except ValueError as e:
+        msgs["tokens"] = str(e)
+    msgs["same_after"] = torch.equal(run(False), before)  # nothing left behind by the refused generate
     return msgs
 
 

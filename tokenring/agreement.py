@@ -24,6 +24,7 @@ __all__ = [
     "checksum",
     "exchange",
     "ranks_differing",
+    "odd_ones",
     "require_same",
     "differences",
     "Verified",
@@ -105,8 +106,13 @@ def ranks_differing(values: Sequence[float], group, rank: int, P: int, who: str,
     """The ranks whose ``values`` (checksums, shapes) differ from the most common ones, so that the odd rank out
     is named even when it is rank 0; every rank when no values are the most common (two ranks that differ: which
     one is wrong cannot be told). The same list on every rank (empty on the fake process group)."""
-    rows = [tuple(row) for row in exchange(values, group, rank, P, who, what) or []]
-    counts = {row: rows.count(row) for row in rows}
+    return odd_ones([tuple(row) for row in exchange(values, group, rank, P, who, what) or []])
+
+
+def odd_ones(rows: Sequence) -> list[int]:
+    """The indices of ``rows`` that differ from the most common row; every index when no row is the most common
+    (two ranks that differ: which one is wrong cannot be told); empty when all agree."""
+    counts = {row: list(rows).count(row) for row in rows}
     usual = [row for row in counts if counts[row] == max(counts.values())]
     if len(usual) > 1:
         return list(range(len(rows)))

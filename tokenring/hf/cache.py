@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..agreement import checksum, odd_ones
 from ..comm import wait_collective
 from ..decode import decode_attention, place_new
 from ..device import collective_device
@@ -75,7 +76,7 @@ class ShardedLayer(DynamicLayer):
             info = {"extend": (a, b), "shards": Shards(tuple(self.counts), tuple(ranges)), "start": start}
         elif self.skip:
             if self is o.layers[0]:
-                o.sync_rng(key_states.device)
+                o.agree_step(key_states)
             if t != 1:
                 raise ValueError(
                     f"tokenring ShardedCache: the first step after prefill must feed the prompt's last "
@@ -85,7 +86,7 @@ class ShardedLayer(DynamicLayer):
             info = {"new": None, "start": self.total - 1}  # the query is the cached last token
         else:
             if self is o.layers[0]:
-                o.sync_rng(key_states.device)
+                o.agree_step(key_states)
             placed = place_new(self.counts, t)
             a, b = placed[o.rank]
             start = self._store(key_states[:, :, a:b], value_states[:, :, a:b], a, b, placed, t)
@@ -197,22 +198,35 @@ class ShardedCache(Cache):
             return None
         return [(0, p, length + 1) if p else () for p in self.pads]
 
-    def sync_rng(self, device: torch.device) -> None:
-        """Every rank takes rank 0's random state for ``device`` before a step's sampling, so tokens agree."""
+    def agree_step(self, keys: torch.Tensor) -> None:
+        """Before a decode step's sampling: the ranks compare the tokens they feed this step (a checksum of
+        layer 0's new keys, a function of the tokens and their positions only) and raise the same ValueError
+        on every rank if they differ, so no rank generates on from other tokens than the rest; and every rank
+        takes rank 0's random state, so the tokens they sample next agree. One all_gather per step."""
+        device = keys.device
         if self.P == 1 or device.type not in ("cpu", "cuda"):
             return
         cuda = device.type == "cuda"
         state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
-        buf = state.to(collective_device(self.group))
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        mark = torch.tensor([checksum(keys)], dtype=torch.float64).view(torch.uint8)
+        row = torch.cat([state, mark]).to(collective_device(self.group))
+        rows = [torch.empty_like(row) for _ in range(self.P)]
         wait_collective(
-            dist.broadcast(buf, src=src, group=self.group, async_op=True),
+            dist.all_gather(rows, row, group=self.group, async_op=True),
             self.group,
-            f"tokenring generate (rank {self.rank}): sharing rank 0's random state",
+            f"tokenring generate (rank {self.rank}): comparing this step's tokens",
             "a rank died or is not generating this step",
         )
+        rows = [r.cpu() for r in rows]
+        differ = odd_ones([r[-8:].clone().view(torch.float64).item() for r in rows])
+        if differ:
+            raise ValueError(
+                f"tokenring generate (rank {self.rank}): the ranks feed different tokens at this step: rank(s) "
+                f"{differ} differ from the rest (every rank named where none is the most common). Every rank must "
+                f"generate the same sequence: the same generation options and logits processors everywhere"
+            )
         if self.rank:
-            torch.cuda.set_rng_state(buf.cpu(), device) if cuda else torch.set_rng_state(buf.cpu())
+            torch.cuda.set_rng_state(rows[0][:-8], device) if cuda else torch.set_rng_state(rows[0][:-8])
 
     def snapshot(self) -> tuple:
         """What :meth:`restore` puts back after a failed step: every layer's rows, positions, counts, total and
