@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Does a 2-rank gloo script abort at exit? Each run starts two local ranks that all_reduce a tensor three times
-and end without destroying their group, with or without ``tokenring.comm.guard_exit`` (a grace period at exit
-that lets gloo's worker threads release the last collective's tensors before Python finalizes).
+and end without destroying their group, with or without ``tokenring.comm.guard_exit`` (at exit, it waits until
+gloo's worker threads are idle, so that they release the last collective's tensors before Python finalizes); on
+the idle machine and with ``--load`` busy processes beside (as when other tests run).
 
-    .venv/bin/python bench/gloo_exit.py [--runs 40]
+    .venv/bin/python bench/gloo_exit.py [--runs 30] [--load 0 3]
 
 Writes every run's exit codes to ``bench/results/gloo_exit.{json,md}``; -6 is SIGABRT ("terminate called
 without an active exception", after the script printed its results).
@@ -57,14 +58,22 @@ def main(argv=None) -> int:
     from _results import write
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=40)
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--load", type=int, nargs="+", default=[0, 3], help="busy processes beside the ranks")
     a = ap.parse_args(argv)
-    runs = {"plain": [], "guard_exit": []}
+    runs = {f"{name}, load {n}": [] for n in a.load for name in ("plain", "guard_exit")}
     t0 = time.time()
-    for i in range(a.runs):
-        for name in runs:  # interleaved, so that both see the same machine
-            runs[name].append(one_run(name == "guard_exit"))
-        print(i, {k: v[-1] for k, v in runs.items()}, flush=True)
+    for n in a.load:
+        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        try:
+            for i in range(a.runs):
+                for name in ("plain", "guard_exit"):  # interleaved, so that both see the same machine
+                    runs[f"{name}, load {n}"].append(one_run(name == "guard_exit"))
+                print(n, i, {k: v[-1] for k, v in runs.items() if v}, flush=True)
+        finally:
+            for p in spin:
+                p.kill()
+                p.wait()
     aborted = {k: sum(any(c != 0 for c in codes) for codes in v) for k, v in runs.items()}
     data = dict(
         command="python bench/gloo_exit.py " + " ".join(argv or sys.argv[1:]),
@@ -77,14 +86,14 @@ def main(argv=None) -> int:
     lines = [
         f"# gloo at exit: runs with a rank aborting ({data['command']}; {data['machine']})",
         "",
-        "| script | runs | runs with a rank exiting non-zero | exit codes seen |",
+        "| script, busy processes beside | runs | runs with a rank exiting non-zero | exit codes seen |",
         "|---|---|---|---|",
     ]
     for k, v in runs.items():
         seen = sorted({c for codes in v for c in codes})
         lines.append(f"| {k} | {a.runs} | {aborted[k]} | {seen} |")
     write(os.path.join(HERE, "results", "gloo_exit"), data, lines)
-    return 1 if aborted["guard_exit"] else 0
+    return 1 if any(n for k, n in aborted.items() if k.startswith("guard_exit")) else 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import math
+import os
 import time
 
 import torch
@@ -34,7 +35,7 @@ _PAIR_SLOTS = 256  # most messages one step may carry between the same two ranks
 _ALIGN = 16  # byte alignment of each tensor in a packed buffer (any dtype's view stays aligned)
 
 _REPORT_WAIT_S = 1.0  # how long a failed rank waits for the others' reports before naming a silent one
-_EXIT_GRACE_S = 0.1  # how long the interpreter lets gloo's worker threads finish before it finalizes
+_EXIT_GRACE_S = 0.1  # without /proc: how long the interpreter lets gloo's workers finish before it finalizes
 _exit_guarded = False
 
 
@@ -66,13 +67,13 @@ def wait_collective(work, group, what: str, why: str) -> None:
 
 
 def guard_exit(group) -> None:
-    """Once per process, for a gloo group: at interpreter exit, sleep ``_EXIT_GRACE_S`` with the GIL released
-    before Python finalizes. A gloo worker thread releases a finished collective's tensors after the caller has
-    its result; when that drops the last reference to a tensor Python made, it needs the GIL, and if the
-    interpreter is finalizing by then the thread exits inside a destructor: the process aborts (SIGABRT,
+    """Once per process, for a gloo group: at interpreter exit, wait (the GIL released) until gloo's worker
+    threads are idle before Python finalizes. A gloo worker releases a finished collective's tensors after the
+    caller has its result; when that drops the last reference to a tensor Python made, it needs the GIL, and if
+    the interpreter is finalizing by then the thread exits inside a destructor: the process aborts (SIGABRT,
     "terminate called without an active exception") after the script has finished. A plain PyTorch script that
-    ends right after a gloo all_reduce aborts so in 14 of 40 runs here; with the grace period in 0 of 40
-    (``bench/results/gloo_exit.json``)."""
+    ends right after a gloo all_reduce aborts so in about a third of its runs here (``bench/results/gloo_exit.md``
+    for the rates with and without this, on an idle and on a loaded machine)."""
     global _exit_guarded
     if _exit_guarded:
         return
@@ -82,7 +83,41 @@ def guard_exit(group) -> None:
         return
     if gloo:
         _exit_guarded = True
-        atexit.register(time.sleep, _EXIT_GRACE_S)
+        atexit.register(_gloo_idle)
+
+
+def _gloo_idle(poll_s: float = 0.01, most_s: float = 2.0) -> None:
+    """Sleep until no gloo worker thread (``pt_gloo*``) is runnable at two polls in a row, or ``most_s``; where
+    threads cannot be read (no /proc), ``_EXIT_GRACE_S``. A worker waiting for the GIL is woken when this thread
+    sleeps, so two quiet polls mean none is left holding a tensor."""
+    deadline, quiet = time.monotonic() + most_s, 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        busy = _gloo_busy()
+        if busy is None:
+            time.sleep(_EXIT_GRACE_S)
+            return
+        quiet = 0 if busy else quiet + 1
+
+
+def _gloo_busy() -> bool | None:
+    """Whether a gloo worker thread of this process is running or runnable (``None``: no /proc to tell)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("pt_gloo"):
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in ("R", "D"):
+            return True
+    return False
 
 
 def group_store(group):
