@@ -217,8 +217,12 @@ def one_family(
             for n, p in model.named_parameters()
             if p.grad is not None and (n in grads or p.grad.abs().max() > 0)
         )
-        # transformers' eager attention takes its softmax in float32: a float64 reference is good to ~1e-7 there
-        tol = 1e-6 if ref_attn == "eager" and dtype == torch.float64 else TOL[dtype]
+        # transformers' eager attention takes its softmax in float32, and a float64 model that keeps float32
+        # parameters computes with them in float32 (deepseek_v3's router since transformers 5.25): inputs that
+        # agree to 1e-16 can round to neighbouring float32 values, so a float64 reference is good to ~1e-7 there
+        # (deepseek_v3 at P=3: logits 8.8e-8, from an expert output 4.3e-8 off on one rank's rows)
+        float32_inside = any(p.dtype == torch.float32 for p in ref.parameters())
+        tol = 1e-6 if (ref_attn == "eager" or float32_inside) and dtype == torch.float64 else TOL[dtype]
         exact = max(res["logits"], res["loss"]) < tol and res["grad"] <= max(tol, 4 * res["floor"])
         res["outcome"] = "exact" if exact else "differs"
     return res
