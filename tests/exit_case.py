@@ -12,7 +12,8 @@ import tokenring
 def main() -> None:
     rank, P, what, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=P)
+    backend = None if what == "last_collective" else "gloo"  # None: torch's device map, as torchrun scripts do
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=P)
     tokenring.set_timeout(20)
     if what == "last_collective":  # a tokenring call, then plain all_reduces, then the end: no destroy
         q = torch.randn(1, 8, 2, 16)

@@ -77,8 +77,8 @@ def guard_exit(group) -> None:
     global _exit_guarded
     if _exit_guarded:
         return
-    try:
-        gloo = "gloo" in str(dist.get_backend(group))
+    try:  # (get_backend says "undefined" for a group made without naming its backend: the device map tells)
+        gloo = "gloo" in f"{dist.get_backend(group)} {dist.get_backend_config(group)}"
     except Exception:  # not initialised, or not a group of this process
         return
     if gloo:
