@@ -19,7 +19,7 @@ LAYERS = [
     ("choice", ["sim", "choice"]),
     ("ops", ["ops", "api", "decode", "extend"]),
     ("front", ["calibration", "context", ""]),
-    ("integrations", ["hf", "mixers", "loss"]),
+    ("integrations", ["hf", "mixers", "recurrence", "loss"]),
     ("tools", ["tools", "testing", "__main__"]),
 ]
 
