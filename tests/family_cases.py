@@ -155,6 +155,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
+def _float32_scans(model) -> bool:
+    """The model has a mixer state passing runs through a float32 scan (Gated DeltaNet, KDA, Mamba2)."""
+    from tokenring import mixers
+
+    return any((mixers.coverage(type(m)) or set()) & {"delta", "ssd"} for m in model.modules())
+
+
 def _loss(logits: torch.Tensor, targets: torch.Tensor, n) -> torch.Tensor:
     """Summed next-token cross entropy over ``n`` targets, in float64 (transformers' own loss upcasts to float32,
     which would hide a float64 comparison)."""
@@ -163,11 +170,19 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor, n) -> torch.Tensor:
 
 
 def one_family(
-    rank: int, P: int, name: str, S: int, strategy: str = "auto", check: bool = True, dtype=torch.float64
+    rank: int,
+    P: int,
+    name: str,
+    S: int,
+    strategy: str = "auto",
+    check: bool = True,
+    dtype=torch.float64,
+    mixers_mode: str | None = None,
 ) -> dict:
     """The sharded model vs one process on ``S`` tokens, one training step: ``{"outcome": "exact" | "refused" |
     "differs", ...}`` with the relative errors (rank 0) or the refusal's message. ``check=False`` leaves the
-    model's sequence mixers unprepared (bench only: what preparing them prevents; they then see one shard)."""
+    model's sequence mixers unprepared (bench only: what preparing them prevents; they then see one shard);
+    ``mixers_mode``: ``tokenring.hf.prepare(model, mixers=...)`` first."""
     import tokenring.hf as thf
     from tokenring import mixers
 
@@ -178,6 +193,8 @@ def one_family(
     if not check:  # marked as holding no sequence mixer: they run on this rank's shard alone
         mixers._prepared[model] = None
     try:
+        if mixers_mode is not None:
+            thf.prepare(model, mixers=mixers_mode)
         with thf.settings(strategy=strategy):
             batch = thf.shard_batch(ids, labels=ids)
             out = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")})
@@ -221,16 +238,18 @@ def one_family(
         # parameters computes with them in float32 (deepseek_v3's router since transformers 5.25): inputs that
         # agree to 1e-16 can round to neighbouring float32 values, so a float64 reference is good to ~1e-7 there
         # (deepseek_v3 at P=3: logits 8.8e-8, from an expert output 4.3e-8 off on one rank's rows)
-        float32_inside = any(p.dtype == torch.float32 for p in ref.parameters())
+        # transformers' torch Gated DeltaNet and Mamba2 scans compute in float32 whatever the model's dtype, and
+        # state passing splits their sums at other places than one process does (qwen3_5 at P=2: logits 7.6e-8)
+        float32_inside = any(p.dtype == torch.float32 for p in ref.parameters()) or _float32_scans(model)
         tol = 1e-6 if (ref_attn == "eager" or float32_inside) and dtype == torch.float64 else TOL[dtype]
         exact = max(res["logits"], res["loss"]) < tol and res["grad"] <= max(tol, 4 * res["floor"])
         res["outcome"] = "exact" if exact else "differs"
     return res
 
 
-def sweep(rank: int, P: int, names: list[str], S: int, dtype: str = "float64") -> list[dict]:
-    """:func:`one_family` for each family, in one set of ranks."""
-    return [one_family(rank, P, name, S, dtype=getattr(torch, dtype)) for name in names]
+def sweep(rank: int, P: int, names: list[str], S: int, dtype: str = "float64", mixers: str | None = None) -> list[dict]:
+    """:func:`one_family` for each family, in one set of ranks (``mixers``: how to prepare the hybrids)."""
+    return [one_family(rank, P, name, S, dtype=getattr(torch, dtype), mixers_mode=mixers) for name in names]
 
 
 def generate_family(rank: int, P: int, name: str, S: int, new_tokens: int, turn: int = 0) -> dict:

@@ -1,9 +1,12 @@
 """Layers that mix tokens along the sequence outside attention: found by what they are, made exact when sharded
-by running them on the whole sequence (docs/internals.md, "Layers beside attention").
+by state passing (:class:`StatePassing`, the kinds :mod:`tokenring.recurrence` covers) or, when asked for by
+name, by running them on the whole sequence (:class:`Replicated`) (docs/internals.md, "Layers beside attention").
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 import sys
 import weakref
@@ -12,9 +15,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import recurrence
 from .layouts import DOCUMENT_LAYOUTS, group_info, local_positions
 
-__all__ = ["Mixer", "Replicated", "find_mixers", "prepare", "check_prepared", "refuse_generation", "model_on_stack"]
+__all__ = [
+    "Mixer",
+    "Replicated",
+    "StatePassing",
+    "MIXER_MODES",
+    "find_mixers",
+    "prepare",
+    "check_prepared",
+    "refuse_generation",
+    "model_on_stack",
+]
+
+MIXER_MODES = ("state_passing", "replicate")  # how prepare() makes a model's mixers exact
 
 # a module class that names a sequence mixer other than softmax attention (the weakest of the signals)
 _MIXER_CLASS = re.compile(
@@ -218,6 +234,164 @@ class Replicated:
         return cut(output)
 
 
+# transformers' module-level kernels a mixer's forward calls by name, and what each does when sharded:
+# "conv", "delta", "ssd" run by state passing; "fused" (conv + scan + projections in one kernel) declines, so the
+# layer takes its unfused path; "step" (one token over a cached state) has no place in a sharded forward
+_KERNELS = {
+    "causal_conv1d_forward": "conv",
+    "torch_chunk_gated_delta_rule": "delta",
+    "chunk_kimi_delta_attention": "delta",
+    "mamba2_chunk_scan": "ssd",
+    "mamba2_split_conv1d_scan_combined": "fused",
+    "torch_recurrent_gated_delta_rule": "step",
+    "recurrent_kimi_delta_attention": "step",
+    "mamba2_selective_state_update": "step",
+}
+# names a mixer's forward calls -> the kinds of kernel it must reach when sharded
+_CALLS = {
+    "causal_conv1d_forward": "conv",
+    "torch_chunk_gated_delta_rule": "delta",
+    "chunk_kimi_delta_attention": "delta",
+    "mamba2_scan_forward": "ssd",
+}
+
+
+# a module-level function whose name says it mixes tokens: a mixer's forward may call only those listed above
+_MIXING_NAME = re.compile(r"scan|conv|delta|recurren|selective|state_update|lightning|ssm|mamba|retention|rwkv")
+
+
+def _forward_names(cls) -> set[str]:
+    fwd = inspect.unwrap(cls.forward)
+    return set(getattr(getattr(fwd, "__code__", None), "co_names", ()))
+
+
+@functools.lru_cache(maxsize=None)
+def coverage(cls) -> frozenset[str] | None:
+    """The kernel kinds a mixer class reaches through transformers' module-level kernels, if state passing
+    covers all of its token mixing; ``None`` if it does not (a scan written inline, or a kernel not listed)."""
+    names = _forward_names(cls)
+    kinds = frozenset(_CALLS[n] for n in names if n in _CALLS)
+    module = sys.modules.get(cls.__module__)
+    if not kinds or module is None or not all(hasattr(module, n) for n in names & set(_CALLS)):
+        return None
+    mixing = {n for n in names if _MIXING_NAME.search(n) and callable(getattr(module, n, None))}
+    if mixing - set(_CALLS) - set(_KERNELS):
+        return None  # it calls a kernel state passing does not know
+    if "ssd" in kinds and not hasattr(module, "mamba2_chunk_scan"):
+        return None
+    return kinds
+
+
+@dataclass
+class _Call:
+    """The sharded forward of one mixer: its plan, group, and the kernel kinds it reached."""
+
+    where: str
+    plan: recurrence.Plan
+    group: object
+    expected: frozenset
+    reached: set = field(default_factory=set)
+
+
+_calls: list[_Call | None] = []  # the mixer forwards running now (innermost last); None: not sharded
+
+
+def _dispatch(name: str, original):
+    """``original`` (a module-level kernel of transformers) as it runs inside a sharded mixer's forward."""
+    kind = _KERNELS[name]
+
+    @functools.wraps(original)
+    def kernel(*args, **kwargs):
+        call = _calls[-1] if _calls else None
+        if call is None:
+            return original(*args, **kwargs)
+        call.reached.add(kind)
+        if kind == "fused":
+            return None
+        if kind == "step":
+            raise ValueError(
+                f"tokenring: {call.where} took its one-token path ({name}) in a sharded forward; a sharded "
+                f"forward runs whole sequences (generation: tokenring.hf.prefill, then generate)"
+            )
+        if kind == "conv":
+            conv1d, x, cache, layer_idx, *rest = args
+            if cache is not None:
+                raise ValueError(f"tokenring: {call.where} was given a cache in a sharded forward")
+            kw = {k: v for k, v in kwargs.items() if k not in recurrence.PACKING_KWARGS}
+            return recurrence.causal_conv(
+                lambda y: original(conv1d, y, None, layer_idx, *rest, **kw),
+                call.plan,
+                call.group,
+                x,
+                conv1d.kernel_size[0] - 1,
+            )
+        if kind == "delta":
+            return recurrence.delta_rule(original, call.plan, call.group, *args, **kwargs)
+        return recurrence.ssd(original, call.plan, call.group, *args, **kwargs)
+
+    kernel.__tokenring_original__ = original
+    return kernel
+
+
+def _install(cls) -> None:
+    """Route the kernels ``cls``'s module calls by name through :func:`_dispatch` (once per module; outside a
+    sharded mixer's forward they run as before)."""
+    module = sys.modules[cls.__module__]
+    for name in _KERNELS:
+        fn = getattr(module, name, None)
+        if fn is not None and not hasattr(fn, "__tokenring_original__"):
+            setattr(module, name, _dispatch(name, fn))
+
+
+class StatePassing:
+    """Hooks that run each covered mixer of a model on this rank's rows only, its kernels exchanging states
+    (:mod:`tokenring.recurrence`; ``context()``: the sharded forward's ``(group, layout)``, or ``None``)."""
+
+    def __init__(self, model: torch.nn.Module, modules: dict[str, torch.nn.Module], context):
+        self.context = context
+        self.handles = []
+        for path, mod in modules.items():
+            _install(type(mod))
+            kinds = coverage(type(mod))
+            where = f"{type(mod).__name__} ({path})"
+            pre = functools.partial(self._before, where=where, expected=kinds)
+            self.handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(mod.register_forward_hook(self._after, with_kwargs=True, always_call=True))
+        self.wrapped = len(modules)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _before(self, module, args, kwargs, *, where, expected):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        ctx = self.context()
+        call = None
+        if ctx is not None and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+            group, layout = ctx
+            rank, P = group_info(group)
+            if P > 1:
+                cu = kwargs.get("cu_seq_lens_q")
+                starts = tuple(int(x) for x in cu[:-1].tolist()) if cu is not None else (0,)
+                if layout in DOCUMENT_LAYOUTS and cu is None:
+                    raise ValueError(
+                        f"tokenring: {where} runs under layout={layout!r}, which places tokens by document, but "
+                        f"was not given the documents (cu_seq_lens_q, which tokenring.hf.shard_batch passes)"
+                    )
+                plan = recurrence.plan_for(hidden.shape[1] * P, P, rank, layout, starts)
+                call = _Call(where, plan, group, expected)
+        _calls.append(call)
+
+    def _after(self, module, args, kwargs, output):
+        call = _calls.pop() if _calls else None
+        if call is not None and output is not None and not call.expected <= call.reached:
+            raise ValueError(
+                f"tokenring: {call.where} did not reach its {sorted(call.expected - call.reached)} kernel in a "
+                f"sharded forward (it took a path tokenring does not shard), so its rows could be wrong; run it "
+                f"with tokenring.hf.prepare(model, mixers='replicate'), or on one rank per sequence"
+            )
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside DDP (``.module``) or ``torch.compile`` (``._orig_mod``) wrappers."""
     while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module) or isinstance(
@@ -230,16 +404,60 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 _prepared: "weakref.WeakKeyDictionary[torch.nn.Module, Replicated | str | None]" = weakref.WeakKeyDictionary()
 
 
-def prepare(model: torch.nn.Module, context, P: int, who: str = "tokenring") -> Replicated | None:
-    """Make ``model``'s sequence mixers exact when sharded over ``P > 1`` ranks (:class:`Replicated` hooks);
-    returns the hooks, or ``None`` for a model with no such layers."""
+def _uncovered(model: torch.nn.Module, mixers: list[Mixer]) -> tuple[dict, list[Mixer]]:
+    """The outermost modules of ``mixers`` that state passing covers (path -> module), and the mixers it does
+    not."""
+    modules = dict(model.named_modules())
+    covered, rest = {}, []
+    for m in mixers:
+        mods = {p: modules[p] for p in m.where if p in modules}
+        if mods and all(coverage(type(mod)) is not None for mod in mods.values()):
+            covered.update(mods)
+        else:
+            rest.append(m)
+    outer = {p: mod for p, mod in covered.items() if not any(p.startswith(q + ".") for q in covered if q != p)}
+    return outer, rest
+
+
+def _state_passing(model: torch.nn.Module, mixers: list[Mixer], context) -> StatePassing | str:
+    covered, rest = _uncovered(model, mixers)
+    if rest:
+        return (
+            f"{_describe(model, rest)}. State passing does not cover these layers; running them whole on every "
+            f"rank would cost each rank their work and activations over the whole sequence (P times its share). "
+            f"Ask for that by name with tokenring.hf.prepare(model, mixers='replicate') before the first forward, "
+            f"or run this model on one rank per sequence (P = 1)"
+        )
+    return StatePassing(model, covered, context)
+
+
+def prepare(
+    model: torch.nn.Module, context, P: int, who: str = "tokenring", mode: str | None = None
+) -> StatePassing | Replicated | None:
+    """Make ``model``'s sequence mixers exact when sharded over ``P > 1`` ranks: :class:`StatePassing` hooks
+    where :mod:`tokenring.recurrence` covers every mixer kind (else a ValueError naming the rest), or with
+    ``mode="replicate"`` :class:`Replicated` hooks; returns the hooks, or ``None`` for a model with no such
+    layers. A model is prepared once (``mode=None``: as it was, else state passing); asking again for another
+    mode is a ValueError."""
+    if mode is not None and mode not in MIXER_MODES:
+        raise ValueError(f"{who}: mixers={mode!r}; use one of {MIXER_MODES}")
     if P <= 1:
         return None
     model = _unwrap(model)
+    if model in _prepared:
+        got = _prepared[model]
+        have = "replicate" if isinstance(got, Replicated) else "state_passing" if got is not None else None
+        if have is not None and mode is not None and have != mode:
+            raise ValueError(
+                f"{who}: this model's mixers were already prepared with mixers={have!r}; prepare a model once, "
+                f"before its first sharded forward"
+            )
     if model not in _prepared:
         mixers = find_mixers(model)
         if not mixers:
             _prepared[model] = None
+        elif mode != "replicate":
+            _prepared[model] = _state_passing(model, mixers, context)
         else:
             hooks = Replicated(model, mixers, context)
             if not hooks.wrapped:

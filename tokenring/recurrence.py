@@ -31,7 +31,7 @@ from .layouts import local_positions
 
 __all__ = ["Plan", "plan_for", "delta_rule", "ssd", "causal_conv"]
 
-_PACKING_KWARGS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
+PACKING_KWARGS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,7 @@ def delta_rule(kernel, plan: Plan, group, q, k, v, g, beta, *, initial_state=Non
     kernel's ``(o, final state or None)``, the final state being the whole sequence's, on every rank."""
     if initial_state is not None:
         raise ValueError("a sharded delta-rule layer takes no start state (a cache) in a full-sequence forward")
-    for name in _PACKING_KWARGS:
+    for name in PACKING_KWARGS:
         kw.pop(name, None)
     B, _, Hv, dv = v.shape
     dk = k.shape[-1]
@@ -306,7 +306,7 @@ def ssd(
     ``x (b, s, h, p)``, ``dt (b, s, h)``, ``A (h,)``, ``B, C (b, s, g, n)``."""
     if initial_states is not None:
         raise ValueError("a sharded Mamba2 layer takes no start state (a cache) in a full-sequence forward")
-    for name in _PACKING_KWARGS:
+    for name in PACKING_KWARGS:
         kw.pop(name, None)
     b, _, h, p = x.shape
     n = B.shape[-1]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .. import mixers
+from .. import mixers as _mixers
 from ..agreement import exchange
 from ..api import attention
 from ..device import collective_device, values_travel
@@ -218,7 +218,7 @@ def attention_forward(
         step[0].commit()  # not refused: the K/V before this step need not be kept (they would double the cache)
     s = query.shape[2]
     if not torch.compiler.is_compiling():
-        check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, mixers.model_on_stack(module))
+        check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, _mixers.model_on_stack(module))
         _check_mixers(module, f"tokenring ({_where(module)})")
     if stepping:
         window = kwargs.get("sliding_window")  # transformers: query i sees keys j with i - W < j <= i
@@ -387,21 +387,24 @@ def _context():
     return _settings.group, _settings.layout
 
 
-def prepare(model: torch.nn.Module) -> None:
-    """Make ``model``'s layers that mix tokens outside attention (linear attention, Mamba, short convolutions:
-    :mod:`tokenring.mixers`) exact when sharded: each runs on the whole sequence, gathered from the ranks.
-    Done by the model's first forward on its own (its attention mask goes through :func:`mask_forward`);
-    call it before ``torch.compile`` or for a model that builds no mask. Every rank of the group calls it."""
-    mixers.prepare(model, _context, group_info(_settings.group)[1], "tokenring.hf.prepare")
+def prepare(model: torch.nn.Module, mixers: str = "state_passing") -> None:
+    """Make ``model``'s layers that mix tokens outside attention (Gated DeltaNet, Mamba2, short convolutions:
+    :mod:`tokenring.mixers`) exact when sharded. ``mixers="state_passing"`` (the default): each rank runs its
+    own rows and the ranks exchange recurrent states and convolution halos (:mod:`tokenring.recurrence`); a
+    model with a kind it does not cover is refused. ``mixers="replicate"``: every such layer runs on the whole
+    sequence on every rank (any kind; P times the work). Done by the model's first forward on its own (its
+    attention mask goes through :func:`mask_forward`); call it before that forward for ``"replicate"``, before
+    ``torch.compile``, or for a model that builds no mask. Every rank of the group calls it."""
+    _mixers.prepare(model, _context, group_info(_settings.group)[1], "tokenring.hf.prepare", mixers)
 
 
 def _check_mixers(layer, who: str) -> None:
     """At an attention layer or the documents op: the running model's sequence mixers were prepared."""
     P = group_info(_settings.group)[1]
     if P > 1:
-        model = mixers.model_on_stack(layer)
+        model = _mixers.model_on_stack(layer)
         if model is not None:
-            mixers.check_prepared(model, P, who)
+            _mixers.check_prepared(model, P, who)
 
 
 def mask_forward(*, attention_mask=None, **kwargs):
@@ -414,9 +417,9 @@ def mask_forward(*, attention_mask=None, **kwargs):
     if not torch.compiler.is_compiling():
         forget_steps()
         P = group_info(_settings.group)[1]
-        model = mixers.model_on_stack(config=kwargs.get("config")) if P > 1 else None
+        model = _mixers.model_on_stack(config=kwargs.get("config")) if P > 1 else None
         if model is not None:
-            mixers.prepare(model, _context, P, "tokenring")
+            _mixers.prepare(model, _context, P, "tokenring")
     return attention_mask
 
 
