@@ -252,17 +252,23 @@ def sweep(rank: int, P: int, names: list[str], S: int, dtype: str = "float64", m
     return [one_family(rank, P, name, S, dtype=getattr(torch, dtype), mixers_mode=mixers) for name in names]
 
 
-def generate_family(rank: int, P: int, name: str, S: int, new_tokens: int, turn: int = 0) -> dict:
-    """``tokenring.hf.prefill`` of ``S`` tokens + greedy ``generate``, then (``turn`` > 0) ``tokenring.hf.extend``
-    by a next turn of ``turn`` tokens + ``generate`` again, vs rank 0's single process with transformers' own
-    cache: ``{"outcome": "exact" | "refused" | "differs", ...}``."""
+def generate_family(
+    rank: int, P: int, name: str, S: int, new_tokens: int, turn: int = 0, sample: bool = False, batch: int = 1
+) -> dict:
+    """``tokenring.hf.prefill`` of ``S`` tokens + ``generate`` (greedy, or ``sample``d with every rank and the
+    reference seeded alike), then (``turn`` > 0) ``tokenring.hf.extend`` by a next turn of ``turn`` tokens +
+    ``generate`` again, vs rank 0's single process with transformers' own cache: ``{"outcome": "exact" |
+    "refused" | "differs", ...}``."""
     import tokenring.hf as thf
 
     model = build(name, "tokenring").eval()
     gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(3, model.config.vocab_size, (1, S), generator=gen)
-    nxt = torch.randint(3, model.config.vocab_size, (1, turn), generator=gen)
-    kw = dict(max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ids = torch.randint(3, model.config.vocab_size, (batch, S), generator=gen)
+    nxt = torch.randint(3, model.config.vocab_size, (batch, turn), generator=gen)
+    kw = dict(max_new_tokens=new_tokens, do_sample=sample, output_logits=True, return_dict_in_generate=True)
+    if sample:
+        kw.update(top_k=0, top_p=1.0, temperature=1.0)
+    torch.manual_seed(5)
     kw.update(pad_token_id=0, eos_token_id=None)
     res: dict = {"family": name}
     try:
@@ -280,6 +286,7 @@ def generate_family(rank: int, P: int, name: str, S: int, new_tokens: int, turn:
     if rank == 0:
         ref = build(name, FAMILIES[name][2]).eval()
         ref.load_state_dict(model.state_dict())
+        torch.manual_seed(5)
         with torch.no_grad():
             want = [ref.generate(ids, attention_mask=torch.ones_like(ids), **kw)]
             if turn:

@@ -59,16 +59,40 @@ def test_hybrids_unprepared_would_differ(pools, P):
 
 
 @pytest.mark.parametrize("P", [2, 3])
-def test_mla_and_refused_hybrid_generate(pools, P):
+def test_mla_generate(pools, P):
     """DeepSeek-V3 (q/k head dim 24, v 16): sharded prefill, greedy generate, a next turn by extend (sharded at
-    both P: 4P + 1 new tokens) and generate again give one process's tokens and logits. A hybrid is refused in
-    prefill on every rank."""
+    both P: 4P + 1 new tokens) and generate again give one process's tokens and logits."""
     res = pools(P).run(family_cases.generate_family, "deepseek_v3", 16 * P + 1, 5, 4 * P + 1)
     assert res[0]["outcome"] == "exact", res[0]
     assert all(r["tokens"] == res[0]["tokens"] for r in res)
-    res = pools(P).run(family_cases.generate_family, "qwen3_5", 8 * P, 3)
-    assert all(r["outcome"] == "refused" and "Qwen3_5GatedDeltaNet" in r["error"] for r in res), res
-    assert all("recurrent or convolution state" in r["error"] for r in res), res
+
+
+# (family, P, prompt length, sampled, batch): Gated DeltaNet, Mamba2 (Falcon-H1's beside attention in one layer),
+# convolutions; lengths that split over 2P and that leave a replicated rest
+HYBRID_GENERATE = [
+    ("qwen3_5", 2, 16, False, 1),
+    ("qwen3_next", 3, 27, True, 2),
+    ("bamba", 2, 19, True, 1),
+    ("falcon_h1", 3, 24, False, 2),
+    ("nemotron_h", 2, 21, False, 1),
+    ("lfm2", 3, 25, True, 1),
+]
+
+
+@pytest.mark.parametrize("name,P,S,sample,batch", HYBRID_GENERATE)
+def test_hybrid_generate(pools, name, P, S, sample, batch):
+    """Hybrids generate over the sharded cache: prefill by state passing leaves every mixer's recurrent and
+    convolution state on every rank; generate (greedy or sampled) and a next turn by extend give one process's
+    tokens, on every rank. Uncovered kinds are refused in prefill on every rank."""
+    res = pools(P).run(family_cases.generate_family, name, S, 4, 5, sample, batch)
+    assert res[0]["outcome"] == "exact", res[0]
+    assert all(r["tokens"] == res[0]["tokens"] for r in res)
+
+
+def test_uncovered_hybrid_generate_is_refused(pools):
+    res = pools(2).run(family_cases.generate_family, "jamba", 16, 3)
+    assert all(r["outcome"] == "refused" and "JambaMambaMixer" in r["error"] for r in res), res
+    assert all("recurrent and convolution states" in r["error"] for r in res), res
 
 
 @pytest.mark.parametrize("P", [2, 3])

@@ -314,23 +314,29 @@ def _dispatch(name: str, original):
                 f"forward runs whole sequences (generation: tokenring.hf.prefill, then generate)"
             )
         if kind == "conv":
-            conv1d, x, cache, layer_idx, *rest = args
-            if cache is not None:
-                raise ValueError(f"tokenring: {call.where} was given a cache in a sharded forward")
-            kw = {k: v for k, v in kwargs.items() if k not in recurrence.PACKING_KWARGS}
-            return recurrence.causal_conv(
-                lambda y: original(conv1d, y, None, layer_idx, *rest, **kw),
-                call.plan,
-                call.group,
-                x,
-                conv1d.kernel_size[0] - 1,
-            )
+            return _conv(original, call, *args, **kwargs)
         if kind == "delta":
             return recurrence.delta_rule(original, call.plan, call.group, *args, **kwargs)
         return recurrence.ssd(original, call.plan, call.group, *args, **kwargs)
 
     kernel.__tokenring_original__ = original
     return kernel
+
+
+def _conv(original, call: _Call, conv1d, x, cache, layer_idx, activation=None, state_idx=0, **kwargs):
+    """transformers' ``causal_conv1d_forward`` by halo exchange; in :func:`tokenring.hf.prefill` (``cache``) it
+    also leaves the whole prompt's convolution state in the cache, on every rank."""
+    kw = {k: v for k, v in kwargs.items() if k not in recurrence.PACKING_KWARGS}
+    k = conv1d.kernel_size[0]
+
+    def run(y):
+        return original(conv1d, y, None, layer_idx, activation=activation, state_idx=state_idx, **kw)
+
+    if cache is None:
+        return recurrence.causal_conv(run, call.plan, call.group, x, k - 1)
+    out, end = recurrence.causal_conv(run, call.plan, call.group, x, k - 1, end=True)
+    cache.set_conv_state(layer_idx, state_idx, torch.nn.functional.pad(end, (1, 0)), call.plan.length)
+    return out
 
 
 def _install(cls) -> None:
@@ -367,10 +373,18 @@ class StatePassing:
         hidden = args[0] if args else kwargs.get("hidden_states")
         ctx = self.context()
         call = None
+        names = ("cache", "cache_params", "past_key_values")
+        cache = next((kwargs[n] for n in names if kwargs.get(n) is not None), None)
         if ctx is not None and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
             group, layout = ctx
             rank, P = group_info(group)
-            if P > 1:
+            if P > 1 and cache is not None and not hasattr(cache, "set_conv_state"):
+                raise ValueError(
+                    f"tokenring: {where} was given a {type(cache).__name__} in a sharded forward, whose states "
+                    f"would cover this rank's rows only: pass use_cache=False (tokenring.hf.shard_batch does), and "
+                    f"generate with tokenring.hf.prefill"
+                )
+            if P > 1 and (cache is None or cache.prefilling):  # else a step every rank runs whole (decode)
                 cu = kwargs.get("cu_seq_lens_q")
                 starts = tuple(int(x) for x in cu[:-1].tolist()) if cu is not None else (0,)
                 if layout in DOCUMENT_LAYOUTS and cu is None:
@@ -496,18 +510,25 @@ def check_prepared(model: torch.nn.Module, P: int, who: str = "tokenring") -> No
     )
 
 
-def refuse_generation(model: torch.nn.Module, P: int, who: str) -> None:
-    """Refuse generation over a sharded cache (K/V rows only) for a model with sequence mixers."""
+def refuse_generation(model: torch.nn.Module, P: int, who: str) -> bool:
+    """Before generation over a sequence-sharded cache: whether ``model`` has sequence mixers (they then run by
+    state passing in prefill and whole on every rank per decoded token); a ValueError if they cannot (a kind state
+    passing does not cover, or mixers prepared with ``"replicate"``)."""
     if P <= 1:
-        return
+        return bool(find_mixers(_unwrap(model)))
     model = _unwrap(model)
     mixers = find_mixers(model)
-    if mixers:
+    if not mixers:
+        return False
+    passing = isinstance(_prepared[model], StatePassing) if model in _prepared else not _uncovered(model, mixers)[1]
+    if not passing:
         raise ValueError(
-            f"{who}: {_describe(model, mixers)}. Generation over a sequence-sharded cache holds attention K/V "
-            f"rows only, not these layers' recurrent or convolution state: generate in one process (P = 1); "
-            f"training and full-sequence forwards are exact when sharded"
+            f"{who}: {_describe(model, mixers)}. Generation over a sequence-sharded cache needs their recurrent "
+            f"and convolution states after the prompt, which only state passing gives, and it does not cover "
+            f"these layers (or they were prepared with mixers='replicate'): generate in one process (P = 1); "
+            f"training and full-sequence forwards are exact when sharded with mixers='replicate'"
         )
+    return True
 
 
 _by_layer: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()

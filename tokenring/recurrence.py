@@ -50,6 +50,7 @@ class Plan:
     last: tuple[tuple[int, int], ...]  # the same chain for the state after the whole sequence
     spans: tuple[tuple[tuple[int, int], tuple[int, int]], ...]  # every rank's fragments: ((rank, slot), (first, last))
     doc_starts: tuple[int, ...]  # where documents start (0 first)
+    length: int  # tokens in the whole sequence
 
     def halo_index(self, width: int) -> torch.Tensor:
         """For a causal convolution of ``width`` (= kernel - 1) inputs before each row: per segment, the
@@ -132,6 +133,7 @@ def build_plan(positions: list[np.ndarray], rank: int, doc_starts=(0,)) -> Plan:
         last=chain_before(total) if total > 0 else (),
         spans=tuple(sorted(spans.items())),
         doc_starts=tuple(starts.tolist()),
+        length=total,
     )
 
 
@@ -151,7 +153,7 @@ def _halo_index(plan: Plan, width: int) -> torch.Tensor:
     by_last = sorted((b, a, key) for key, (a, b) in plan.spans)
     lasts = [b for b, _, _ in by_last]
     rows = []
-    for p0 in plan.first:
+    for p0 in (*plan.first, plan.length):
         doc = int(starts[np.searchsorted(starts, p0, side="right") - 1])
         row = []
         for q in range(p0 - width, p0):
@@ -163,7 +165,7 @@ def _halo_index(plan: Plan, width: int) -> torch.Tensor:
             assert a <= q and back < width, (q, a, b)
             row.append((r * plan.slots + j) * width + width - 1 - back)
         rows.append(row)
-    return torch.tensor(rows, dtype=torch.long).reshape(len(plan.first), width)
+    return torch.tensor(rows, dtype=torch.long).reshape(len(plan.first) + 1, width)
 
 
 class _AllGather(torch.autograd.Function):
@@ -360,12 +362,13 @@ def ssd(
     return out
 
 
-def causal_conv(conv, plan: Plan, group, x: torch.Tensor, width: int) -> torch.Tensor:
+def causal_conv(conv, plan: Plan, group, x: torch.Tensor, width: int, end: bool = False):
     """``conv(x')`` (a causal convolution over ``(B, C, L)`` of ``width + 1`` taps, zero before its input) over
     this rank's rows ``x (B, C, s)`` of a sharded sequence, exact: each segment gets the ``width`` inputs before
-    it (a halo from the rank that holds them; zeros before its document), and one call runs every segment."""
+    it (a halo from the rank that holds them; zeros before its document), and one call runs every segment.
+    ``end``: also return the sequence's last ``width`` inputs ``(B, C, width)``, the same on every rank."""
     if width == 0:
-        return conv(x)
+        return (conv(x), x[:, :, :0]) if end else conv(x)
     Bsz, Cdim, _ = x.shape
     tails = []
     for s0, s1 in plan.frag_segments:
@@ -382,4 +385,5 @@ def causal_conv(conv, plan: Plan, group, x: torch.Tensor, width: int) -> torch.T
         keep.append(torch.arange(at + width, at + width + hi - lo))
         at += width + hi - lo
     y = conv(torch.cat(pieces, dim=-1))
-    return _Tie.apply(y.index_select(-1, torch.cat(keep).to(y.device)), table)
+    out = _Tie.apply(y.index_select(-1, torch.cat(keep).to(y.device)), table)
+    return (out, halos[:, :, -1]) if end else out

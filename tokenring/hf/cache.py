@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    CacheLayerMixin,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    get_layer_types_and_kwargs,
+)
 
 from ..agreement import checksum, odd_ones
 from ..comm import wait_collective
@@ -17,7 +25,7 @@ from ..layouts import group_info
 from ..strategies.extend import Shards
 from .masks import _mask_problem
 
-__all__ = ["ShardedCache", "ShardedLayer", "take_step", "forget_steps", "step_attention"]
+__all__ = ["ShardedCache", "ShardedLayer", "ShardedHybridLayer", "take_step", "forget_steps", "step_attention"]
 
 # layer index -> (the layer, what its last update did), read by the same layer's attention right after
 _steps: dict[int, tuple["ShardedLayer", dict]] = {}
@@ -75,7 +83,7 @@ class ShardedLayer(DynamicLayer):
             start = self._store(key_states, value_states, a, b, ranges, ranges[-1][1] if ranges else 0)
             info = {"extend": (a, b), "shards": Shards(tuple(self.counts), tuple(ranges)), "start": start}
         elif self.skip:
-            if self is o.layers[0]:
+            if self is o.first_attention():
                 o.agree_step(key_states)
             if t != 1:
                 raise ValueError(
@@ -85,7 +93,7 @@ class ShardedLayer(DynamicLayer):
             self.skip = 0
             info = {"new": None, "start": self.total - 1}  # the query is the cached last token
         else:
-            if self is o.layers[0]:
+            if self is o.first_attention():
                 o.agree_step(key_states)
             placed = place_new(self.counts, t)
             a, b = placed[o.rank]
@@ -136,10 +144,36 @@ class ShardedLayer(DynamicLayer):
         return 0 if self.keys is None else self.keys.numel() * self.keys.element_size() * 2
 
 
-class ShardedCache(Cache):
-    """A transformers ``Cache`` whose layers hold this rank's rows of the K/V; fill it with :func:`prefill`."""
+class ShardedHybridLayer(LinearAttentionLayer, ShardedLayer):
+    """A layer with both a sequence mixer's states (the same on every rank) and this rank's K/V rows (Falcon-H1's
+    layers run Mamba2 beside attention)."""
 
-    def __init__(self, group=None):
+    def __init__(self, owner: "ShardedCache", layer_idx: int, number_of_states: int = 1):
+        ShardedLayer.__init__(self, owner, layer_idx)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if args:  # the attention's update: (keys, values)
+            ShardedLayer.lazy_initialization(self, *args)
+        else:  # the mixer's states, by keyword
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return ShardedLayer.get_seq_length(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        ShardedLayer.reorder_cache(self, beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        ShardedLayer.crop(self, tokens_to_remove)
+
+
+class ShardedCache(Cache):
+    """A transformers ``Cache`` whose layers hold this rank's rows of the K/V, and, for a model with sequence
+    mixers (``config`` with linear layer types), each mixer's recurrent and convolution states, the same on every
+    rank; fill it with :func:`prefill`."""
+
+    def __init__(self, group=None, config=None):
         self.group = group
         self.rank, self.P = group_info(group)
         self.prefilling = False
@@ -151,7 +185,48 @@ class ShardedCache(Cache):
         self.log: list | None = None  # set to a list to receive each decode attention's {"bytes": received}
         self.pads: tuple[int, ...] | None = None  # set by prefill: each row's left pads (its attention_mask)
         self._mask_seen: tuple = (None, 0, None)  # (mask, length, verdict) of the step's first layer
-        super().__init__(layer_class_to_replicate=self._new_layer)
+        layers = self._hybrid_layers(config) if config is not None else None
+        if layers is None:
+            super().__init__(layer_class_to_replicate=self._new_layer)
+        else:
+            super().__init__(layers=layers)
+
+    def _hybrid_layers(self, config) -> list | None:
+        """One cache layer per model layer, as transformers' ``DynamicCache(config=...)`` lays them out, with
+        :class:`ShardedLayer` for attention; ``None`` for a model without linear layers (layers made lazily)."""
+        types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        kinds = [DYNAMIC_LAYER_TYPE_MAPPING.get(t, DynamicLayer) for t in types]
+        if not any(issubclass(k, LinearAttentionCacheLayerMixin) for k in kinds):
+            return None
+        self.layers: list = []
+        for kind, kw in zip(kinds, kwargs):
+            states = kw.get("number_of_states", 1)
+            if issubclass(kind, LinearAttentionCacheLayerMixin) and issubclass(kind, CacheLayerMixin):
+                self.layers.append(ShardedHybridLayer(self, len(self.layers), states))
+            elif issubclass(kind, LinearAttentionCacheLayerMixin):
+                self.layers.append(LinearAttentionLayer(number_of_states=states))
+            elif issubclass(kind, DynamicLayer):
+                self.layers.append(ShardedLayer(self, len(self.layers)))
+            else:  # a layer without attention or mixer state (transformers' DummyLayer)
+                self.layers.append(kind(**kw))
+        return self.layers
+
+    def attention_layers(self) -> list[ShardedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, ShardedLayer)]
+
+    def first_attention(self) -> ShardedLayer | None:
+        return next((layer for layer in self.layers if isinstance(layer, ShardedLayer)), None)
+
+    def set_conv_state(self, layer_idx: int, state_idx: int, state: torch.Tensor, length: int) -> None:
+        """After a sharded prefill of ``length`` tokens: a mixer layer's convolution state ``(B, C, kernel)`` (its
+        last inputs, the same on every rank), as transformers' ``update_conv_state`` leaves it after a prompt."""
+        layer = self.layers[layer_idx]
+        if not layer.is_conv_states_initialized[state_idx]:
+            layer.lazy_initialization(conv_states=state, state_idx=state_idx, conv_kernel_size=state.shape[-1])
+        layer.conv_states[state_idx].copy_(state)
+        layer.has_previous_state[state_idx] = True
+        if state_idx == 0:
+            layer.cumulative_length_linear.add_(length)
 
     def mask_problem(self, mask, length: int) -> str | None:
         """What a decode step's attention mask says that this cache cannot follow (``None``: nothing): it must
@@ -232,9 +307,7 @@ class ShardedCache(Cache):
         """What :meth:`restore` puts back after a failed step: every layer's rows, positions, counts, total and
         skip, the spans and the extend schedule (tensors are replaced, never written in place, so references
         suffice)."""
-        layers = [
-            (layer, {k: list(v) if isinstance(v, list) else v for k, v in vars(layer).items()}) for layer in self.layers
-        ]
+        layers = [(layer, {k: _copy(v) for k, v in vars(layer).items()}) for layer in self.layers]
         # and the extend schedule: a refused extend(strategy=...) must not leave its strategy on the cache
         return layers, len(self.layers), list(self.spans), (self.strategy, self._chosen)
 
@@ -251,7 +324,20 @@ class ShardedCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes of K/V this rank holds, all layers."""
-        return sum(layer.nbytes() for layer in self.layers)
+        return sum(layer.nbytes() for layer in self.attention_layers())
+
+
+def _copy(v):
+    """A layer attribute as :meth:`ShardedCache.snapshot` keeps it: lists copied, and a mixer layer's states
+    (dicts of tensors that transformers writes in place) cloned; K/V tensors are replaced, never written, so
+    references suffice."""
+    if isinstance(v, list):
+        return list(v)
+    if isinstance(v, dict):
+        return {k: x.clone() if isinstance(x, torch.Tensor) else x for k, x in v.items()}
+    if isinstance(v, torch.Tensor) and v.dim() == 0:  # the linear layers' token count, added to in place
+        return v.clone()
+    return v
 
 
 def take_step(module, key: torch.Tensor) -> tuple[ShardedLayer, dict] | None:

@@ -31,7 +31,7 @@ def prefill(
     ``attention_mask`` (B, S): prompts of different lengths padded on the left (pass it to ``generate`` too)."""
     group = group if group is not None else _settings.group
     rank, P = group_info(group)
-    mixers.refuse_generation(model, P, "tokenring.hf.prefill")
+    hybrid = mixers.refuse_generation(model, P, "tokenring.hf.prefill")
     if input_ids.dim() != 2:
         raise ValueError(
             f"tokenring.hf.prefill: input_ids has shape {tuple(input_ids.shape)}; expected the full "
@@ -45,9 +45,11 @@ def prefill(
     _same_everywhere(input_ids, group, rank, P, "prefill", "prompt", attention_mask)  # the same prompt everywhere
     layout = layout or _settings.layout
     pads = _left_pads(input_ids, attention_mask, layout)
-    cache = ShardedCache(group)
+    cache = ShardedCache(group, model.config if hybrid else None)
     cache.pads = pads
-    S = input_ids.shape[1]
+    # a hybrid's mixers cannot take the last token twice, as attention can (model.generate feeds it again): their
+    # states stop before it, and so does everything prefill stores
+    S = input_ids.shape[1] - (1 if hybrid else 0)
     mask = None if pads is None else attention_mask.to(torch.bool)
     pos = (mask.cumsum(1) - 1).clamp_min(0) if mask is not None else torch.arange(S).expand(input_ids.shape[0], -1)
     pos = pos.to(input_ids.device)  # what model.generate computes from the mask: pads at 0, real tokens 0, 1, ...
@@ -67,16 +69,16 @@ def prefill(
                 cache.prefilling = False
         if split < S:
             model(
-                input_ids=input_ids[:, split:],
-                position_ids=pos[:, split:],
-                attention_mask=mask,
+                input_ids=input_ids[:, split:S],
+                position_ids=pos[:, split:S],
+                attention_mask=mask if mask is None else mask[:, :S],
                 cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
-    for layer in cache.layers:
-        layer.skip = 1  # model.generate feeds the prompt's last token again: that step stores nothing
-    cache.spans.append((0, S, checksum(input_ids)))
+    for layer in cache.attention_layers():
+        layer.skip = 0 if hybrid else 1  # model.generate feeds the prompt's last token again: stored once
+    cache.spans.append((0, input_ids.shape[1], checksum(input_ids)))
     return cache
 
 
@@ -149,8 +151,9 @@ def extend(model, cache: ShardedCache, input_ids: torch.Tensor, strategy: str | 
     except BaseException:  # a refused or failed turn leaves the cache as it was: the caller can retry
         cache.restore(snap)
         raise
-    for layer in cache.layers:
-        layer.skip = 1  # model.generate feeds the last token again: that step stores nothing
+    hybrid = bool(mixers.find_mixers(model))
+    for layer in cache.attention_layers():
+        layer.skip = 0 if hybrid else 1  # model.generate feeds the last token again: stored once (see prefill)
     cache.spans.append((held, input_ids.shape[1], checksum(input_ids[:, held:])))
     return cache
 
@@ -172,10 +175,11 @@ def _check_turn(model, cache: ShardedCache, input_ids: torch.Tensor, strategy) -
             "does not follow; prefill each conversation so far again: tokenring.hf.prefill(model, input_ids, "
             "attention_mask=...)"
         )
-    held = cache.layers[0].total if cache.layers else 0
-    if cache.layers and cache.layers[0].is_initialized and cache.layers[0].keys.shape[0] != input_ids.shape[0]:
+    first = cache.first_attention()
+    held = first.total if first is not None else 0
+    if first is not None and first.is_initialized and first.keys.shape[0] != input_ids.shape[0]:
         raise ValueError(
-            f"tokenring.hf.extend: the cache holds a batch of {cache.layers[0].keys.shape[0]}, input_ids has "
+            f"tokenring.hf.extend: the cache holds a batch of {first.keys.shape[0]}, input_ids has "
             f"{input_ids.shape[0]} rows"
         )
     for a, b, crc in cache.spans:  # the tokens this cache was filled with must still be there
@@ -201,10 +205,24 @@ def _check_turn(model, cache: ShardedCache, input_ids: torch.Tensor, strategy) -
 def _run_turn(model, cache: ShardedCache, input_ids: torch.Tensor, held: int, T: int, strategy) -> None:
     """The model over the ``T`` new tokens: sharded over the ranks, or replicated when they are few."""
     rank, P = cache.rank, cache.P
-    counts = list(cache.layers[0].counts) if cache.layers else [0] * P
-    for layer in cache.layers:
+    first = cache.first_attention()
+    counts = list(first.counts) if first is not None else [0] * P
+    for layer in cache.attention_layers():
         layer.skip = 0  # the new tokens start right after the cached ones
     B = input_ids.shape[0]
+    if mixers.find_mixers(model):
+        # a hybrid's mixers hold one state per layer, the same on every rank: every rank runs the turn (and, as in
+        # prefill, stops before its last token, which generate feeds)
+        if strategy not in (None, "auto", "replicated"):
+            raise ValueError(
+                f"tokenring.hf.extend: strategy={strategy!r} shards the new tokens, which a model with sequence "
+                f"mixers ({type(model).__name__}) cannot take from a cache yet; use strategy='replicated' or 'auto'"
+            )
+        if T > 1:
+            with torch.no_grad():
+                pos = torch.arange(held, held + T - 1, device=input_ids.device).expand(B, -1)
+                model(input_ids=input_ids[:, held:-1], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        return
     with torch.no_grad():
         few = T <= REPLICATE_PER_RANK * P and strategy in (None, "auto")
         if T < P or few or strategy == "replicated":  # too few to share: every rank runs them, as a decode step
