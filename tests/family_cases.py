@@ -122,6 +122,26 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
     "nemotron_h": ("nemotron_h", {**MAMBA, "layers_block_type": ["mamba", "attention", "mlp", "attention"]}, "sdpa"),
     "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention", "conv", "full_attention"]), "sdpa"),
     "minimax": ("minimax", {**MOE, "layer_types": LINEAR}, "sdpa"),
+    "kimi_linear": (  # KDA (a delta rule with a decay per key channel) beside MLA
+        "kimi_linear",
+        {
+            **MOE,
+            "layer_types": LINEAR,
+            "mlp_layer_types": ["dense", "sparse", "dense", "sparse"],
+            "linear_head_dim": 16,
+            "linear_num_heads": 4,
+            "linear_conv_kernel_dim": 4,
+            "kv_lora_rank": 32,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "num_key_value_heads": 4,
+            "num_expert_group": 1,
+            "topk_group": 1,
+        },
+        "sdpa",
+    ),
     "zamba": ("zamba", dict(attn_layer_period=2, attn_layer_offset=1), "sdpa"),
 }
 

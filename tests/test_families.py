@@ -28,6 +28,7 @@ HYBRIDS = {
     "lfm2": "Lfm2ShortConv",
     "minimax": "MiniMaxLightningAttention",
     "zamba": "ZambaMambaMixer",
+    "kimi_linear": "KimiLinearDeltaAttention",
 }
 
 
@@ -76,6 +77,7 @@ HYBRID_GENERATE = [
     ("falcon_h1", 3, 24, False, 2),
     ("nemotron_h", 2, 21, False, 1),
     ("lfm2", 3, 25, True, 1),
+    ("kimi_linear", 2, 19, True, 2),
 ]
 
 

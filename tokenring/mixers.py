@@ -422,13 +422,12 @@ def _uncovered(model: torch.nn.Module, mixers: list[Mixer]) -> tuple[dict, list[
     """The outermost modules of ``mixers`` that state passing covers (path -> module), and the mixers it does
     not."""
     modules = dict(model.named_modules())
-    covered, rest = {}, []
-    for m in mixers:
-        mods = {p: modules[p] for p in m.where if p in modules}
-        if mods and all(coverage(type(mod)) is not None for mod in mods.values()):
-            covered.update(mods)
-        else:
-            rest.append(m)
+    covered = {p: modules[p] for m in mixers for p in m.where if p in modules and coverage(type(modules[p]))}
+
+    def inside(p: str) -> bool:  # a part of a covered mixer (KDA's forget gate): the mixer's kernels run it
+        return p in covered or any(p.startswith(q + ".") for q in covered)
+
+    rest = [m for m in mixers if not all(p in modules and inside(p) for p in m.where)]
     outer = {p: mod for p, mod in covered.items() if not any(p.startswith(q + ".") for q in covered if q != p)}
     return outer, rest
 
