@@ -353,3 +353,61 @@ def compiled_prepared(rank: int, P: int, name: str) -> dict:
         logits = thf.gather_logits(fast(**thf.shard_batch(ids)).logits)
         want = ref(input_ids=ids, use_cache=False).logits
     return {"logits": rel(logits, want)}
+
+
+def hybrid_batch(
+    rank: int, P: int, name: str, layout: str, docs: list[int], batch: int = 1, right_pad: int = 0
+) -> dict:
+    """One float64 training step of a hybrid sharded in ``layout`` over packed documents of lengths ``docs``
+    (``batch`` rows packed alike; ``right_pad``: that many pads at the end of row 1), vs one process running each
+    document of each row on its own (what packing means; transformers' torch scans would carry state across
+    documents): relative errors of logits (real tokens), loss and every gradient, on rank 0."""
+    import tokenring.hf as thf
+
+    model = build(name, "tokenring", dtype=torch.float64)
+    S = sum(docs)
+    starts = [0, *torch.tensor(docs).cumsum(0).tolist()]
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, model.config.vocab_size, (batch, S), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in docs]).expand(batch, S)
+    labels = ids.clone()
+    labels[:, starts[:-1]] = -100  # no target crosses into the next document
+    mask = torch.ones(batch, S, dtype=torch.long)
+    if right_pad:
+        mask[1, S - right_pad :] = 0
+        labels[1, S - right_pad - 1 :] = -100
+    with thf.settings(layout=layout):
+        b = thf.shard_batch(ids, labels=labels, position_ids=pos, attention_mask=mask if right_pad else None)
+        out = model(**{k: v for k, v in b.items() if k not in ("labels", "shift_labels")})
+        loss = _loss(out.logits, b["shift_labels"], b["num_items_in_batch"])
+        loss.backward()
+        thf.all_reduce_grads(model)
+        loss = thf.reduce_loss(loss)
+        logits = thf.gather_logits(out.logits, length=S, cu_seqlens=b.get("cu_seq_lens_q"))
+    if rank:
+        return {}
+    ref = build(name, FAMILIES[name][2], dtype=torch.float64)
+    ref.load_state_dict(model.state_dict())
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    n = (targets != -100).sum()
+    want, total = [], 0.0
+    for a, e in zip(starts, starts[1:]):
+        r = ref(input_ids=ids[:, a:e], attention_mask=mask[:, a:e], use_cache=False).logits
+        total = total + _loss(r, targets[:, a:e], n)
+        want.append(r.detach())
+    total.backward()
+    want = torch.cat(want, dim=1)
+    real = mask.bool()
+    res = {"logits": rel(logits[real], want[real]), "loss": abs(loss.item() - total.item()) / abs(total.item())}
+    grads = {k: p.grad.clone() for k, p in ref.named_parameters() if p.grad is not None}
+    res["grad"], res["worst"] = max((rel(p.grad, grads[k]), k) for k, p in model.named_parameters() if k in grads)
+    # the floor, as one_family takes it: the same one process with its loss summed in halves of the tokens
+    ref.zero_grad()
+    for half in (0, 1):
+        for a, e in zip(starts, starts[1:]):
+            r = ref(input_ids=ids[:, a:e], attention_mask=mask[:, a:e], use_cache=False).logits
+            t = targets[:, a:e].clone()
+            t[:, (torch.arange(a, e) % 2) != half] = -100
+            _loss(r, t, n).backward()
+    res["floor"] = max(rel(p.grad, grads[k]) for k, p in ref.named_parameters() if k in grads)
+    return res

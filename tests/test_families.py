@@ -156,3 +156,26 @@ def test_detector_on_plain_modules():
     by_config = Model(Block(torch.nn.Identity()))
     by_config.config.layer_types = ["full_attention", "linear_attention"]
     assert [m.where for m in find_mixers(by_config)] == [["layer 1"]]
+
+
+def _layouts(P: int) -> list:
+    """(layout, document lengths, batch rows, right pads of row 1): packed documents that split over no 2P, a
+    single padded sequence, and zigzag_docs' multiples of 2P."""
+    return [
+        ("zigzag", [5 * P, 7 * P + 1, 4 * P - 1], 2, 0),
+        ("contiguous", [3 * P + 2, 9 * P - 2], 1, 0),
+        ("balanced", [6 * P + 3, 5 * P - 3, 5 * P], 2, 0),
+        ("zigzag_docs", [2 * P * 3, 2 * P * 5], 1, 0),
+        ("zigzag", [16 * P], 2, 5),
+    ]
+
+
+@pytest.mark.parametrize("name,P", [("qwen3_5", 2), ("bamba", 3), ("lfm2", 4), ("nemotron_h", 5), ("kimi_linear", 3)])
+def test_hybrid_layouts_packing_and_batches(pools, name, P):
+    """A hybrid sharded by state passing in every layout, over packed documents (the states start again at each),
+    B = 2 and a right-padded row: logits and loss vs one process running each document alone, to the float32
+    scans' rounding (1e-6, 1e-8), every gradient to 4x the one process's own floor."""
+    for layout, docs, B, pad in _layouts(P):
+        r = pools(P).run(family_cases.hybrid_batch, name, layout, docs, B, pad)[0]
+        assert r["logits"] < 1e-6 and r["loss"] < 1e-8, (layout, docs, r)
+        assert r["grad"] <= max(1e-6, 4 * r["floor"]), (layout, docs, r)
