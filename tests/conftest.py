@@ -67,3 +67,21 @@ def pytest_collection_modifyitems(config, items):
         name = f"{item.path.name}::{item.nodeid.split('::', 1)[1]}"
         if item.path.name in SLOW_FILES and name not in QUICK:
             item.add_marker(pytest.mark.slow)
+
+
+# seconds per test file (setup + call + teardown), printed at the end of every run: where the suite's time goes
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    name = report.nodeid.split("::", 1)[0]
+    _file_seconds[name] = _file_seconds.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _file_seconds:
+        return
+    terminalreporter.write_sep("=", "seconds per file")
+    for name, secs in sorted(_file_seconds.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{secs:8.1f}  {name}")
+    terminalreporter.write_line(f"{sum(_file_seconds.values()):8.1f}  (all files)")

@@ -20,12 +20,20 @@ def test_trainer_evaluates_before_training(pools):
     assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
 
 
-@pytest.mark.parametrize("family,P", [("qwen3_next", 2), ("bamba", 3), ("lfm2", 4), ("olmo_hybrid", 4)])
-def test_trainer_step_of_a_hybrid(pools, family, P):
-    """Gated DeltaNet, Mamba2 and short-convolution layers beside attention (float64 weights; the Trainer's loss
-    is float32): one SequenceParallelTrainer step at dp=1 x cp=P equals one process."""
-    r = pools(P).run(train_cases.trainer_step, 1, 24 * P, 2, 1, None, family)[0]
+@pytest.mark.parametrize(
+    "family,P,dp", [("qwen3_next", 2, 1), ("bamba", 3, 1), ("lfm2", 4, 1), ("olmo_hybrid", 4, 1), ("qwen3_5", 4, 2)]
+)
+def test_trainer_step_of_a_hybrid(pools, family, P, dp):
+    """Gated DeltaNet, Mamba2 and short-convolution layers beside attention, by state passing (float64 weights;
+    the Trainer's loss is float32): one SequenceParallelTrainer step at dp x cp = P equals one process."""
+    r = pools(P).run(train_cases.trainer_step, dp, 24 * P // dp, 2, 1, None, family)[0]
     assert r["loss"] < TOL and r["grad"] < TOL and r["eval"] < TOL, r
+
+
+def test_fsdp2_step_of_a_hybrid(pools):
+    """FSDP2 over the flattened 2 x 2 mesh with a Gated DeltaNet hybrid sharded by state passing."""
+    r = pools(4).run(train_cases.fsdp_step, 2, 48, 2, True, None, "qwen3_5")[0]
+    assert r["loss"] < TOL and r["grad"] < TOL, r
 
 
 @pytest.mark.parametrize("dp", [1, 2])

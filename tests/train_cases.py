@@ -219,18 +219,21 @@ def _reset(sp) -> None:
     thf.configure(group=dist.group.WORLD)
 
 
-def fsdp_step(rank: int, P: int, dp: int, S: int, per_device: int, flat: bool, tiled: int | None = None) -> dict:
+def fsdp_step(
+    rank: int, P: int, dp: int, S: int, per_device: int, flat: bool, tiled: int | None = None, family: str | None = None
+) -> dict:
     """FSDP2 with tokenring over cp: ``flat``: fully_shard over the flattened dp x cp mesh with SequenceParallel's
     loss scaling (FSDP averages over every rank); else fully_shard over dp and all_reduce_grads over cp (DTensor
-    gradients). First step's gradients vs one process on the global batch."""
+    gradients). First step's gradients vs one process on the global batch (``family``: a model of
+    tests/family_cases.py instead of the small Llama)."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = mesh_of(dp, P)
     sp = SequenceParallel(mesh) if flat else None
     try:
-        model = hf_cases.build("llama", "tokenring", **SMALL)
+        model = build(family, "tokenring") if family else hf_cases.build("llama", "tokenring", **SMALL)
         data = samples(dp * per_device, S, model.config.vocab_size)
-        want = reference(model, data) if rank == 0 else None
+        want = reference(model, data, family) if rank == 0 else None
         dp_rank = mesh["dp"].get_local_rank()
         for layer in model.model.layers:
             fully_shard(layer, mesh=sp.flat_mesh if flat else mesh["dp"])
