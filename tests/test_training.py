@@ -21,7 +21,7 @@ def test_trainer_evaluates_before_training(pools):
 
 
 @pytest.mark.parametrize(
-    "family,P,dp", [("qwen3_next", 2, 1), ("bamba", 3, 1), ("lfm2", 4, 1), ("olmo_hybrid", 4, 1), ("qwen3_5", 4, 2)]
+    "family,P,dp", [("qwen3_next", 2, 1), ("bamba", 3, 1), ("lfm2", 4, 1), ("olmo_hybrid", 4, 1), ("qwen3_next", 4, 2)]
 )
 def test_trainer_step_of_a_hybrid(pools, family, P, dp):
     """Gated DeltaNet, Mamba2 and short-convolution layers beside attention, by state passing (float64 weights;
@@ -31,8 +31,8 @@ def test_trainer_step_of_a_hybrid(pools, family, P, dp):
 
 
 def test_fsdp2_step_of_a_hybrid(pools):
-    """FSDP2 over the flattened 2 x 2 mesh with a Gated DeltaNet hybrid sharded by state passing."""
-    r = pools(4).run(train_cases.fsdp_step, 2, 48, 2, True, None, "qwen3_5")[0]
+    """FSDP2 over the flattened 2 x 2 mesh with a Gated DeltaNet hybrid (Qwen3-Next) sharded by state passing."""
+    r = pools(4).run(train_cases.fsdp_step, 2, 48, 2, True, None, "qwen3_next")[0]
     assert r["loss"] < TOL and r["grad"] < TOL, r
 
 
