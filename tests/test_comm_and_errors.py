@@ -542,3 +542,38 @@ def test_silent_peer_named_on_every_try(strategy, when):
         elapsed, msg = results[rank]
         assert elapsed < timeout + 2, (rank, elapsed, msg)
         assert "Rank 2 is the one that stopped" in msg or "Rank(s) [2] never reached" in msg, (rank, msg)
+
+
+def _own_namespace() -> str | None:
+    """Why a fresh network namespace cannot be made here (``None``: it can)."""
+    import subprocess
+
+    try:
+        subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"unshare -n with ip: {e}"
+    return None
+
+
+@pytest.mark.skipif(_own_namespace() is not None, reason="needs root, unshare and ip (the TCP store listens widely)")
+@pytest.mark.parametrize("launcher,strategy", [("plain", "ring"), ("mp_spawn", "token_ring")])
+def test_silent_peer_named_when_rank_0_hosts_the_store(tmp_path, launcher, strategy):
+    """Launchers people write themselves (tests/launcher_case.py): rank 0 hosts torch's TCP store, each rank ends
+    with destroy_process_group. Rank 2 goes silent after a first call; rank 0 names it after the reports' wait and
+    leaves, and its store went with it while ranks 1 and 3 still followed the reports (without comm.done_reading
+    keeping the store up, both cases here named nobody). Every surviving rank names rank 2 within timeout + 2 s."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    timeout = 1.5
+    case = os.path.join(os.path.dirname(__file__), "launcher_case.py")
+    run = f"ip link set lo up && exec {sys.executable} {case} {launcher} {strategy} later {timeout} {tmp_path}"
+    done = subprocess.run(["unshare", "-n", "sh", "-c", run], timeout=120, capture_output=True, text=True)
+    for rank in (0, 1, 3):
+        path = tmp_path / f"{rank}.json"
+        assert path.exists(), (rank, done.returncode, done.stderr[-3000:])
+        elapsed, msg = json.loads(path.read_text())
+        assert elapsed < timeout + 2, (rank, elapsed, msg)
+        assert "Rank 2 is the one that stopped" in msg, (rank, msg)

@@ -10,13 +10,14 @@ extend and the Hugging Face checks all agree through here.
 from __future__ import annotations
 
 import datetime
+import time
 import zlib
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .comm import get_timeout, group_store, guard_exit
+from .comm import done_reading, get_timeout, group_store, guard_exit
 from .device import collective_device, values_travel
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "forget_groups",
 ]
 
+_ARRIVAL_WAIT_S = 1.0  # after an early failure, how long to wait for the others' arrival marks
 _exchanges: dict = {}  # per group: exchanges so far (the same count on every rank in step)
 
 
@@ -79,20 +81,11 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     if not values_travel(group):
         work.wait()
         return None
+    t0 = time.monotonic()
     try:
         work.wait(datetime.timedelta(seconds=get_timeout()))
     except Exception as e:
-        missing = ""
-        try:
-            gone = [r for r in range(P) if not store.check([prefix + str(r)])]
-            if gone:
-                who_stopped = f"Rank {gone[0]} is" if len(gone) == 1 else f"Ranks {gone} are"
-                missing = (
-                    f" {who_stopped} the one that stopped: it never reached this call (it died, hangs, or does not "
-                    f"call {who} here)."
-                )
-        except Exception:
-            pass
+        missing = _who_never_arrived(store, prefix, P, who, early=time.monotonic() - t0 < get_timeout())
         raise RuntimeError(
             f"tokenring: rank {rank} failed to compare {what} with the other ranks within {get_timeout():.0f} s "
             f"({e}).{missing} A rank has died, or is not calling {who} at this point (every rank of the group must "
@@ -100,6 +93,39 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
             f"slow. The process group cannot be used again after this: destroy it and start the ranks again."
         ) from e
     return [e.tolist() for e in every]
+
+
+def _who_never_arrived(store, prefix: str, P: int, who: str, early: bool) -> str:
+    """A sentence naming the ranks without an arrival mark under ``prefix``. After an early failure (a peer's
+    connection closed before the timeout) the others may still be on their way: their marks are awaited up to
+    ``_ARRIVAL_WAIT_S``. This rank then counts among the readers (``comm.done_reading``), so that a rank hosting
+    the store outlives the others' reading."""
+    if store is None:
+        return ""
+    try:
+        deadline = time.monotonic() + (_ARRIVAL_WAIT_S if early else 0.0)
+        while True:
+            gone = [r for r in range(P) if not store.check([prefix + str(r)])]
+            if len(gone) <= 1 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        done_reading(store, prefix + "read", P - 1)
+    except Exception:
+        return (
+            " Which rank never arrived cannot be told: the rendezvous store is gone (its host, rank 0 under a plain "
+            "init_process_group, has exited)."
+        )
+    if not gone:
+        return ""
+    if len(gone) == 1:
+        return (
+            f" Rank {gone[0]} is the one that stopped: it never reached this call (it died, hangs, or does not "
+            f"call {who} here)."
+        )
+    return (
+        f" Ranks {gone} are the ones that stopped: they never reached this call (they died, hang, or do not call "
+        f"{who} here)."
+    )
 
 
 def ranks_differing(values: Sequence[float], group, rank: int, P: int, who: str, what: str) -> list[int]:

@@ -100,7 +100,7 @@ class _Group:
         if store is not None and peer is not None and not self.nccl:
             try:
                 store.set(f"tokenring/stuck/{self.rank}", str(peer))
-                who = silent_ranks(store, self.rank, peer)
+                who = silent_ranks(store, self.rank, peer, self.P)
             except Exception:
                 pass
         return RuntimeError(

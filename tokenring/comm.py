@@ -9,6 +9,7 @@ import datetime
 import math
 import os
 import time
+from multiprocessing.util import Finalize
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,9 @@ _ALIGN = 16  # byte alignment of each tensor in a packed buffer (any dtype's vie
 
 _REPORT_WAIT_S = 1.0  # how long a failed rank waits for the others' reports before naming a silent one
 _EXIT_GRACE_S = 0.1  # without /proc: how long the interpreter lets gloo's workers finish before it finalizes
+_LINGER_S = 10.0  # most a failed rank's process stays up at exit while the others still read the evidence
 _exit_guarded = False
+_readers: dict = {}  # store key -> (store, ranks expected to read), for the wait at exit
 
 
 def set_timeout(seconds: float) -> None:
@@ -120,6 +123,32 @@ def _gloo_busy() -> bool | None:
     return False
 
 
+def done_reading(store, key: str, expected: int) -> None:
+    """Count this rank, on ``store``'s counter ``key``, among the ranks that have read a failure's evidence (who
+    arrived, who is stuck on whom); at exit, keep this process up until ``expected`` ranks have, or at most
+    ``_LINGER_S``. The rank that gives up first may host the rendezvous store (rank 0 under a plain
+    ``init_process_group``, ``mp.spawn``): its exit would take the evidence from the ranks still reading it.
+    Registered with multiprocessing's exit hooks, which also run in ``mp.spawn``'s children (atexit does not)."""
+    try:
+        store.add(key, 1)
+    except Exception:  # the store is gone already: nothing left to keep up
+        return
+    if not _readers:
+        Finalize(None, _wait_for_readers, exitpriority=100)
+    _readers[key] = (store, expected)
+
+
+def _wait_for_readers(poll_s: float = 0.05) -> None:
+    deadline = time.monotonic() + _LINGER_S
+    for key, (store, expected) in list(_readers.items()):
+        try:
+            while store.add(key, 0) < expected and time.monotonic() < deadline:
+                time.sleep(poll_s)
+        except Exception:  # the store (hosted elsewhere) is gone: nobody reads it any more
+            pass
+    _readers.clear()
+
+
 def group_store(group):
     """The key-value store of ``group``'s rendezvous (``None`` if torch keeps none we can reach)."""
     try:
@@ -140,11 +169,19 @@ def publish_refusal(group, rank: int, why: str) -> None:
         pass
 
 
-def silent_ranks(store, me: int, first: int, wait_s: float = _REPORT_WAIT_S) -> str:
+def silent_ranks(store, me: int, first: int, world: int, wait_s: float = _REPORT_WAIT_S) -> str:
     """A sentence naming the rank that stopped, following the failure reports from rank ``first`` ('' if it
-    cannot be told; docs/internals.md)."""
+    cannot be told; docs/internals.md). Counts this rank among the readers of the reports (:func:`done_reading`:
+    the others, ``world - 1`` when one rank stopped, may still be following the chain)."""
     if store is None:
         return ""
+    try:
+        return _follow(store, me, first, wait_s)
+    finally:
+        done_reading(store, "tokenring/stuck_read", world - 1)
+
+
+def _follow(store, me: int, first: int, wait_s: float) -> str:
     chain, r = [me], first
     deadline = time.monotonic() + wait_s
     try:
@@ -346,7 +383,7 @@ class Comm:
             store.set(f"tokenring/stuck/{self.rank}", str(peer))
         except Exception:
             return ""
-        return silent_ranks(store, self.rank, peer)
+        return silent_ranks(store, self.rank, peer, self.world)
 
     def failure(self, direction: str, m: Message | list, step: int, err: Exception) -> RuntimeError:
         if isinstance(m, list):  # one coalesced operation for the step's messages
