@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """A silent or dead peer is named by every other rank, every time: P=4 local gloo ranks, rank 2 stops (alive but
 never calling on the first call, the same on a later call, or dead before a later call), each scenario repeated,
-under three launchers: tokenring's own (a file store), a plain ``init_process_group`` per process and
-``mp.spawn`` (both with rank 0 hosting torch's TCP store, in a fresh network namespace: ``tests/launcher_case.py``).
+under four launchers: tokenring's own (a file store), a plain ``init_process_group`` per process and ``mp.spawn``
+(both with rank 0 hosting torch's TCP store) and torchrun (``tests/launcher_case.py``, in a fresh network
+namespace).
 
     .venv/bin/python bench/silent_peer.py [--reps 10] [--timeout 2] [--strategies token_ring ring ulysses]
-        [--launchers pool plain mp_spawn]
+        [--launchers pool plain mp_spawn torchrun]
 
 Writes every try to ``bench/results/silent_peer.json``: per surviving rank, the seconds from the start of the
 failed call to its RuntimeError and whether the message names rank 2.
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 STRATEGIES = ["token_ring", "ring", "ulysses"]  # the ones whose first-call naming was flaky
-LAUNCHERS = ["pool", "plain", "mp_spawn"]
+LAUNCHERS = ["pool", "plain", "mp_spawn", "torchrun"]
 
 
 def one_try(launcher: str, strategy: str, when: str, timeout: float) -> list:
