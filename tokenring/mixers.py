@@ -384,9 +384,10 @@ class StatePassing:
                     f"would cover this rank's rows only: pass use_cache=False (tokenring.hf.shard_batch does), and "
                     f"generate with tokenring.hf.prefill"
                 )
-            if P > 1 and (cache is None or cache.prefilling):  # else a step every rank runs whole (decode)
-                cu = kwargs.get("cu_seq_lens_q")
-                starts = tuple(int(x) for x in cu[:-1].tolist()) if cu is not None else (0,)
+            cu = kwargs.get("cu_seq_lens_q")
+            starts = tuple(int(x) for x in cu[:-1].tolist()) if cu is not None else (0,)
+            sharded = P > 1 and (cache is None or cache.prefilling)  # else a step every rank runs whole (decode)
+            if sharded or (P == 1 and cache is None and len(starts) > 1):  # one rank: packed documents only
                 if layout in DOCUMENT_LAYOUTS and cu is None:
                     raise ValueError(
                         f"tokenring: {where} runs under layout={layout!r}, which places tokens by document, but "
@@ -454,9 +455,13 @@ def prepare(
     mode is a ValueError."""
     if mode is not None and mode not in MIXER_MODES:
         raise ValueError(f"{who}: mixers={mode!r}; use one of {MIXER_MODES}")
-    if P <= 1:
-        return None
     model = _unwrap(model)
+    if P <= 1:  # one rank: only packed documents need the hooks (their states start again at each document)
+        if model in _prepared or mode == "replicate":
+            return _prepared.get(model)
+        mixers = find_mixers(model)
+        if not mixers or _uncovered(model, mixers)[1]:
+            return None  # (no hooks: transformers' own kernels, as in one process)
     if model in _prepared:
         got = _prepared[model]
         have = "replicate" if isinstance(got, Replicated) else "state_passing" if got is not None else None

@@ -417,7 +417,7 @@ def mask_forward(*, attention_mask=None, **kwargs):
     if not torch.compiler.is_compiling():
         forget_steps()
         P = group_info(_settings.group)[1]
-        model = _mixers.model_on_stack(config=kwargs.get("config")) if P > 1 else None
+        model = _mixers.model_on_stack(config=kwargs.get("config"))  # (P = 1 too: packed documents)
         if model is not None:
             _mixers.prepare(model, _context, P, "tokenring")
     return attention_mask
