@@ -42,11 +42,16 @@ def test_accelerate_loop(pools, dp):
     assert r["loss"] < TOL and r["grad"] < TOL, r
 
 
-@pytest.mark.parametrize("flat,tiled", [(True, None), (False, None), (True, 16), (False, 16)])
-def test_fsdp2(pools, flat, tiled):
+@pytest.mark.parametrize(
+    "flat,tiled,head",
+    [(True, None, "root"), (False, None, "root"), (True, 16, "root"), (False, 16, "root"), (True, 16, "own")]
+    + [(False, 16, "tied")],
+)
+def test_fsdp2(pools, flat, tiled, head):
     """FSDP2 over the flattened dp x cp mesh (loss scaled), or over dp with all_reduce_grads over cp (DTensor
-    gradients); with the loss tiled (the head's sharded weight used chunk by chunk) or not."""
-    r = pools(4).run(train_cases.fsdp_step, 2, 64, 2, flat, tiled)[0]
+    gradients); with the loss tiled (the head's sharded weight used chunk by chunk) or not; ``lm_head`` in the
+    root unit, in a unit of its own (the tiled loss must call it through its hooks), or tied to the embedding."""
+    r = pools(4).run(train_cases.fsdp_step, 2, 64, 2, flat, tiled, None, head)[0]
     assert r["loss"] < TOL and r["grad"] < TOL, r
 
 

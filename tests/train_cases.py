@@ -41,18 +41,19 @@ def samples(n: int, S: int, vocab: int) -> list[dict]:
     return [dict(input_ids=ids[i], labels=ids[i]) for i in range(n)]
 
 
-def build(family: str | None, attn: str):
-    """The small Llama (float32), or a family of tests/family_cases.py (float64; attn "sdpa": its reference)."""
+def build(family: str | None, attn: str, over: dict | None = None):
+    """The small Llama (float32; ``over``: config changes), or a family of tests/family_cases.py (float64; attn
+    "sdpa": its reference)."""
     if family is None:
-        return hf_cases.build("llama", attn, **SMALL)
+        return hf_cases.build("llama", attn, **SMALL, **(over or {}))
     import family_cases
 
     return family_cases.build(family, family_cases.FAMILIES[family][2] if attn == "sdpa" else attn, dtype=torch.float64)
 
 
-def reference(model, data: list[dict], family: str | None = None) -> tuple[float, dict]:
+def reference(model, data: list[dict], family: str | None = None, over: dict | None = None) -> tuple[float, dict]:
     """One process: the global batch's mean next-token loss and its gradients (transformers' sdpa)."""
-    ref = build(family, "sdpa")
+    ref = build(family, "sdpa", over)
     ref.load_state_dict(model.state_dict())
     ids = torch.stack([d["input_ids"] for d in data])
     out = ref(input_ids=ids, labels=ids, use_cache=False)
@@ -220,23 +221,36 @@ def _reset(sp) -> None:
 
 
 def fsdp_step(
-    rank: int, P: int, dp: int, S: int, per_device: int, flat: bool, tiled: int | None = None, family: str | None = None
+    rank: int,
+    P: int,
+    dp: int,
+    S: int,
+    per_device: int,
+    flat: bool,
+    tiled: int | None = None,
+    family: str | None = None,
+    head: str = "root",
 ) -> dict:
     """FSDP2 with tokenring over cp: ``flat``: fully_shard over the flattened dp x cp mesh with SequenceParallel's
     loss scaling (FSDP averages over every rank); else fully_shard over dp and all_reduce_grads over cp (DTensor
     gradients). First step's gradients vs one process on the global batch (``family``: a model of
-    tests/family_cases.py instead of the small Llama)."""
+    tests/family_cases.py instead of the small Llama). ``head``: ``lm_head`` inside the root unit (``root``),
+    its own unit (``own``, as TorchTitan-style recipes shard the output layer), or tied to the embedding
+    (``tied``)."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = mesh_of(dp, P)
     sp = SequenceParallel(mesh) if flat else None
     try:
-        model = build(family, "tokenring") if family else hf_cases.build("llama", "tokenring", **SMALL)
+        tie = dict(tie_word_embeddings=head == "tied")
+        model = build(family, "tokenring") if family else hf_cases.build("llama", "tokenring", **SMALL, **tie)
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == (head == "tied")
         data = samples(dp * per_device, S, model.config.vocab_size)
-        want = reference(model, data, family) if rank == 0 else None
+        want = reference(model, data, family, tie) if rank == 0 else None
         dp_rank = mesh["dp"].get_local_rank()
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=sp.flat_mesh if flat else mesh["dp"])
+        units = [*model.model.layers, *([model.lm_head] if head == "own" else [])]
+        for unit in units:
+            fully_shard(unit, mesh=sp.flat_mesh if flat else mesh["dp"])
         fully_shard(model, mesh=sp.flat_mesh if flat else mesh["dp"])
         mine = data[dp_rank * per_device : (dp_rank + 1) * per_device]
         ids = torch.stack([d["input_ids"] for d in mine])

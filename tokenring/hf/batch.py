@@ -158,22 +158,35 @@ def tiled_loss(model: torch.nn.Module, chunk: int = 2048):
     real = head.forward  # with accelerate's hooks, if it put them there: the loss calls them per chunk
     own = head.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) to put back after
     old = inner.__dict__.get("_loss_function")
+    loss_args: list[dict] = []  # set while the loss calls the head
+
+    def forward(h):
+        """The model's own call hands the hidden states on; the loss's call runs the chunked head and loss. The
+        loss goes through the module's ``__call__`` so that hooks on the head run around it: FSDP2 with the head
+        as its own unit gathers the weight there (and again for backward) and reduces its gradient after."""
+        if not loss_args:
+            return h
+        return chunked_cross_entropy(h, real, **loss_args[-1])
 
     def loss_function(
         logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX, shift_labels=None, **kwargs
     ):
         if shift_labels is None:
             shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        return chunked_cross_entropy(
-            logits,
-            real,
-            shift_labels.to(logits.device),
-            chunk=chunk,
-            ignore_index=ignore_index,
-            num_items=num_items_in_batch,
+        loss_args.append(
+            dict(
+                labels=shift_labels.to(logits.device),
+                chunk=chunk,
+                ignore_index=ignore_index,
+                num_items=num_items_in_batch,
+            )
         )
+        try:
+            return head(logits)
+        finally:
+            loss_args.pop()
 
-    head.forward = lambda h: h  # the model's forward hands the hidden states to the loss
+    head.forward = forward
     inner.loss_function = loss_function
     try:
         yield
