@@ -848,3 +848,37 @@ def check_calls_case(rank: int, P: int, strategy: str) -> dict:
         return dict(message=msg, same=all(torch.equal(a, b) for a, b in zip(before, after)))
     finally:
         tokenring.configure(check_calls=None)
+
+
+def ragged_case(rank: int, P: int, cases: list[dict]) -> list[float]:
+    """Per case: non-causal attention over shards of any sizes ``rows`` (rank order; the global sequence is
+    their concatenation), forward and backward, against float64 attention over the whole sequence: the largest
+    error of out, dq, dk, dv (and the summed dsinks) over this rank's rows."""
+    errs = []
+    for case in cases:
+        rows, H, Hkv, d = case["rows"], case["H"], case["Hkv"], case["d"]
+        S, start = sum(rows), sum(rows[:rank])
+        gen = torch.Generator().manual_seed(S * 11 + P)
+        q, dout = (torch.randn(2, S, H, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(2, S, Hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        sinks = torch.linspace(-1.0, 1.5, H, dtype=torch.float64) if case.get("sinks") else None
+        cut = slice(start, start + rows[rank])
+        mine = [x[:, cut].clone().requires_grad_() for x in (q, k, v)]
+        if sinks is not None:
+            sinks = sinks.clone().requires_grad_()
+        out = tokenring.attention(*mine, sinks=sinks, strategy=case["strategy"], rows=rows)
+        out.backward(dout[:, cut])
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref_sinks = None if sinks is None else sinks.detach().clone().requires_grad_()
+        ref = reference(*full, False, d**-0.5, None, None, ref_sinks)
+        ref.backward(dout)
+        got = [out, *(x.grad for x in mine)]
+        want = [ref, *(x.grad for x in full)]
+        err = max((rel_err(g, w[:, cut], 1e-3) if g.numel() else 0.0) for g, w in zip(got, want))
+        if sinks is not None:
+            got_sinks = sinks.grad.clone()
+            if P > 1:
+                torch.distributed.all_reduce(got_sinks)
+            err = max(err, rel_err(got_sinks, ref_sinks.grad, 1e-3))
+        errs.append(err)
+    return errs

@@ -216,7 +216,7 @@ def flux_step(rank: int, P: int, n_img: int, n_txt: int) -> dict:
     with tokenring.context_parallel(buffers=[local[k] for k in names], seq_dims=[1, 1, 0, 0], layout="contiguous"):
         out = model(**local)[0]
         (out.square().sum() / want.numel()).backward()
-        full = tokenring.gather(out.detach(), dim=1, layout="contiguous")
+        full = tokenring.gather(out.detach(), dim=1, layout="contiguous", seq_len=n_img)
     _sum_grads(model, P)
     return dict(
         out=rel(full, want.detach()),

@@ -1,6 +1,8 @@
-"""The README's support matrix and module maps (README and docs/DESIGN.md) name every registered strategy."""
+"""The README's support matrix and module maps (README and docs/DESIGN.md) name every registered strategy;
+the README stays a first page."""
 
 import os
+import re
 
 from tokenring.strategies import _MODULES, FAMILIES
 
@@ -41,3 +43,12 @@ def test_readme_recipe_diffs_are_the_files_diffs():
         diff = recipe_diff(name)
         assert f"```diff\n{diff}\n```" in readme, name
         assert sum(line.startswith("+") for line in diff.splitlines()) <= 5, name
+
+
+def test_readme_is_a_first_page():
+    """At most 250 lines, and at most 30 numbers (digit runs such as 16K, 2.13.0, 0.89x) in its first 40 lines:
+    details belong in docs/."""
+    lines = _read("README.md").splitlines()
+    assert len(lines) <= 250, len(lines)
+    numbers = re.findall(r"\d+(?:\.\d+)*", "\n".join(lines[:40]))
+    assert len(numbers) <= 30, numbers

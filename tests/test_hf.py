@@ -189,6 +189,21 @@ def test_demo_generate(capsys):
     assert "KV cache/rank" in capsys.readouterr().out
 
 
+def test_demo_lists_only_strategies_that_run(capsys):
+    """`tokenring demo` (a small model on 2 ranks): no line about strategies that cannot run here (the
+    hierarchical ones without a node size), logits equal one process's, and the last line says where each
+    strategy wins, naming the results file."""
+    from tokenring.tools.demo import main
+
+    argv = "--seq 64 --ranks 2 --hidden 64 --layers 1 --heads 4 --kv-heads 2 --vocab 128 --png= --quiet"
+    assert main(argv.split()) == 0
+    out = capsys.readouterr().out
+    assert "skipped" not in out and "cannot run" not in out, out
+    assert "token_ring " in out and "ulysses " in out, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("where each wins") and "bench/results/token_ring_wins.md" in last, last
+
+
 def test_tiled_loss_in_a_model(pools):
     """causal_lm_loss (lm_head + loss over 13-token chunks, never the whole logits) equals the model's own loss
     and gradients, P = 2."""

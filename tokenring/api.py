@@ -4,23 +4,29 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch.fx.experimental import symbolic_shapes
 
+from .agreement import code
 from .choice import choose_strategy, resolve
+from .comm import move_rows
 from .device import device_type as device_kind
 from .instrument import current as current_instruments
 from .kernels import attention_inputs, fold_scale
-from .layouts import LAYOUTS, default_layout, group_info, padded_length, shard_positions
-from .masks import check_bounds_tensor
+from .layouts import LAYOUTS, Move, default_layout, even_out, group_info, padded_length, shard_positions
+from .masks import check_bounds_tensor, whole_numbers
 from .ops import (
     Call,
+    _agree,
     _check_local,
     _check_sinks,
     _frozen,
     _group_name,
     _ranked,
     _refuse_everywhere,
+    _signature_of,
     _single_device,
     attention_op,
     forget_choices,
@@ -28,6 +34,7 @@ from .ops import (
     register_extras,
 )
 from .strategies import NAMES
+from .strategies import get as get_strategy
 
 __all__ = ["attention", "choose_strategy", "resolve", "STRATEGY_NAMES", "forget_choices"]
 
@@ -49,6 +56,7 @@ def attention(
     group=None,
     inner_size: int | None = None,
     seq_len: int | None = None,
+    rows: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across the ranks of ``group``.
 
@@ -61,7 +69,9 @@ def attention(
     documents and ``window=(left, right)`` bounds what a query sees, over the global sequence (flash-attn's
     conventions); ``sinks``: (H,) gpt-oss sink logits. Runs under ``torch.autocast`` and ``torch.compile``.
     Any length: ``seq_len`` names the global length when the shards are uneven, as :func:`tokenring.shard` cuts
-    a sequence of any length (``cu_seqlens`` then ends at it). Every rank calls with the same options;
+    a sequence of any length (``cu_seqlens`` then ends at it). Any rows per rank (zero too) when not causal
+    and without documents or a window, where rows have no order (joint streams each split on its own): ``rows``
+    gives every rank's row count, in rank order, the same on every rank. Every rank calls with the same options;
     what is refused is a ValueError on every rank. The full reference: docs/internals.md, "attention()".
     """
     q, k, v, softmax_scale, dv = attention_inputs(q, k, v, softmax_scale)
@@ -69,8 +79,12 @@ def attention(
         return attention(
             q, k, v, causal=causal, softmax_scale=softmax_scale, strategy=strategy, layout=layout,
             cu_seqlens=cu_seqlens, window=window, sinks=sinks, group=group, inner_size=inner_size, seq_len=seq_len,
+            rows=rows,
         )[..., :dv]  # fmt: skip
     rank, P = group_info(group)
+    if rows is not None:
+        return _ragged(q, k, v, rows, causal, softmax_scale, strategy, cu_seqlens, window, sinks, group, inner_size,
+                       seq_len, rank, P)  # fmt: skip
     S = _uneven_length(q, seq_len, layout, causal, P)
     if S is not None:  # shards of a length the layout does not split evenly: pad them, run, cut the padding
         return _uneven(q, k, v, S, causal, softmax_scale, strategy, layout, cu_seqlens, window, sinks, group,
@@ -149,6 +163,63 @@ def _uneven(q, k, v, S: int, causal, softmax_scale, strategy, layout, cu_seqlens
         cu_seqlens=cu, window=window, sinks=sinks, group=group, inner_size=inner_size,
     )  # fmt: skip
     return out[:, :mine]
+
+
+def _ragged(q, k, v, rows, causal, softmax_scale, strategy, cu_seqlens, window, sinks, group, inner_size, seq_len,
+            rank: int, P: int) -> torch.Tensor:  # fmt: skip
+    """Attention over shards of any sizes ``rows`` where rows have no order: the ranks agree on the call, even
+    the shards out to the contiguous split of their total (:func:`even_out`: only rows over a rank's share
+    move), run that, and send the output rows back where their queries came from."""
+    try:
+        rows = _ragged_rows(q, k, v, rows, causal, cu_seqlens, window, seq_len, rank, P)
+    except ValueError as e:
+        if P == 1:
+            raise _ranked(e, rank) from None
+        _refuse_everywhere(_ranked(e, rank), group, rank, P)
+    S = sum(rows)
+    if P > 1:  # every rank must have the same rows: they say who sends what
+        B, _, H, d = q.shape
+        sig = _signature_of(
+            (B, S, H, d), (B, S, k.shape[2], d), q.dtype, device_kind(q), False, "contiguous", strategy,
+            float(softmax_scale or 0.0), torch.is_grad_enabled(), int(code(("rows", *rows))), inner_size or 0,
+            sinks is not None,
+        )  # fmt: skip
+        _agree(sig, lambda: get_strategy("ring"), f"rows per rank {list(rows)}, {q.dtype}", group, rank, P)
+    target, moves = even_out(rows)
+    mine = target[rank]
+    q2, k2, v2 = (move_rows(t, moves, mine, group) for t in (q, k, v))
+    out = attention(
+        q2, k2, v2, softmax_scale=softmax_scale, strategy=strategy, layout="contiguous", sinks=sinks, group=group,
+        inner_size=inner_size, seq_len=S,
+    )  # fmt: skip
+    return move_rows(out, tuple(_back(m) for m in moves), q.shape[1], group) if moves else out
+
+
+def _back(m: Move) -> Move:
+    return Move(m.dst, m.dst_row, m.src, m.src_row, m.rows)
+
+
+def _ragged_rows(q, k, v, rows, causal, cu_seqlens, window, seq_len, rank: int, P: int) -> tuple[int, ...]:
+    """``rows`` checked: P whole counts, not all zero, this rank's matching q, k, v; attention with no order."""
+    if causal or cu_seqlens is not None or window is not None:
+        raise ValueError(
+            "rows= (any rows per rank) is for attention whose rows have no order: not causal, without "
+            "cu_seqlens or a window. Shard an ordered sequence with tokenring.shard() and pass seq_len= instead"
+        )
+    rows = tuple(whole_numbers(rows, "rows"))
+    if len(rows) != P or min(rows) < 0 or sum(rows) < 1:
+        raise ValueError(
+            f"rows={list(rows)}: give each of the {P} ranks' row counts, in rank order (zero or more, at least one "
+            f"row in all)"
+        )
+    if seq_len is not None and int(seq_len) != sum(rows):
+        raise ValueError(f"seq_len={seq_len} but rows={list(rows)} add up to {sum(rows)}: they must agree")
+    if any(t.shape[1] != rows[rank] for t in (q, k, v)):
+        raise ValueError(
+            f"q, k, v hold {q.shape[1]}, {k.shape[1]}, {v.shape[1]} rows, but rows={list(rows)} gives rank {rank} "
+            f"{rows[rank]}"
+        )
+    return rows
 
 
 def _uneven_rows(q, k, v, S: int, layout: str, cu_seqlens, rank: int, P: int) -> int:

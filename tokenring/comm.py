@@ -30,6 +30,7 @@ __all__ = [
     "collective_device",
     "wait_collective",
     "guard_exit",
+    "move_rows",
 ]
 
 _PAIR_SLOTS = 256  # most messages one step may carry between the same two ranks (distinct tags)
@@ -485,3 +486,50 @@ class Comm:
             works = [(*meta[i][:2], handles[i], meta[i][2]) for i in idx]
             out.append(_Pending(self, step, due, works, records, got, copies, t0, now))
         return out
+
+
+def _moved(x: torch.Tensor, moves, out_rows: int, group, backward: bool) -> torch.Tensor:
+    """``x`` (B, rows, ...) after ``moves`` (:class:`tokenring.layouts.Move`, each rank pair once: one tag
+    suffices), ``out_rows`` rows; ``backward``: the moves undone (each from its ``dst`` back to its ``src``)."""
+    rank = dist.get_rank(group)
+    glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    host = not device.nccl(group) and x.device.type != "cpu"  # gloo moves host memory
+    out = x.new_empty(x.shape[0], out_rows, *x.shape[2:])
+    keep = min(x.shape[1], out_rows)
+    out[:, :keep] = x[:, :keep]
+    ops, landed = [], []
+    for m in moves:
+        (src, a), (dst, b) = (
+            ((m.dst, m.dst_row), (m.src, m.src_row)) if backward else ((m.src, m.src_row), (m.dst, m.dst_row))
+        )
+        if src == rank:
+            buf = x[:, a : a + m.rows].contiguous()
+            ops.append(dist.P2POp(dist.isend, buf.cpu() if host else buf, glob(dst), group))
+        elif dst == rank:
+            buf = x.new_empty(x.shape[0], m.rows, *x.shape[2:], device="cpu" if host else x.device)
+            ops.append(dist.P2POp(dist.irecv, buf, glob(src), group))
+            landed.append((b, buf))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            wait_collective(work, group, "tokenring: moving rows between ranks", "a peer has probably died")
+    for b, buf in landed:
+        out[:, b : b + buf.shape[1]] = buf
+    return out
+
+
+class _MoveRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, moves, out_rows, group):
+        ctx.moves, ctx.in_rows, ctx.group = moves, x.shape[1], group
+        return _moved(x, moves, out_rows, group, backward=False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _moved(dy.contiguous(), ctx.moves, ctx.in_rows, ctx.group, backward=True), None, None, None
+
+
+def move_rows(x: torch.Tensor, moves, out_rows: int, group=None) -> torch.Tensor:
+    """This rank's ``x`` (B, rows, ...) once the ranks of ``group`` have made ``moves`` (the same on every rank;
+    :func:`tokenring.layouts.even_out`): ``out_rows`` rows, its first rows kept in place. Differentiable: the
+    gradient goes back the way the rows came."""
+    return _MoveRows.apply(x, moves, out_rows, group)

@@ -10,7 +10,10 @@ rank's shard along its sequence dim (``layout``: zigzag by default, which balanc
 SDPA call with ``attn_mask=None`` becomes :func:`tokenring.attention` over the group (``is_causal``, ``scale``
 and ``enable_gqa`` as SDPA reads them; packed documents and windows through ``cu_seqlens=`` / ``window=``,
 over the global sequence); on exit the buffers are gathered back (except ``no_restore_buffers``). Buffers of
-any one length: their shards may be uneven, and the SDPA calls pass that length on as ``seq_len``. Anything
+any one length: their shards may be uneven, and the SDPA calls pass that length on as ``seq_len``. Buffers of
+several lengths (joint text + image streams, each split over the ranks on its own): a call that is not causal,
+without documents or a window, over rows that are this rank's shards of some of the lengths together runs with
+every rank's row count (``rows=``), which each rank works out alike from the lengths. Anything
 SDPA does that tokenring cannot express (a mask tensor, dropout) raises a ValueError on every rank: every rank
 runs the same model, so every rank meets the same call.
 
@@ -25,6 +28,7 @@ import contextlib
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .agreement import exchange
 from .api import attention
 from .layouts import check_layout, gather, group_info, padded_length, shard, shard_positions
 
@@ -50,11 +54,12 @@ def _group_of(group_or_mesh):
 class _SDPA(TorchFunctionMode):
     """Routes ``scaled_dot_product_attention`` to :func:`tokenring.attention` while the block is open."""
 
-    def __init__(self, group, strategy: str, layout: str, cu_seqlens, window, seq_len):
+    def __init__(self, group, strategy: str, layout: str, cu_seqlens, window, seq_len, lengths):
         super().__init__()
         self.group, self.strategy, self.layout = group, strategy, layout
         self.cu_seqlens, self.window, self.seq_len = cu_seqlens, window, seq_len
         self.uneven_rows = _uneven_rows(group, layout, seq_len)
+        self.joint = _joint_rows(group, layout, lengths) if len(lengths) > 1 else {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -82,6 +87,15 @@ class _SDPA(TorchFunctionMode):
                 f"(SDPA itself refuses this)"
             )
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, s, H, d), tokenring's layout
+        rows = None
+        if self.joint and not is_causal and self.cu_seqlens is None and self.window is None:
+            n = q.shape[1]
+            rows = self.joint.get(n, ()) if k.shape[1] == n else ()
+            if rows is None:  # this count could be more than one join of the streams: ask the others
+                rank, P = group_info(self.group)
+                every = exchange([float(n)], self.group, rank, P, "tokenring.context_parallel", "row counts")
+                rows = tuple(int(r[0]) for r in every) if every is not None else ()
+            rows = rows or None
         # (the mode is off while its handler runs: tokenring's own SDPA calls on blocks are not caught again)
         out = attention(
             q,
@@ -94,7 +108,8 @@ class _SDPA(TorchFunctionMode):
             cu_seqlens=self.cu_seqlens,
             window=self.window,
             group=self.group,
-            seq_len=self.seq_len if q.shape[1] == self.uneven_rows else None,
+            seq_len=self.seq_len if q.shape[1] == self.uneven_rows and rows is None else None,
+            rows=rows,
         )
         return out.transpose(1, 2)
 
@@ -106,6 +121,29 @@ def _uneven_rows(group, layout: str, S: int | None) -> int | None:
     if S is None or S == padded_length(S, P, layout):
         return None
     return len(shard_positions(S, P, rank, layout))
+
+
+def _joint_rows(group, layout: str, lengths: list[int]) -> dict:
+    """For buffers of several ``lengths``: this rank's row count of each sum of their shards (lengths joined,
+    each at most once) -> every rank's count (rank order), or ``None`` where the count alone cannot say which
+    (then the ranks exchange their counts at each such call). Every rank decides alike: a sum is ambiguous when
+    on some rank another sum gives the same count with other counts, and the true sum is a candidate on every
+    rank, so either every rank knows it alone or every rank meets an ambiguous candidate and asks."""
+    rank, P = group_info(group)
+    counts = {L: [len(shard_positions(L, P, r, layout)) for r in range(P)] for L in sorted(set(lengths))[:8]}
+    sums = set()
+    for pick in range(1, 1 << len(counts)):
+        chosen = [L for i, L in enumerate(counts) if pick >> i & 1]
+        sums.add(tuple(sum(counts[L][r] for L in chosen) for r in range(P)))
+
+    def ambiguous(rows) -> bool:
+        return any(other[r] == rows[r] and other != rows for r in range(P) for other in sums)
+
+    out: dict = {}
+    for rows in sums:
+        n = rows[rank]
+        out[n] = None if n in out or ambiguous(rows) else rows
+    return out
 
 
 @contextlib.contextmanager
@@ -131,15 +169,15 @@ def context_parallel(
     check_layout(layout)
     group = _group_of(group_or_mesh)
     keep = {id(b) for b in no_restore_buffers}
-    lengths = {b.shape[d] for b, d in zip(buffers, seq_dims)}
-    seq_len = lengths.pop() if len(lengths) == 1 else None  # any length: the SDPA calls' rows are its shards
+    lengths = [b.shape[d] for b, d in zip(buffers, seq_dims)]
+    seq_len = lengths[0] if len(set(lengths)) == 1 else None  # any length: the SDPA calls' rows are its shards
     for b, d in zip(buffers, seq_dims):
         b.data = shard(b.data, dim=d, layout=layout, group=group, cu_seqlens=cu_seqlens).contiguous()
-    mode = _SDPA(group, strategy, layout, cu_seqlens, window, seq_len)
+    mode = _SDPA(group, strategy, layout, cu_seqlens, window, seq_len, sorted(set(lengths)))
     try:
         with mode:
             yield
     finally:
-        for b, d in zip(buffers, seq_dims):
+        for b, d, L in zip(buffers, seq_dims, lengths):
             if id(b) not in keep:
-                b.data = gather(b.data, dim=d, layout=layout, group=group, cu_seqlens=cu_seqlens, seq_len=seq_len)
+                b.data = gather(b.data, dim=d, layout=layout, group=group, cu_seqlens=cu_seqlens, seq_len=L)

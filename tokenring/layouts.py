@@ -18,7 +18,9 @@ Q against its own K/V is the plain lower-triangular mask.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -40,6 +42,8 @@ __all__ = [
     "document_bounds",
     "balanced_plan",
     "DOCUMENT_LAYOUTS",
+    "Move",
+    "even_out",
 ]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_docs", "balanced")
@@ -276,3 +280,34 @@ def _shard_sizes(n: int, P: int, layout: str, group, seq_len, cu_seqlens=None) -
     got = [torch.empty_like(mine) for _ in range(P)]
     dist.all_gather(got, mine, group=group)
     return [int(x) for x in got]
+
+
+@dataclass(frozen=True)
+class Move:
+    """``rows`` rows that rank ``src`` sends from its row ``src_row`` on, and rank ``dst`` places at ``dst_row``."""
+
+    src: int
+    src_row: int
+    dst: int
+    dst_row: int
+    rows: int
+
+
+def even_out(rows: Sequence[int]) -> tuple[tuple[int, ...], tuple[Move, ...]]:
+    """Shards of any sizes ``rows`` (rank order) made the contiguous split of their total (what
+    :func:`shard_positions` gives each rank): every rank keeps its first rows up to its new count, the rows over
+    it go, in rank order, to the ranks under theirs. Returns the new counts and the moves (at most one per rank
+    pair); for attention with no order among its rows (not causal, no documents, no window)."""
+    S, P = sum(rows), len(rows)
+    target = tuple(len(shard_positions(S, P, r, "contiguous")) for r in range(P))
+    over = [[r, t, n - t] for r, (n, t) in enumerate(zip(rows, target)) if n > t]  # rank, next row, rows left
+    under = [[r, n, t - n] for r, (n, t) in enumerate(zip(rows, target)) if n < t]
+    moves, i, j = [], 0, 0
+    while i < len(over) and j < len(under):
+        (src, a, left), (dst, b, need) = over[i], under[j]
+        n = min(left, need)
+        moves.append(Move(src, a, dst, b, n))
+        over[i][1:] = a + n, left - n
+        under[j][1:] = b + n, need - n
+        i, j = i + (left == n), j + (need == n)
+    return target, tuple(moves)

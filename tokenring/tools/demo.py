@@ -1,5 +1,6 @@
 """``tokenring demo``: a Llama-architecture model prefills a long prompt on 4 local ranks with every strategy,
-next to the same model in one process: prefill time, tokens/s, peak memory per rank and the max logit difference.
+next to the same model in one process: prefill time, tokens/s, peak memory per rank and the max logit difference;
+the last line says where each strategy wins over shaped links (``bench/results/token_ring_wins.md``).
 
     tokenring demo [--seq 16384] [--ranks 4] [--model PATH] [--png tokenring-demo-timeline.png]
     tokenring demo --layer [--seq 16384] ...        # one attention layer instead of a model (needs only torch)
@@ -248,7 +249,8 @@ def _model_main(a) -> int:
         print(f"--seq {S} must be a multiple of 2*ranks = {2 * P} (zigzag layout)")
         return 2
     spec = _spec(a)
-    strategies = [s for s in (a.strategies.split(",") if a.strategies else STRATEGIES)]
+    named = a.strategies.split(",") if a.strategies else None
+    strategies = list(named or STRATEGIES)
     if a.model:
         from transformers import AutoConfig
 
@@ -263,10 +265,13 @@ def _model_main(a) -> int:
     except ValueError as e:  # an unknown name in --strategies
         print(f"tokenring demo: {e}")
         return 2
+    # Strategies that cannot run these heads on these ranks (the hierarchical ones without a node size) are left
+    # out of the table; only a name asked for with --strategies is reported.
     for name, reason in reasons.items():
         if reason:
             strategies.remove(name)
-            print(f"({name} skipped: {reason})")
+            if named:
+                print(f"({name} cannot run here: {reason})")
     cores = os.cpu_count() or 1
     print(f"{what}, {heads} heads / {kvh} KV heads, float32")
     print(
@@ -337,7 +342,17 @@ def _model_main(a) -> int:
         except ImportError as e:
             print(f"(no timeline PNG: {e}; pip install matplotlib)")
     print(f"total {time.perf_counter() - t_start:.0f} s")
+    print(_WHERE_EACH_WINS.format(model="as in this model" if kvh < heads else "not this model"))
     return 0 if ok else 1
+
+
+# Where each strategy is fastest over shaped links, from the best-per-case column of
+# bench/results/token_ring_wins.md (P=4, MHA and GQA 8/2 on mesh, ring-of-links and switch testbeds).
+_WHERE_EACH_WINS = (
+    "where each wins over shaped links (bench/results/token_ring_wins.md): token_ring with MHA on a switch and in "
+    "mesh forward+backward; ring_bidir or direct pass-KV in the other MHA cases; pass-KV ring with GQA ({model}); "
+    "ulysses in none. To see TokenRing win: sudo .venv/bin/python bench/token_ring_wins.py"
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
