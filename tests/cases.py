@@ -882,3 +882,22 @@ def ragged_case(rank: int, P: int, cases: list[dict]) -> list[float]:
             err = max(err, rel_err(got_sinks, ref_sinks.grad, 1e-3))
         errs.append(err)
     return errs
+
+
+def ragged_refused(rank: int, P: int) -> dict:
+    """rows= misuse, every rank's ValueError message: ``mismatch`` (rank 1's q holds other rows than rows says),
+    ``causal`` (rows with causal attention), ``differ`` (the last rank passes other rows, its own count right)."""
+    out = {}
+    q = torch.randn(1, 3, 2, 4)
+    other = [*range(P - 1), 3]
+    for name, rows, causal, mine in (
+        ("mismatch", [3] * P, False, q[:, :2] if rank == 1 else q),
+        ("causal", [3] * P, True, q),
+        ("differ", other if rank == P - 1 else [3] * P, False, q),
+    ):
+        try:
+            tokenring.attention(mine, mine, mine, rows=rows, causal=causal)
+            out[name] = "not refused"
+        except ValueError as e:
+            out[name] = str(e)
+    return out

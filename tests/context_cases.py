@@ -244,3 +244,57 @@ def compiled_dit(rank: int, P: int, S: int) -> dict:
         out = tokenring.gather(y.detach(), dim=1, layout="zigzag")
     _sum_grads(block, P)
     return dict(out=rel(out, ref.detach()), grad=max(rel(p.grad, want[n]) for n, p in block.named_parameters()))
+
+
+def vit_step(rank: int, P: int, family: str, image: int, patch: int) -> dict:
+    """A tiny Hugging Face ViT / DeiT encoder (float64, sdpa attention, no dropout) under context_parallel vs one
+    process: its ``(image / patch)^2`` patch tokens plus the class (and distillation) tokens, a count that need
+    not split evenly, are sharded after the embeddings (a buffer of the block); the encoder's output, every
+    gradient (the embeddings' through the gathered input gradient) on the scale of the largest, and the key
+    bias's gradient, zero in exact arithmetic."""
+    import transformers
+
+    cfg_cls, model_cls = {"vit": ("ViTConfig", "ViTModel"), "deit": ("DeiTConfig", "DeiTModel")}[family]
+    cfg = getattr(transformers, cfg_cls)(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=image,
+        patch_size=patch, num_channels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg, add_pooling_layer=False).double()
+    model.eval()  # no dropout anywhere (the configuration's are 0 too)
+    pixels = torch.randn(2, 3, image, image, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def run(h):  # the model's forward after its embeddings (no attention mask)
+        for layer in model.layers:
+            h = layer(h, None)
+        return model.layernorm(h)
+
+    h = model.embeddings(pixels)
+    want = run(h)
+    gy = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want.backward(gy)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    h = model.embeddings(pixels)
+    x, g = h.detach().clone(), gy.clone()
+    with tokenring.context_parallel(buffers=[x, g], seq_dims=[1, 1], layout="contiguous"):
+        x.requires_grad_()
+        y = run(x)
+        y.backward(g)
+        out = tokenring.gather(y.detach(), dim=1, layout="contiguous", seq_len=h.shape[1])
+        dx = tokenring.gather(x.grad, dim=1, layout="contiguous", seq_len=h.shape[1])
+    _sum_grads(model, P)  # the encoder's shares of this rank's rows; the embeddings' not yet
+    h.backward(dx)  # every rank: the whole input gradient into the embeddings (already summed over the rows)
+    # Softmax ignores a shift shared by every key, so the key projection's bias has a zero gradient: what both
+    # runs give for it is rounding (1e-17), hence every gradient is compared on the model's largest gradient's scale.
+    scale = max(g.abs().max() for g in grads.values())
+    got = dict(model.named_parameters())
+    return dict(
+        tokens=h.shape[1],
+        out=rel(out, want.detach()),
+        grad=max(((got[n].grad - g).abs().max() / scale).item() for n, g in grads.items()),
+        key_bias=max(
+            (t.abs().max() / scale).item() for n, g in grads.items() if "k_proj.bias" in n for t in (g, got[n].grad)
+        ),
+    )

@@ -54,6 +54,34 @@ def test_lengths_4095_and_4097(pools, P):
         assert max(errs) < 1e-10, list(zip(grid, errs))
 
 
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
+def test_any_rows_per_rank_without_order(pools, P):
+    """Non-causal attention without documents or a window over shards of any sizes (``rows=``), zero rows on
+    some ranks, one rank holding everything, sinks, GQA, odd head dims, every flat strategy and auto."""
+    strats = ("token_ring", "ring", "ring_bidir", "auto")
+    shapes = [
+        [5 + 3 * r for r in range(P)],  # growing
+        [0] * (P - 1) + [7],  # one rank holds every row
+        [2 * P + 1 - r if r % 2 else 0 for r in range(P)],  # every other rank empty
+        [8 + (r == 0) for r in range(P)],  # text + image streams each split alone: one extra row on rank 0
+    ]
+    grid = [
+        dict(rows=rows, H=4, Hkv=2 if i % 2 else 4, d=5 if i % 2 else 3, strategy=strats[i % 4], sinks=i == 2)
+        for i, rows in enumerate(shapes)
+    ]
+    if P != 3:
+        grid.append(dict(rows=shapes[0], H=2 * P, Hkv=P, d=5, strategy="ulysses"))
+    for errs in pools(P).run(cases.ragged_case, grid):
+        assert max(errs) < 1e-10, list(zip(grid, errs))
+
+
+def test_any_rows_per_rank_refused_on_every_rank(pools):
+    for r in pools(3).run(cases.ragged_refused):
+        assert "rows=[3, 3, 3] gives rank 1 3" in r["mismatch"] or "rank(s) [1] refused" in r["mismatch"], r
+        assert "no order: not causal" in r["causal"], r
+        assert "rank 2" in r["differ"], r
+
+
 def test_shard_positions_cover_the_sequence_once():
     for P in range(1, 6):
         for layout in ("contiguous", "zigzag"):

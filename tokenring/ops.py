@@ -520,7 +520,8 @@ def _agree(
         "tokenring.attention",
         f"Here: {describe}. Every rank must pass shards of the same shape, dtype and options; shard the "
         f"sequence with tokenring.shard(), and for a length the layout does not split evenly pass seq_len= "
-        f"(the global length) on every rank.",
+        f"(the global length) on every rank; attention without order (not causal, no documents or window) "
+        f"takes any rows per rank with rows= (every rank's count, the same list on every rank).",
         _show,
     )
     if rows[0][-1]:  # rank 0 asks every rank to calibrate the group first
