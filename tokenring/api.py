@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch.fx.experimental import symbolic_shapes
 
 from .agreement import code
 from .choice import choose_strategy, resolve
@@ -257,6 +256,8 @@ def _checked_plan(q, k, v, sinks, cu, cu_seqlens, strategy, causal, softmax_scal
             frozen_cu, cu is not None, _frozen(window), sinks is not None, _group_name(group), inner_size, backward,
             False,
         )  # fmt: skip
+    from torch.fx.experimental import symbolic_shapes  # only when tracing (0.5 s of import)
+
     if isinstance(softmax_scale, (int, float)):  # a float attribute is symbolic under dynamic=True: a guard fixes it
         softmax_scale = symbolic_shapes.guard_scalar(softmax_scale)
     if window is not None:
@@ -269,8 +270,18 @@ def _checked_plan(q, k, v, sinks, cu, cu_seqlens, strategy, causal, softmax_scal
 
 
 # What dynamo traces without a guard: a symbolic size's hint (torch < 2.10: the size), whether a size is symbolic.
-_hint = getattr(symbolic_shapes, "optimization_hint", lambda x: x)
-_static = getattr(symbolic_shapes, "has_static_value", lambda x: not isinstance(x, torch.SymInt))
+def _hint(x):
+    from torch.fx.experimental import symbolic_shapes
+
+    return getattr(symbolic_shapes, "optimization_hint", lambda y: y)(x)
+
+
+def _static(x) -> bool:
+    if not isinstance(x, torch.SymInt):
+        return True
+    from torch.fx.experimental import symbolic_shapes
+
+    return symbolic_shapes.has_static_value(x) if hasattr(symbolic_shapes, "has_static_value") else False
 
 
 def _constant_shape(t: torch.Tensor) -> tuple:
