@@ -45,7 +45,10 @@ bench/token_ring_wins.py: the rate at which ring's K/V message per step takes tw
 compute); all runners take turns in the same rounds (order rotated each round, each call after a barrier,
 the slowest rank's time); every peer's output (and gradients where a backward runs) is gathered and checked
 against a float64 one-process reference before any timing. What differs is only each library's schedule:
-what it sends, when, and how it overlaps with the computes.
+what it sends, when, and how it overlaps with the computes. ring-flash-attn's and yunchang's ring backwards
+give wrong gradients in float32 (their ``dq = dq_buffer.to(torch.float32)`` aliases the buffer that the next
+block's backward overwrites; in bf16/fp16, their target, ``.to`` copies): their backward rows are timed and
+flagged **check failed**, never hidden.
 
 Cases (B=1, float32): ``dit``: a non-causal DiT step, 2 adaLN-Zero blocks of tests/context_cases.py (dim 512,
 8 heads of 64), forward + backward, the per-rank parameter gradients all-reduced only in the check (a data-
