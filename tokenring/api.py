@@ -270,18 +270,22 @@ def _checked_plan(q, k, v, sinks, cu, cu_seqlens, strategy, causal, softmax_scal
 
 
 # What dynamo traces without a guard: a symbolic size's hint (torch < 2.10: the size), whether a size is symbolic.
-def _hint(x):
+def _shape_fns():
+    """symbolic_shapes' ``optimization_hint`` and ``has_static_value`` (imported when tracing: 0.5 s), the
+    functions themselves, which dynamo knows."""
     from torch.fx.experimental import symbolic_shapes
 
-    return getattr(symbolic_shapes, "optimization_hint", lambda y: y)(x)
+    hint = getattr(symbolic_shapes, "optimization_hint", lambda x: x)
+    static = getattr(symbolic_shapes, "has_static_value", lambda x: not isinstance(x, torch.SymInt))
+    return hint, static
+
+
+def _hint(x):
+    return _shape_fns()[0](x)
 
 
 def _static(x) -> bool:
-    if not isinstance(x, torch.SymInt):
-        return True
-    from torch.fx.experimental import symbolic_shapes
-
-    return symbolic_shapes.has_static_value(x) if hasattr(symbolic_shapes, "has_static_value") else False
+    return _shape_fns()[1](x)
 
 
 def _constant_shape(t: torch.Tensor) -> tuple:
