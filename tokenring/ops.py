@@ -831,6 +831,41 @@ def _backward(ctx, grads):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Eager(torch.autograd.Function):
+    """The ops' bodies without the custom-op dispatch, for plain eager calls: the same forward and backward, with
+    the strategy object kept in the context instead of travelling as numbers."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu, call: Call):
+        with no_autocast(q):
+            out, strat, extra = run_forward(q, k, v, sinks, cu, call)
+        ctx.save_for_backward(q, k, v, sinks, cu, out, *extra)
+        ctx.call, ctx.strat, ctx.has_sinks = call, strat, sinks is not None
+        ctx.holder = _EXTRAS.get(call.extras) if call.extras else None  # keeps the instrumentation alive
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, sinks, cu, out, *extra = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        with no_autocast(q):
+            grads = run_backward(dout, q, k, v, out, sinks, cu, ctx.strat, extra, ctx.call)
+        return grads[0], grads[1], grads[2], grads[3] if ctx.has_sinks else None, None, None
+
+
+def _plain_eager(*tensors) -> bool:
+    """Whether a call can skip the custom op: eager, plain tensors, no dispatch mode or functorch transform."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return all(t is None or type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors)
+
+
 def attention_op(q, k, v, sinks, cu_seqlens, call: Call) -> torch.Tensor:
-    """The forward op's output (the rest of its results are for its backward)."""
+    """The forward op's output (the rest of its results are for its backward). Plain eager calls run the op's
+    bodies directly (:class:`_Eager`): the custom op's dispatch costs a tenth of a call's host time and imports
+    dynamo at the first call; traced calls, fake tensors and tensor subclasses take the op."""
+    if _plain_eager(q, k, v, sinks, cu_seqlens):
+        return _Eager.apply(q, k, v, sinks, cu_seqlens, call)
     return attention_fwd(q, k, v, sinks, cu_seqlens, *call.args())[0]

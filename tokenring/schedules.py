@@ -145,6 +145,7 @@ def chunk(part: str, i: int, c: int, j: int | None = None) -> str:
     return rows(a * c + i * (b - a), a * c + j * (b - a), n * c)
 
 
+@lru_cache(maxsize=1 << 14)
 def part_slice(part: str, n: int) -> slice:
     """Row slice of ``part`` within ``n`` local rows (floors: any ``n`` works, chunks differ by a row at most)."""
     a, b, m = _frac(part)
@@ -531,6 +532,11 @@ class Shapes:
 
 def payload(kind: str, part: str, sh: Shapes, heads: str = "all") -> list[tuple[tuple[int, ...], torch.dtype, int]]:
     """``(shape, dtype, sequence dim)`` of each tensor of a message of ``kind`` about rows ``part``."""
+    return list(_payload(kind, part, sh, heads))
+
+
+@lru_cache(maxsize=1 << 12)  # read per message per call: the executor's hot path
+def _payload(kind: str, part: str, sh: Shapes, heads: str) -> tuple:
     spec = message_kind(kind)
     if heads != "all":
         sh = replace(sh, H=sh.H // 2, Hkv=sh.Hkv // 2)
@@ -545,7 +551,7 @@ def payload(kind: str, part: str, sh: Shapes, heads: str = "all") -> list[tuple[
         "ukv": ((B, n, ulysses_kv_heads(H, Hkv, sh.P) // sh.P, d), dt, 1),
         "pos": ((n,), torch.int64, 0),
     }
-    return [shapes[t] for t in spec.tensors]
+    return tuple(shapes[t] for t in spec.tensors)
 
 
 def message_bytes(m: Message, sh: Shapes, spec=None) -> int:
