@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Host time per call: what Python spends around the kernels, on PyTorch's fake process group (every collective
+and point-to-point op a no-op), so only the host and a tiny local compute are timed.
+
+    .venv/bin/python bench/host_overhead.py            # writes bench/results/host_overhead.{md,json}
+    .venv/bin/python bench/host_overhead.py --quick    # P=4 only, fewer calls
+
+Each rank count ``P`` runs in its own process as rank 1 of ``P`` (one thread). Shapes as the issue states them:
+B=1, 16 rows per rank, 8 query / 2 key-value heads, d=64, float32, causal. After a warm-up, rounds interleave the
+variants (each round: ``--calls`` calls of every variant in turn); every round's microseconds per call are
+kept. The floor is a minimal ring loop written here the way ring-flash-attn writes its loop: per step one
+batched isend/irecv of K and V to the next rank, one CPU flash call returning the log-sum-exp, and an
+LSE merge; P steps (causal: the diagonal step masked, the others below the diagonal, a zigzag-free loop that
+does the same number of kernel calls). Ratios are medians over the floor's median in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+B, S_LOCAL, H, HKV, D = 1, 16, 8, 2, 64
+CACHE = 1024  # decode: cached rows per rank
+
+
+def _floor(q, k, v, P: int, causal: bool):
+    """A minimal ring loop (forward): P steps of one batched K/V exchange, one flash call, one LSE merge."""
+    import torch
+    import torch.distributed as dist
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    rank = dist.get_rank()
+    nxt, prv = (rank + 1) % P, (rank - 1) % P
+    qt = q.transpose(1, 2)
+    out = lse = None
+    for step in range(P):
+        if step + 1 < P:
+            k2, v2 = torch.empty_like(k), torch.empty_like(v)
+            ops = [dist.P2POp(dist.isend, k, nxt), dist.P2POp(dist.isend, v, nxt)]
+            works = dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, k2, prv), dist.P2POp(dist.irecv, v2, prv)])
+        o, l = flash(qt, k.transpose(1, 2), v.transpose(1, 2), 0.0, causal and step == 0)[:2]
+        if out is None:
+            out, lse = o.float(), l
+        else:  # out = out - sigmoid(l - lse) * (out - o); lse = lse - logsigmoid(lse - l)
+            out = out - torch.sigmoid(l - lse).unsqueeze(-1) * (out - o)
+            lse = lse - torch.nn.functional.logsigmoid(lse - l)
+        if step + 1 < P:
+            for w in works:
+                w.wait()
+            k, v = k2, v2
+    return out.transpose(1, 2)
+
+
+def _variants(P: int, quick: bool):
+    """name -> a function of no arguments making one call."""
+    import torch
+
+    import tokenring
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S_LOCAL, H, D, generator=g)
+    k, v = (torch.randn(B, S_LOCAL, HKV, D, generator=g) for _ in range(2))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    qd = torch.randn(B, 1, H, D, generator=g)
+    kc, vc = (torch.randn(B, CACHE, HKV, D, generator=g) for _ in range(2))
+    out = {"floor: minimal ring loop": lambda: _floor(q, k, v, P, True)}
+    for s in ("ring", "token_ring", "ulysses"):
+        out[f"attention {s}, forward"] = lambda s=s: tokenring.attention(q, k, v, causal=True, strategy=s)
+    out["attention ring, forward+backward"] = lambda: (
+        tokenring.attention(qg, kg, vg, causal=True, strategy="ring").sum().backward()
+    )
+    out["decode_attention (1 token, 1024 cached rows per rank)"] = lambda: tokenring.decode_attention(qd, kc, vc)
+    return out
+
+
+def child(P: int, rounds: int, calls: int, quick: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend="fake", store=FakeStore(), rank=1, world_size=P)
+    variants = _variants(P, quick)
+    for fn in variants.values():  # warm-up: plans, caches, agreements
+        for _ in range(20):
+            fn()
+    kept = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            kept[name].append((time.perf_counter() - t0) / calls * 1e6)
+    print(json.dumps(kept))
+
+
+def _commit(path: str) -> str:
+    out = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--before",
+        metavar="DIR",
+        help="a checkout of an earlier commit: its tokenring is timed too, in child processes alternating with "
+        "this one's (the floor is measured in both)",
+    )
+    ap.add_argument("--repeats", type=int, default=2, help="child processes per version and P, alternating")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "host_overhead"))
+    ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        child(a.child, a.rounds, a.calls, a.quick)
+        return 0
+    if a.quick:
+        a.ranks, a.rounds, a.calls = [4], 3, 50
+    versions = {"now": None, **({"before": os.path.abspath(a.before)} if a.before else {})}
+    results: dict = {}  # version -> P -> call -> every round's us per call
+    for P in a.ranks:
+        for _ in range(a.repeats):
+            for version, path in versions.items():
+                env = dict(os.environ, OMP_NUM_THREADS="1")
+                if path:
+                    env["PYTHONPATH"] = path
+                cmd = [sys.executable, __file__, "--child", str(P), "--rounds", str(a.rounds), "--calls", str(a.calls)]
+                text = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+                for name, us in json.loads(text.strip().splitlines()[-1]).items():
+                    results.setdefault(version, {}).setdefault(P, {}).setdefault(name, []).extend(us)
+        print(f"P={P} done", file=sys.stderr)
+    lines = [
+        "# Host time per call on the fake process group",
+        "",
+        f"Command: `.venv/bin/python bench/host_overhead.py{' --quick' if a.quick else ''}`. Machine: "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, one thread per process, "
+        f"PyTorch's fake process group (no data moves). Shapes: B={B}, {S_LOCAL} rows per rank, {H}/{HKV} heads, "
+        f"d={D}, float32, causal; decode: 1 new token over {CACHE} cached rows per rank. Microseconds per call, "
+        f"median (min-max) of {a.repeats} processes x {a.rounds} interleaved rounds of {a.calls} calls; ratio: "
+        f"median over the floor's in the same processes."
+        + (
+            f" Before: the tokenring of `{a.before}` (commit {_commit(a.before)}), its processes alternating with "
+            f"this checkout's (commit {_commit(HERE)})."
+            if a.before
+            else ""
+        ),  # fmt: skip
+        "",
+        "| P | call | " + " | ".join(f"{v}: us per call | {v}: / floor" for v in versions) + " |",
+        "|---|---|" + "---|---|" * len(versions),
+    ]
+    for P in a.ranks:
+        for name in results["now"][P]:
+            cells = []
+            for version in versions:
+                kept = results[version][P]
+                us, floor = kept[name], statistics.median(kept["floor: minimal ring loop"])
+                m = statistics.median(us)
+                cells.append(f"{m:.0f} ({min(us):.0f}-{max(us):.0f}) | {m / floor:.2f}x")
+            lines.append(f"| {P} | {name} | " + " | ".join(cells) + " |")
+    from _results import write
+
+    write(a.out, {"shapes": dict(B=B, s=S_LOCAL, H=H, Hkv=HKV, d=D, cache=CACHE), "rounds": results}, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
