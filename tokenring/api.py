@@ -14,7 +14,7 @@ from .comm import move_rows
 from .device import device_type as device_kind
 from .instrument import current as current_instruments
 from .kernels import attention_inputs, fold_scale
-from .layouts import LAYOUTS, Move, default_layout, even_out, group_info, padded_length, shard_positions
+from .layouts import LAYOUTS, default_layout, even_out, group_info, padded_length, shard_positions
 from .masks import check_bounds_tensor, whole_numbers
 from .ops import (
     Call,
@@ -191,11 +191,7 @@ def _ragged(q, k, v, rows, causal, softmax_scale, strategy, cu_seqlens, window, 
         q2, k2, v2, softmax_scale=softmax_scale, strategy=strategy, layout="contiguous", sinks=sinks, group=group,
         inner_size=inner_size, seq_len=S,
     )  # fmt: skip
-    return move_rows(out, tuple(_back(m) for m in moves), q.shape[1], group) if moves else out
-
-
-def _back(m: Move) -> Move:
-    return Move(m.dst, m.dst_row, m.src, m.src_row, m.rows)
+    return move_rows(out, moves, q.shape[1], group, back=True) if moves else out
 
 
 def _ragged_rows(q, k, v, rows, causal, cu_seqlens, window, seq_len, rank: int, P: int) -> tuple[int, ...]:

@@ -519,17 +519,17 @@ def _moved(x: torch.Tensor, moves, out_rows: int, group, backward: bool) -> torc
 
 class _MoveRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, moves, out_rows, group):
-        ctx.moves, ctx.in_rows, ctx.group = moves, x.shape[1], group
-        return _moved(x, moves, out_rows, group, backward=False)
+    def forward(ctx, x, moves, out_rows, group, back):
+        ctx.moves, ctx.in_rows, ctx.group, ctx.back = moves, x.shape[1], group, back
+        return _moved(x, moves, out_rows, group, backward=back)
 
     @staticmethod
     def backward(ctx, dy):
-        return _moved(dy.contiguous(), ctx.moves, ctx.in_rows, ctx.group, backward=True), None, None, None
+        return _moved(dy.contiguous(), ctx.moves, ctx.in_rows, ctx.group, backward=not ctx.back), None, None, None, None
 
 
-def move_rows(x: torch.Tensor, moves, out_rows: int, group=None) -> torch.Tensor:
+def move_rows(x: torch.Tensor, moves, out_rows: int, group=None, back: bool = False) -> torch.Tensor:
     """This rank's ``x`` (B, rows, ...) once the ranks of ``group`` have made ``moves`` (the same on every rank;
-    :func:`tokenring.layouts.even_out`): ``out_rows`` rows, its first rows kept in place. Differentiable: the
-    gradient goes back the way the rows came."""
-    return _MoveRows.apply(x, moves, out_rows, group)
+    :func:`tokenring.layouts.even_out`), or undone them (``back``): ``out_rows`` rows, its first rows kept in
+    place. Differentiable: the gradient goes back the way the rows came."""
+    return _MoveRows.apply(x, moves, out_rows, group, back)
