@@ -484,6 +484,27 @@ def stop_case(rank: int, P: int, strategy: str, how: str, phase: str, timeout: f
     raise AssertionError(f"rank {rank}: no RuntimeError although rank {P - 1} stopped ({how}, {phase})")
 
 
+def gone_before_posting_case(rank: int, P: int, strategy: str, timeout: float):
+    """Rank P-1 exits after the first call; the others call again once its connections are closed, so posting
+    to it can fail at once, before any wait. Every other rank returns (seconds to its RuntimeError, message)."""
+    import os
+    import time
+
+    tokenring.set_timeout(timeout)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 12, h, 8, generator=g) for h in (6, 2, 2))
+    tokenring.attention(q, k, v, strategy=strategy)  # first call: signatures verified, marks left
+    if rank == P - 1:
+        os._exit(0)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    try:
+        tokenring.attention(q, k, v, strategy=strategy)
+    except RuntimeError as e:
+        return time.monotonic() - t0, str(e)
+    raise AssertionError(f"rank {rank}: no RuntimeError although rank {P - 1} exited")
+
+
 def absent_case(rank: int, P: int, timeout: float):
     """Rank P-1 never calls attention (its first call, so the shapes are not verified yet); the others return the
     RuntimeError message they get within the timeout."""

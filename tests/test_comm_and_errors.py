@@ -1,6 +1,8 @@
 """Byte accounting against the design's formulas (docs/DESIGN.md), clear errors for bad input, and no hang on
 a dead peer."""
 
+import sys
+
 import cases
 import pytest
 
@@ -577,3 +579,41 @@ def test_silent_peer_named_when_rank_0_hosts_the_store(tmp_path, launcher, strat
         elapsed, msg = json.loads(path.read_text())
         assert elapsed < timeout + 2, (rank, elapsed, msg)
         assert "Rank 2 is the one that stopped" in msg, (rank, msg)
+
+
+def test_exited_rank_is_named_when_the_reports_loop():
+    """Failures that do not say which peer closed the connection: ranks 0 and 1 each report waiting for the other
+    (a loop), rank 2 left no report and its process has exited; the sentence names rank 2, not a deadlock. A
+    rank whose process exited after reporting a failure of its own is not blamed."""
+    import subprocess
+
+    from torch.distributed import HashStore
+
+    from tokenring.comm import exited_ranks, process_mark, silent_ranks
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    store = HashStore()
+    host = process_mark().rsplit(" ", 1)[0]
+    store.set("tokenring/pid/0", process_mark())
+    store.set("tokenring/pid/1", process_mark())
+    store.set("tokenring/pid/2", f"{host} {gone.pid}")
+    store.set("tokenring/pid/3", f"elsewhere {gone.pid}")  # another host's pid says nothing here
+    assert exited_ranks(store, [0, 1, 2, 3]) == [2]
+    store.set("tokenring/stuck/0", "1")
+    store.set("tokenring/stuck/1", "0")
+    said = silent_ranks(store, 0, 1, 4, wait_s=0.1)
+    assert "Rank 2 is the one that stopped: its process has exited" in said, said
+    store.set("tokenring/stuck/2", "0")  # it failed and said so before exiting: the loop is all there is
+    assert "schedule deadlock" in silent_ranks(store, 0, 1, 4, wait_s=0.1)
+
+
+@pytest.mark.parametrize("strategy", ["ring_bidir", "token_ring"])
+def test_rank_gone_before_the_others_post_is_named(strategy):
+    """A rank that exits between calls, its connections closed before the others post their messages: every
+    other rank names it within the timeout + 2 s."""
+    timeout, P = 3.0, 3
+    results = spawn(cases.gone_before_posting_case, P, strategy, timeout, timeout=60)
+    for rank in range(P - 1):
+        elapsed, msg = results[rank]
+        assert elapsed < timeout + 2 and f"Rank {P - 1} is the one that stopped" in msg, (rank, elapsed, msg)

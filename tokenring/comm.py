@@ -8,6 +8,7 @@ import atexit
 import datetime
 import math
 import os
+import socket
 import time
 from multiprocessing.util import Finalize
 
@@ -170,6 +171,46 @@ def publish_refusal(group, rank: int, why: str) -> None:
         pass
 
 
+def process_mark() -> str:
+    """This process as the rendezvous store keeps it per rank (``tokenring/pid/<rank>``): host and pid."""
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def exited_ranks(store, ranks) -> list[int]:
+    """Those of ``ranks`` whose process ran on this host and has exited (its pid gone, or a zombie), from the marks
+    each rank leaves at its first exchange (:func:`tokenring.agreement.exchange`): a failed operation on a closed
+    connection does not always say which peer closed it."""
+    if store is None:
+        return []
+    out, host = [], socket.gethostname()
+    for r in ranks:
+        try:
+            if not store.check([f"tokenring/pid/{r}"]):
+                continue
+            where, pid = store.get(f"tokenring/pid/{r}").decode().rsplit(" ", 1)
+        except Exception:  # the store is gone, or a mark from elsewhere
+            continue
+        if where == host and not _running(int(pid)):
+            out.append(r)
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: ask the kernel (a zombie counts as running there)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+
+
 def silent_ranks(store, me: int, first: int, world: int, wait_s: float = _REPORT_WAIT_S) -> str:
     """A sentence naming the rank that stopped, following the failure reports from rank ``first`` ('' if it
     cannot be told; docs/internals.md). Counts this rank among the readers of the reports (:func:`done_reading`:
@@ -177,12 +218,12 @@ def silent_ranks(store, me: int, first: int, world: int, wait_s: float = _REPORT
     if store is None:
         return ""
     try:
-        return _follow(store, me, first, wait_s)
+        return _follow(store, me, first, wait_s, world)
     finally:
         done_reading(store, "tokenring/stuck_read", world - 1)
 
 
-def _follow(store, me: int, first: int, wait_s: float) -> str:
+def _follow(store, me: int, first: int, wait_s: float, world: int) -> str:
     chain, r = [me], first
     deadline = time.monotonic() + wait_s
     try:
@@ -206,9 +247,21 @@ def _follow(store, me: int, first: int, wait_s: float) -> str:
                 )
             chain.append(r)
             r = int(store.get(key).decode())
-        return f" Every rank of {chain} is waiting for the next: a schedule deadlock (please report it)."
+        return _exited(store, me, world) or (
+            f" Every rank of {chain} is waiting for the next: a schedule deadlock (please report it)."
+        )
+    except Exception:
+        return _exited(store, me, world)
+
+
+def _exited(store, me: int, world: int) -> str:
+    """A sentence naming a rank whose process exited without a failure report of its own ('' if none)."""
+    try:
+        gone = [r for r in exited_ranks(store, [r for r in range(world) if r != me])
+                if not store.check([f"tokenring/stuck/{r}"])]  # fmt: skip
     except Exception:
         return ""
+    return f" Rank {gone[0]} is the one that stopped: its process has exited." if gone else ""
 
 
 class Trace:
@@ -470,8 +523,9 @@ class Comm:
         t0 = time.monotonic()
         try:
             handles = dist.batch_isend_irecv(ops)
-        except Exception as e:  # a peer that is already gone can fail the posting itself
-            direction, m, _ = meta[0]
+        except Exception as e:  # a peer that is already gone can fail the posting itself: name that one
+            gone = exited_ranks(group_store(self.group), sorted({_peer(d, m) for d, m, _ in meta}))
+            direction, m, _ = next((x for x in meta if _peer(x[0], x[1]) in gone), meta[0])
             raise self.failure(direction, m, step, e) from e
         if len(handles) != len(ops):  # NCCL: one coalesced work completes every operation of the step
             every = [(d, m) for d, m, _ in meta]
