@@ -294,7 +294,6 @@ def draw(i: int, seed: int, ranks: list[int], mix: tuple[str, ...] = ("attention
     """Trial ``i``'s setup, drawn from its own seed (the same whichever worker runs it)."""
     from tokenring.masks import make_mask
     from tokenring.strategies import get, why_not
-    from tokenring.strategies.extend import decode_schedule
 
     rnd = random.Random(seed * 1_000_003 + i)
     P = rnd.choice(ranks)
@@ -310,7 +309,7 @@ def draw(i: int, seed: int, ranks: list[int], mix: tuple[str, ...] = ("attention
     cu = [0] + sorted(rnd.sample(range(1, S), 3)) + [S] if workload == "attention" and rnd.random() < 0.5 else None
     mask = make_mask(S, cu, None, causal) if cu else None  # the victim's steps: its own plan's
     if phase == "decode":
-        steps = len(decode_schedule(P).steps)
+        steps = 1  # decode gathers every rank's partials in one step
     else:
         steps = len(get(spec).rank_schedule(P, layout, causal, phase == "backward", mask, victim).steps)
     return dict(

@@ -505,6 +505,28 @@ def gone_before_posting_case(rank: int, P: int, strategy: str, timeout: float):
     raise AssertionError(f"rank {rank}: no RuntimeError although rank {P - 1} exited")
 
 
+def decode_stop_case(rank: int, P: int, timeout: float, check: bool):
+    """Rank P-1 exits inside a decode step (at its gather of the partials, after the step's check when
+    ``check``); every other rank returns (seconds to its RuntimeError, message)."""
+    import time
+
+    from tokenring.tools.launch import exit_at_step
+
+    tokenring.set_timeout(timeout)
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, 1, 4, 8, generator=torch.Generator().manual_seed(0))
+    k, v = (torch.randn(1, 10, 2, 8, generator=g) for _ in range(2))
+    tokenring.decode_attention(q, k, v, check=check)
+    if rank == P - 1:
+        exit_at_step("decode", 0)
+    t0 = time.monotonic()
+    try:
+        tokenring.decode_attention(q, k, v, check=check)
+    except RuntimeError as e:
+        return time.monotonic() - t0, str(e)
+    raise AssertionError(f"rank {rank}: no RuntimeError although rank {P - 1} exited")
+
+
 def absent_case(rank: int, P: int, timeout: float):
     """Rank P-1 never calls attention (its first call, so the shapes are not verified yet); the others return the
     RuntimeError message they get within the timeout."""

@@ -617,3 +617,14 @@ def test_rank_gone_before_the_others_post_is_named(strategy):
     for rank in range(P - 1):
         elapsed, msg = results[rank]
         assert elapsed < timeout + 2 and f"Rank {P - 1} is the one that stopped" in msg, (rank, elapsed, msg)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_rank_that_dies_in_a_decode_step_is_named(check):
+    """A rank that exits inside a decode step, where every rank's partials are gathered (the first layer's step
+    check before it, or not): every other rank raises within the timeout + 2 s and names it."""
+    timeout, P = 3.0, 3
+    results = spawn(cases.decode_stop_case, P, timeout, check, timeout=60)
+    for rank in range(P - 1):
+        elapsed, msg = results[rank]
+        assert elapsed < timeout + 2 and f"Rank {P - 1} is the one that stopped" in msg, (rank, elapsed, msg)

@@ -504,3 +504,25 @@ def test_checksum_of_large_and_permuted_values():
     assert len({checksum(x), checksum(x.flip(-1)), checksum(x + (x == 5)), checksum(x.view(2, 2))}) == 4
     f = torch.randn(3, 5)
     assert checksum(f) == checksum(f.clone()) != checksum(f.double()) and checksum(f) != checksum(-f)
+
+
+def test_stacked_merge_equals_merging_one_by_one():
+    """merge_stacked (decode's one-pass merge of every rank's partial) against merge_ in turn, float64: rows that
+    some partials never saw (lse -inf), and a row that none saw (0 and -inf, never NaN)."""
+    from tokenring.merge import merge_, merge_stacked, new_accumulator
+
+    g = torch.Generator().manual_seed(0)
+    n, B, rows, H, d = 5, 2, 3, 4, 7
+    o = torch.randn(n, B, rows, H, d, generator=g, dtype=torch.float64)
+    lse = torch.randn(n, B, H, rows, generator=g, dtype=torch.float64) * 5
+    lse[1:3, :, :, 0] = float("-inf")  # row 0: two partials saw no key
+    lse[:, 1, 2, 2] = float("-inf")  # batch 1, head 2, row 2: no partial saw a key
+    o[:, 1, 2, 2] = 0.0
+    want_o, want_lse = new_accumulator(B, rows, H, d, torch.float64, "cpu")
+    for j in range(n):
+        merge_(want_o, want_lse, o[j], lse[j])
+    got_o, got_lse = merge_stacked(o, lse)
+    assert torch.allclose(got_o, want_o, atol=1e-13, rtol=0) and torch.equal(got_lse.isneginf(), want_lse.isneginf())
+    finite = want_lse.isfinite()
+    assert torch.allclose(got_lse[finite], want_lse[finite], atol=1e-13, rtol=0)
+    assert not got_o.isnan().any() and got_o[1, 2, 2].abs().max() == 0

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import done_reading, get_timeout, group_store, guard_exit, process_mark
+from .comm import done_reading, get_timeout, group_store, guard_exit, mark_process, marked
 from .device import collective_device, values_travel
 
 __all__ = [
@@ -69,8 +69,6 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     store, prefix = group_store(group), f"tokenring/arrived/{n}/"
     try:
         store.set(prefix + str(rank), "1")
-        if n == 0:  # this process, for a rank whose failure cannot say which peer is gone (comm.exited_ranks)
-            store.set(f"tokenring/pid/{rank}", process_mark())
     except Exception:
         store = None
     try:  # the marks of two exchanges ago are read by nobody now: the store stays flat over many steps
@@ -79,6 +77,8 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     except Exception:
         pass
     guard_exit(group)
+    if id(group) not in marked:  # this process, for a failure that cannot say which peer is gone
+        mark_process(group, rank)
     work = dist.all_gather(every, mine, group=group, async_op=True)
     if not values_travel(group):
         work.wait()
@@ -233,3 +233,4 @@ def forget_groups() -> None:
     for c in _caches:
         c.clear()
     _exchanges.clear()
+    marked.clear()

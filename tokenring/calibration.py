@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import device as _device
 from . import settings
 from .api import attention
-from .comm import exited_ranks, get_timeout, group_store, process_mark, silent_ranks
+from .comm import exited_ranks, get_timeout, group_store, mark_process, silent_ranks
 from .kernels import block_forward
 from .schedules import Shapes
 from .sim.kernel_model import KernelModel, block_row, fit_table, model_to_dict
@@ -89,10 +89,7 @@ class _Group:
         self.timeout = get_timeout()
         self.tag = 7_000_000  # distinct from attention's tags
         self.phase = "start"
-        try:  # this process, for a rank whose failure cannot say which peer is gone (comm.exited_ranks)
-            group_store(group).set(f"tokenring/pid/{self.rank}", process_mark())
-        except Exception:
-            pass
+        mark_process(group, self.rank)  # for a failure that cannot say which peer is gone (comm.exited_ranks)
 
     def sync(self) -> None:
         if self.dev.type == "cuda":
@@ -102,7 +99,7 @@ class _Group:
         who = ""
         store = group_store(self.group)
         if store is not None and peer is None and not self.nccl:  # which peer closed the connection: one gone
-            peer = next(iter(exited_ranks(store, [r for r in range(self.P) if r != self.rank])), None)
+            peer = next(iter(exited_ranks(store, [r for r in range(self.P) if r != self.rank], wait_s=1.0)), None)
         if store is not None and peer is not None and not self.nccl:
             try:
                 store.set(f"tokenring/stuck/{self.rank}", str(peer))

@@ -176,23 +176,39 @@ def process_mark() -> str:
     return f"{socket.gethostname()} {os.getpid()}"
 
 
-def exited_ranks(store, ranks) -> list[int]:
+marked: set = set()  # ids of the groups this process has left its mark in (agreement.forget_groups clears it)
+
+
+def mark_process(group, rank: int) -> None:
+    """Leave :func:`process_mark` in ``group``'s store as rank ``rank``'s, once per group."""
+    marked.add(id(group))
+    try:
+        group_store(group).set(f"tokenring/pid/{rank}", process_mark())
+    except Exception:  # no store to reach: failures are still reported, only less precisely
+        pass
+
+
+def exited_ranks(store, ranks, wait_s: float = 0.0) -> list[int]:
     """Those of ``ranks`` whose process ran on this host and has exited (its pid gone, or a zombie), from the marks
     each rank leaves at its first exchange (:func:`tokenring.agreement.exchange`): a failed operation on a closed
     connection does not always say which peer closed it."""
     if store is None:
         return []
-    out, host = [], socket.gethostname()
+    pids, host = {}, socket.gethostname()
     for r in ranks:
         try:
-            if not store.check([f"tokenring/pid/{r}"]):
-                continue
-            where, pid = store.get(f"tokenring/pid/{r}").decode().rsplit(" ", 1)
+            if store.check([f"tokenring/pid/{r}"]):
+                where, pid = store.get(f"tokenring/pid/{r}").decode().rsplit(" ", 1)
+                if where == host:
+                    pids[r] = int(pid)
         except Exception:  # the store is gone, or a mark from elsewhere
             continue
-        if where == host and not _running(int(pid)):
-            out.append(r)
-    return out
+    deadline = time.monotonic() + wait_s
+    while True:  # a connection closes as its process exits, a moment before the process is gone
+        out = [r for r, pid in pids.items() if not _running(pid)]
+        if out or not pids or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.02)
 
 
 def _running(pid: int) -> bool:
@@ -424,6 +440,8 @@ class Comm:
         self.trace = trace
         self.what = what
         self.log: list[dict] = []
+        if id(group) not in marked:
+            mark_process(group, self.rank)
 
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
@@ -458,6 +476,35 @@ class Comm:
             f"it is only slow. The process group cannot be used again after this (a timed-out connection is "
             f"closed): destroy it and start the ranks again."
         )
+
+    def gather(self, step: int, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (the same shape and dtype on each), stacked in rank order ``(P, *x.shape)``: one
+        all-gather (through host memory where the backend needs it), logged as one receive of the others' rows.
+        A failure within the timeout is a RuntimeError naming a rank whose process has exited, where one has."""
+        staged = self._host(x)
+        src = (x.to("cpu") if staged else x).contiguous()
+        out = src.new_empty((self.world, *src.shape))
+        try:
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
+            work = gather(out, src.unsqueeze(0), group=self.group, async_op=True)
+            if self.bounded:
+                work.wait(datetime.timedelta(seconds=self.timeout))
+            else:
+                work.wait()
+        except Exception as e:
+            others = [r for r in range(self.world) if r != self.rank]
+            gone = exited_ranks(group_store(self.group), others, wait_s=_REPORT_WAIT_S)
+            who = f" Rank {gone[0]} is the one that stopped: its process has exited." if gone else ""
+            raise RuntimeError(
+                f"tokenring{(' ' + self.what) if self.what else ''}: rank {self.rank} failed gathering every "
+                f"rank's step-{step} partials within {self.timeout:.0f} s: {e}.{who} A rank has died or is not "
+                f"calling the same step. The process group cannot be used again after this: destroy it and start "
+                f"the ranks again."
+            ) from e
+        self.log.append(dict(step=step, due=step, direction="recv", peer=-1, kind="out", owner=-1, part="all",
+                             heads="all", staged=staged, device=out.device.type,
+                             bytes=(self.world - 1) * x.numel() * x.element_size()))  # fmt: skip
+        return out.to(x.device) if staged else out
 
     def _host(self, t: torch.Tensor) -> bool:
         """Whether ``t`` travels through host memory."""
@@ -524,7 +571,8 @@ class Comm:
         try:
             handles = dist.batch_isend_irecv(ops)
         except Exception as e:  # a peer that is already gone can fail the posting itself: name that one
-            gone = exited_ranks(group_store(self.group), sorted({_peer(d, m) for d, m, _ in meta}))
+            peers = sorted({_peer(d, m) for d, m, _ in meta})
+            gone = exited_ranks(group_store(self.group), peers, wait_s=_REPORT_WAIT_S)
             direction, m, _ = next((x for x in meta if _peer(x[0], x[1]) in gone), meta[0])
             raise self.failure(direction, m, step, e) from e
         if len(handles) != len(ops):  # NCCL: one coalesced work completes every operation of the step

@@ -1,6 +1,6 @@
 """Decoding over a sequence-sharded KV cache: new tokens' queries attend every rank's cached keys, exactly; the
-partials go to every rank (the ``replicated`` schedule, on the executor) and are merged in rank order, the same
-bits on every rank (docs/internals.md, "Decoding").
+partials go to every rank in one all-gather (the ``replicated`` schedule, whose messages all leave at once) and
+are merged in one pass over the stacked partials, the same bits on every rank (docs/internals.md, "Decoding").
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 
 from .agreement import code, exchange, require_same
-from .extend import RowMask, RowsOps, attend_rows, check_rows, run_schedule
+from .comm import Comm
+from .extend import RowMask, attend_rows, check_rows
 from .kernels import attention_inputs, fold_scale, softmax_scale_of
 from .layouts import group_info
-from .merge import merge_sink_
-from .strategies.extend import decode_schedule
+from .merge import merge_sink_, merge_stacked
 
 __all__ = ["decode_attention", "place_new", "step_bytes"]
 
@@ -83,11 +83,23 @@ def decode_attention(
         require_same(
             rows, _HEADER + [f"state[{i}]" for i in range(len(state))], rank, _WHO, _SAME_STEP, doing="decodes"
         )
-    ops = RowsOps("replicated", q, k, v, positions, None, mask, scale, rank, own=(0, a, b, start or 0))
-    out, out_lse = run_schedule(decode_schedule(P), ops, group, "decode", log)
+    out, out_lse = _gathered(q, k, v, positions, a, b, start or 0, mask, scale, group, log)
     if sinks is not None:
         merge_sink_(out, out_lse, sinks)
     return out.to(q.dtype)
+
+
+def _gathered(q, k, v, positions, a: int, b: int, start: int, mask, scale: float, group, log):
+    """This rank's partial over its rows, every rank's gathered in one collective (the ``replicated`` schedule
+    as one step), merged in one pass over the stacked partials: the same bits on every rank."""
+    o, lse = attend_rows(q, 0, k, v, positions, a, b, start, mask, scale)
+    B, t, H, d = o.shape
+    comm = Comm(group, what="decode")
+    every = comm.gather(0, torch.cat([o.reshape(B, -1), lse.reshape(B, -1)], 1))
+    if log is not None:
+        log.append({"bytes": comm.log[0]["bytes"], "strategy": "replicated", "devices": [comm.log[0]["device"]]})
+    n, P = t * H * d, every.shape[0]
+    return merge_stacked(every[:, :, :n].reshape(P, B, t, H, d), every[:, :, n:].reshape(P, B, H, t))
 
 
 _HEADER = ["batch", "new tokens", "query heads", "key/value heads", "head dim", "dtype"]

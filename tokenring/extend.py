@@ -82,8 +82,12 @@ def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowM
     if any(mask.rows):  # rows with documents of their own: one pass per group of rows that share them
         return _attend_groups(q, qa, k, v, kpos, ka, kb, start, mask, scale)
     B, tq, H, d = q.shape
-    o, lse = new_accumulator(B, tq, H, d, q.dtype, q.device)
     old, qb = k.shape[1] - (kb - ka), qa + tq
+    if mask.plain and old and kb == ka:  # no new rows here: one block, every query over every cached row
+        o, lse = block_forward(q, k, v, False, scale)
+        acc = acc_dtype(q.dtype)
+        return o.to(acc), lse.to(acc)
+    o, lse = new_accumulator(B, tq, H, d, q.dtype, q.device)
 
     def add(rows: slice, keys: slice, causal: bool = False, vis=None):
         merge_(o[:, rows], lse[:, :, rows], *block_forward(q[:, rows], k[:, keys], v[:, keys], causal, scale, mask=vis))

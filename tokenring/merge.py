@@ -11,7 +11,7 @@ import torch
 from . import settings
 from .device import is_cuda, pretended
 
-__all__ = ["acc_dtype", "new_accumulator", "merge_", "merge_eager_", "merge_sink_", "sink_grad"]
+__all__ = ["acc_dtype", "new_accumulator", "merge_", "merge_eager_", "merge_stacked", "merge_sink_", "sink_grad"]
 
 # on CUDA the merge is one compiled kernel unless compile_merge is off or compiling fails (docs/internals.md)
 _compile_failed = False
@@ -68,6 +68,17 @@ def merge_eager_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, ls
     w_new = torch.exp(lse - new_safe).transpose(1, 2).unsqueeze(-1)
     acc_o.mul_(w_acc).addcmul_(o.to(acc_o.dtype), w_new)  # no temporary for o * w_new
     acc_lse.copy_(new_lse)
+
+
+def merge_stacked(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge of ``n`` partials stacked on a first dimension, ``o`` (n, B, rows, H, d) and ``lse`` (n, B, H, rows),
+    in one pass (a handful of ops whatever ``n``): ``(o, lse)`` of the rows, never NaN (a row no partial saw:
+    0 and -inf)."""
+    hi = lse.amax(0, keepdim=True).nan_to_num(neginf=0.0)  # a row no partial saw: shift by 0, not -inf
+    w = torch.exp(lse - hi)  # (n, B, H, rows), each <= 1, the largest exactly 1 where a key was seen
+    total = w.sum(0)
+    share = (w / total).nan_to_num(nan=0.0)  # 0 / 0 where no partial saw the row
+    return (o * share.transpose(-1, -2).unsqueeze(-1)).sum(0), hi[0] + torch.log(total)
 
 
 def merge_sink_(acc_o: torch.Tensor, acc_lse: torch.Tensor, sinks: torch.Tensor) -> None:

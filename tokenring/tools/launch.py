@@ -259,4 +259,10 @@ def exit_at_step(phase: str, step: int, code: int = 1, stall: float = 0.0) -> No
             time.sleep(stall)
         return real(self, t, sends, recvs)
 
+    def gather(self, t, x):  # decode's one step (the partials of every rank in one all-gather)
+        start(self, t, [], [])
+        return real_gather(self, t, x)
+
+    real_gather = comm.Comm.gather
     comm.Comm.start = start
+    comm.Comm.gather = gather
