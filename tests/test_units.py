@@ -526,3 +526,18 @@ def test_stacked_merge_equals_merging_one_by_one():
     finite = want_lse.isfinite()
     assert torch.allclose(got_lse[finite], want_lse[finite], atol=1e-13, rtol=0)
     assert not got_o.isnan().any() and got_o[1, 2, 2].abs().max() == 0
+
+
+def test_merge_of_seen_rows_equals_the_guarded_merge():
+    """merge_seen_ (attention without a mask: every partial's rows saw a key) against merge_eager_, float64,
+    from an empty accumulator through four partials of widely different log-sum-exps."""
+    from tokenring.merge import merge_eager_, merge_seen_, new_accumulator
+
+    g = torch.Generator().manual_seed(1)
+    want, got = (new_accumulator(2, 5, 3, 7, torch.float64, "cpu") for _ in range(2))
+    for scale in (1.0, 30.0, 0.1, 8.0):
+        o = torch.randn(2, 5, 3, 7, generator=g, dtype=torch.float64)
+        lse = torch.randn(2, 3, 5, generator=g, dtype=torch.float64) * scale
+        merge_eager_(*want, o, lse)
+        merge_seen_(*got, o, lse)
+        assert torch.allclose(got[0], want[0], atol=1e-13, rtol=0) and torch.allclose(got[1], want[1], atol=1e-12)

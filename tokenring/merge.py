@@ -11,7 +11,10 @@ import torch
 from . import settings
 from .device import is_cuda, pretended
 
-__all__ = ["acc_dtype", "new_accumulator", "merge_", "merge_eager_", "merge_stacked", "merge_sink_", "sink_grad"]
+__all__ = [
+    "acc_dtype", "new_accumulator", "merge_", "merge_eager_", "merge_seen_", "merge_stacked", "merge_sink_",
+    "sink_grad",
+]  # fmt: skip
 
 # on CUDA the merge is one compiled kernel unless compile_merge is off or compiling fails (docs/internals.md)
 _compile_failed = False
@@ -68,6 +71,16 @@ def merge_eager_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, ls
     w_new = torch.exp(lse - new_safe).transpose(1, 2).unsqueeze(-1)
     acc_o.mul_(w_acc).addcmul_(o.to(acc_o.dtype), w_new)  # no temporary for o * w_new
     acc_lse.copy_(new_lse)
+
+
+def merge_seen_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """:func:`merge_` for a partial whose every row saw a key (``lse`` finite: attention without a mask), in
+    fewer ops: the new partial's weight ``sigmoid(lse - acc_lse)`` (1 while the accumulator is empty), a lerp
+    toward it, and ``max + log1p(exp(-|lse - acc_lse|))``."""
+    lse = lse.to(acc_lse.dtype)
+    gap = acc_lse - lse  # -inf while the accumulator is empty
+    acc_o.lerp_(o.to(acc_o.dtype), torch.sigmoid(-gap).transpose(1, 2).unsqueeze(-1))
+    acc_lse.copy_(torch.maximum(acc_lse, lse) + torch.nn.functional.softplus(-gap.abs()))
 
 
 def merge_stacked(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from ..instrument import Instruments
 from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
 from ..layouts import DOCUMENT_LAYOUTS
 from ..masks import block_tiles
-from ..merge import acc_dtype, merge_, merge_sink_, new_accumulator, sink_grad
+from ..merge import acc_dtype, merge_, merge_seen_, merge_sink_, new_accumulator, sink_grad
 from ..messages import Receive
 from ..messages import kind as message_kind
 from ..schedules import (
@@ -390,6 +390,7 @@ class ForwardOps(_OpsBase):
         self.store.put("kv", self.me, "all", [k, v])
         self.o, self.lse = new_accumulator(sh.B, sh.s, sh.H, sh.d, q.dtype, q.device)
         self.g = self.kv_repeat(q)
+        self.seen = cfg.mask is None and q.device.type == "cpu"  # (CUDA: merge_'s one fused kernel)
 
     def finish(self) -> None:
         """After the last step: merge the attention sinks (``cfg.sinks``) into this rank's finished rows."""
@@ -398,7 +399,10 @@ class ForwardOps(_OpsBase):
 
     def _merge(self, part: str, heads: str, o, lse) -> None:
         sl, hs = self.rows(part), head_slice(heads, self.sh.H)
-        merge_(self.o[:, sl, hs], self.lse[:, hs, sl], o, lse)
+        if self.seen:  # no mask: every partial's rows saw a key
+            merge_seen_(self.o[:, sl, hs], self.lse[:, hs, sl], o, lse)
+        else:
+            merge_(self.o[:, sl, hs], self.lse[:, hs, sl], o, lse)
 
     def compute(self, c: Compute) -> None:
         (q,) = self.store.take("q", c.q_owner, c.q_part, c.heads)
