@@ -579,18 +579,21 @@ def bf16_rms_case(rank: int, P: int, case: dict, mutant: bool) -> tuple[float, f
     ``mutant``: the running accumulator is rounded to bf16 after every merge (what the float32 merge avoids)."""
     import tokenring.strategies.base as base
 
-    real = base.merge_
+    real = base.merge_, base.merge_seen_  # (without a mask the forward merges with merge_seen_)
     if mutant:
 
-        def rounded(acc_o, acc_lse, o, lse):
-            real(acc_o, acc_lse, o, lse)
-            acc_o.copy_(acc_o.to(torch.bfloat16))
+        def rounding(merge):
+            def rounded(acc_o, acc_lse, o, lse):
+                merge(acc_o, acc_lse, o, lse)
+                acc_o.copy_(acc_o.to(torch.bfloat16))
 
-        base.merge_ = rounded
+            return rounded
+
+        base.merge_, base.merge_seen_ = (rounding(m) for m in real)
     try:
         (out, *_), ref = _call(rank, P, case)
     finally:
-        base.merge_ = real
+        base.merge_, base.merge_seen_ = real
     return float(((out.double() - ref) ** 2).sum()), float((ref**2).sum())
 
 

@@ -427,6 +427,7 @@ class Comm:
         trace: Trace | None = None,
         what: str = "",
         stage: bool | str | None = None,
+        log: bool = True,
     ):
         self.group = group
         self.rank = dist.get_rank(group)
@@ -440,6 +441,7 @@ class Comm:
         self.trace = trace
         self.what = what
         self.log: list[dict] = []
+        self.records = log or trace is not None  # a record per message (its dict costs host time per call)
         if id(group) not in marked:
             mark_process(group, self.rank)
 
@@ -550,21 +552,12 @@ class Comm:
                 idx.append(len(ops))  # the buffer stays referenced in `meta` until the wait completes
                 ops.append(op)
                 meta.append((direction, m, buf))
-                records.append(
-                    dict(
-                        step=step,
-                        due=due,
-                        direction=direction,
-                        peer=_peer(direction, m),
-                        kind=m.kind,
-                        owner=m.owner,
-                        part=str(m.part),
-                        heads=m.heads,
-                        staged=staged,
-                        device=buf.device.type,
-                        bytes=sum(t.numel() * t.element_size() for t in tensors),
-                    )
-                )
+                if self.records:
+                    records.append(
+                        dict(step=step, due=due, direction=direction, peer=_peer(direction, m), kind=m.kind,
+                             owner=m.owner, part=str(m.part), heads=m.heads, staged=staged, device=buf.device.type,
+                             bytes=sum(t.numel() * t.element_size() for t in tensors))
+                    )  # fmt: skip
         if not ops:
             return []
         t0 = time.monotonic()

@@ -146,6 +146,7 @@ def forget_choices() -> None:
     """Drop the verified signatures and the cached ``auto`` choices, so the next call of each signature is agreed
     and decided again. Call it on every rank: a rank that forgot alone would ask the others, who do not."""
     _checked.clear()
+    _ready.clear()
 
 
 _calibrate: Callable | None = None  # set_calibrator: tokenring.calibration, which sits above this module
@@ -614,12 +615,31 @@ def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def run_forward(q, k, v, sinks, cu, call: Call):
-    """The forward of :func:`attention` on ``P > 1`` ranks once its local arguments are checked (the body of
-    the ``tokenring::attention_fwd`` op): the mask, the cross-rank agreement, the strategy's schedule.
-    Returns ``(out, strategy, extra)`` (``extra``: what backward needs besides the inputs and ``out``)."""
+@dataclass(frozen=True)
+class Ready:
+    """What a call's constants and agreement decided, ready to run on its tensors: the strategy and its
+    :class:`~tokenring.strategies.base.Config` less the sinks. ``agreed``: the agreement's cache key, whose
+    entry must still stand for a repeated call to skip the agreement (:func:`ready_again`)."""
+
+    strat: object
+    group: object
+    rank: int
+    P: int
+    causal: bool
+    layout: str
+    scale: float
+    mask: object
+    call: Call
+    agreed: tuple | None
+
+    def config(self, sinks, hooks) -> Config:
+        return _config_of(self.group, self.rank, self.P, self.causal, self.layout, self.scale, self.mask, sinks, hooks)
+
+
+def prepare_forward(q, k, sinks, cu, call: Call) -> Ready:
+    """The part of :func:`run_forward` that reads no values of q, k, v: the mask, the cross-rank agreement."""
     strategy, causal, scale, layout, window = call.strategy, call.causal, call.scale, call.layout, call.window
-    group, backward, n, extras = resolve_group(call.group), call.backward, call.inner, _extras(call.extras)
+    group, backward, n = resolve_group(call.group), call.backward, call.inner
     rank, P = group_info(group)
     try:
         if call.refused:
@@ -632,9 +652,7 @@ def run_forward(q, k, v, sinks, cu, call: Call):
             raise _ranked(e, rank) from None
         _refuse_everywhere(_ranked(e, rank), group, rank, P)
     if P == 1:
-        q, scale = fold_scale(q, scale)
-        out, saved = SINGLE.forward(q, k, v, _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras))
-        return out, SINGLE, SINGLE.saved_extra(saved)
+        return Ready(SINGLE, group, rank, P, causal, layout, scale, mask, call, None)
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
         return resolve(
@@ -664,19 +682,57 @@ def run_forward(q, k, v, sinks, cu, call: Call):
         P,
         calibrate_for=(q, k) if auto else None,
     )
-    q, scale = fold_scale(q, scale)
-    cfg = _config_of(group, rank, P, causal, layout, scale, mask, sinks, extras)
-    q, k, v = strat.prepare(q, k, v, P)
+    return Ready(strat, group, rank, P, causal, layout, scale, mask, call, (id(group), tuple(sig)))
+
+
+def run_ready(ready: Ready, q, k, v, sinks, hooks):
+    """The forward of a prepared call: ``(out, strategy, extra)`` (``extra``: what backward needs besides the
+    inputs and ``out``)."""
+    q, scale = fold_scale(q, ready.scale)
+    cfg = _config_of(ready.group, ready.rank, ready.P, ready.causal, ready.layout, scale, ready.mask, sinks, hooks)
+    strat = ready.strat
+    if strat is SINGLE:
+        out, saved = SINGLE.forward(q, k, v, cfg)
+        return out, SINGLE, SINGLE.saved_extra(saved)
+    q, k, v = strat.prepare(q, k, v, ready.P)
     out, saved = strat.forward(q, k, v, cfg)
     return out, strat, strat.saved_extra(saved)
 
 
-def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, call: Call):
+def run_forward(q, k, v, sinks, cu, call: Call):
+    """The forward of :func:`attention` on ``P > 1`` ranks once its local arguments are checked (the body of
+    the ``tokenring::attention_fwd`` op): the mask, the cross-rank agreement, the strategy's schedule.
+    Returns ``(out, strategy, extra)`` (``extra``: what backward needs besides the inputs and ``out``)."""
+    return run_ready(prepare_forward(q, k, sinks, cu, call), q, k, v, sinks, _extras(call.extras))
+
+
+_ready = cache()  # (id(group), a plain eager call's arguments) -> its Ready
+
+
+def ready_again(key) -> Ready | None:
+    """The :class:`Ready` of an earlier plain eager call with these arguments, while its agreement stands
+    (the entry skipped exactly when the agreement would be: never under ``check_calls``)."""
+    hit = _ready.get(key)
+    if hit is None or _checked.get(hit.agreed) is not hit.strat or settings.get("check_calls"):
+        return None
+    return hit
+
+
+def remember_ready(key, ready: Ready) -> None:
+    if ready.agreed is not None and _checked.get(ready.agreed) is ready.strat:
+        _ready[key] = ready
+
+
+def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, call: Call, ready: Ready | None = None):
     """The backward of :func:`run_forward` (the body of ``tokenring::attention_bwd``): ``[dq, dk, dv]``, and
-    ``dsinks`` (this rank's rows' share) with sinks."""
-    causal, scale, layout, group = call.causal, call.scale, call.layout, resolve_group(call.group)
-    rank, P = group_info(group)
-    mask = _mask_of(q.shape[1], P, cu, call.window, causal, layout)
+    ``dsinks`` (this rank's rows' share) with sinks; ``ready``: the forward's, with its mask."""
+    causal, scale, layout = call.causal, call.scale, call.layout
+    if ready is not None:
+        group, rank, P, mask = ready.group, ready.rank, ready.P, ready.mask
+    else:
+        group = resolve_group(call.group)
+        rank, P = group_info(group)
+        mask = _mask_of(q.shape[1], P, cu, call.window, causal, layout)
     q_in, (q, folded) = q, fold_scale(q, scale)
     cfg = _config_of(group, rank, P, causal, layout, folded, mask, sinks, _extras(call.extras))
     dq, dk, dv, dsinks = strat.backward(dout, strat.saved_full(extra, q, k, v, out), cfg)
@@ -836,11 +892,12 @@ class _Eager(torch.autograd.Function):
     the strategy object kept in the context instead of travelling as numbers."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu, call: Call):
+    def forward(ctx, q, k, v, sinks, cu, ready: Ready):
+        call = ready.call
         with no_autocast(q):
-            out, strat, extra = run_forward(q, k, v, sinks, cu, call)
+            out, strat, extra = run_ready(ready, q, k, v, sinks, _extras(call.extras))
         ctx.save_for_backward(q, k, v, sinks, cu, out, *extra)
-        ctx.call, ctx.strat, ctx.has_sinks = call, strat, sinks is not None
+        ctx.ready, ctx.strat, ctx.has_sinks = ready, strat, sinks is not None
         ctx.holder = _EXTRAS.get(call.extras) if call.extras else None  # keeps the instrumentation alive
         return out
 
@@ -848,8 +905,9 @@ class _Eager(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, sinks, cu, out, *extra = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        ready = ctx.ready
         with no_autocast(q):
-            grads = run_backward(dout, q, k, v, out, sinks, cu, ctx.strat, extra, ctx.call)
+            grads = run_backward(dout, q, k, v, out, sinks, cu, ctx.strat, extra, ready.call, ready)
         return grads[0], grads[1], grads[2], grads[3] if ctx.has_sinks else None, None, None
 
 
@@ -867,5 +925,10 @@ def attention_op(q, k, v, sinks, cu_seqlens, call: Call) -> torch.Tensor:
     bodies directly (:class:`_Eager`): the custom op's dispatch costs a tenth of a call's host time and imports
     dynamo at the first call; traced calls, fake tensors and tensor subclasses take the op."""
     if _plain_eager(q, k, v, sinks, cu_seqlens):
-        return _Eager.apply(q, k, v, sinks, cu_seqlens, call)
+        return _Eager.apply(q, k, v, sinks, cu_seqlens, prepare_forward(q, k, sinks, cu_seqlens, call))
     return attention_fwd(q, k, v, sinks, cu_seqlens, *call.args())[0]
+
+
+def eager_ready(ready: Ready, q, k, v, sinks, cu) -> torch.Tensor:
+    """:func:`attention_op` for a call prepared before (:func:`ready_again`)."""
+    return _Eager.apply(q, k, v, sinks, cu, ready)
