@@ -82,6 +82,9 @@ def _variants(P: int, quick: bool):
     out["decode_attention, check=False (a model's later layers)"] = lambda: tokenring.decode_attention(
         qd, kc, vc, check=False
     )
+    from tokenring.kernels import block_forward
+
+    out["decode's local kernel alone (block_forward)"] = lambda: block_forward(qd, kc, vc, False, D**-0.5)
     return out
 
 
