@@ -7,6 +7,7 @@ reference computed from the very same (possibly bf16-rounded) inputs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -947,3 +948,57 @@ def ragged_refused(rank: int, P: int) -> dict:
         except ValueError as e:
             out[name] = str(e)
     return out
+
+
+def repeated_calls_case(rank: int, P: int) -> dict:
+    """The same call shapes again and again, changing what the prepared path (ops.Ready) must notice between
+    repeats: values, requires_grad, no_grad, check_calls, forget_choices, documents as a list, a window, an
+    instrumented call. Returns the worst error against float64 and how many calls took the prepared path."""
+    from tokenring import api
+
+    taken = [0]
+    real = api.ready_again
+
+    def counted(key):
+        hit = real(key)
+        taken[0] += hit is not None
+        return hit
+
+    api.ready_again = counted
+    worst = 0.0
+    S, H, Hkv, d = 12 * P, 4, 2, 8
+    idx = local_positions(S, P, rank, "zigzag")
+    try:
+        for i, (grad, docs, window, mode) in enumerate(
+            [(True, None, None, ""), (True, None, None, ""), (False, None, None, ""), (False, None, None, ""),
+             (True, None, None, "check_calls"), (True, None, None, "forget"), (True, None, None, ""),
+             (True, [0, 5, S], None, ""), (True, [0, 5, S], None, ""), (True, [0, 7, S], None, ""),
+             (True, None, (3, 0), ""), (True, None, (3, 0), ""), (True, None, None, "instrument")]
+        ):  # fmt: skip
+            g = torch.Generator().manual_seed(i)
+            full = [torch.randn(1, S, h, d, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv, H)]
+            q, k, v = (t.index_select(1, idx).clone().requires_grad_(grad) for t in full[:3])
+            if mode == "forget":
+                tokenring.forget_choices()
+            log: list = []
+            with contextlib.ExitStack() as stack:
+                if mode == "check_calls":
+                    tokenring.configure(check_calls=True)
+                    stack.callback(tokenring.configure, check_calls=False)
+                if mode == "instrument":
+                    stack.enter_context(tokenring.instrument(comm_log=log))
+                out = tokenring.attention(q, k, v, causal=True, cu_seqlens=docs, window=window)
+                if grad:
+                    out.backward(full[3].index_select(1, idx))
+            if mode == "instrument":
+                assert log and all(records for _, records in log), log  # the byte records are kept when read
+            want = [t.detach().clone().requires_grad_() for t in full[:3]]
+            ref = reference(*want, True, d**-0.5, docs, window)
+            ref.backward(full[3])
+            worst = max(worst, float((out.detach() - ref.detach().index_select(1, idx)).abs().max()))
+            if grad:
+                for mine, w in zip((q, k, v), want):
+                    worst = max(worst, float((mine.grad - w.grad.index_select(1, idx)).abs().max()))
+    finally:
+        api.ready_again = real
+    return {"worst": worst, "taken": taken[0]}

@@ -261,3 +261,13 @@ def test_value_head_dim_apart(pools, P):
         for extra in ({}, {"cu_seqlens": [0, 3, 4 * P]}, {"window": (3, 0 if c else 2)})[: 3 if dv == 16 else 1]
     ]
     assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_repeated_calls_take_the_prepared_path_exactly(pools, P):
+    """Repeats of a call go straight to its prepared strategy (ops.Ready) where nothing that decides its plan
+    changed, and take the full path where something did (requires_grad, check_calls, forget_choices, other
+    documents, instruments): every result exact (float64) either way."""
+    for r in pools(P).run(cases.repeated_calls_case):
+        # found for calls 2, 4, 7, 9, 12 and 13 of the 13; the instrumented 13th still runs the full path (its log)
+        assert r["worst"] < 1e-10 and r["taken"] == 6, r
