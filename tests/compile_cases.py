@@ -156,3 +156,32 @@ def refused_when_compiled(rank: int, P: int) -> dict:
         res[f"{name} eager"] = outcome(call, *qkv(bad, H), strategy)
         res[f"{name} compiled"] = outcome(compiled, *qkv(bad, H), strategy)
     return res
+
+
+def decode_step_compiled(rank: int, P: int) -> dict:
+    """A decode step's attention (no step check, sinks, a batch of 2 over 9 cached rows per rank) inside a function
+    compiled with ``fullgraph=True``: graphs, breaks and the output against the same function run eagerly, for
+    two steps' queries; and with the step check left on, the same result through a graph break."""
+    import torch._dynamo
+
+    import tokenring
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(rank)
+    k, v = (torch.randn(2, 9, 2, 8, generator=g) for _ in range(2))
+    q = torch.randn(2, 1, 4, 8, generator=torch.Generator().manual_seed(0))
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(1))
+
+    def step(q, k, v, check=False):
+        return tokenring.decode_attention(q * 2, k, v, check=check, sinks=sinks).sin()
+
+    fast = torch.compile(step, fullgraph=True)
+    diff = max(float((fast(x, k, v) - step(x, k, v)).abs().max()) for x in (q, q + 1))
+    explained = torch._dynamo.explain(step)(q, k, v)
+    checked = torch.compile(step)(q, k, v, True)
+    return {
+        "diff": diff,
+        "graphs": explained.graph_count,
+        "breaks": explained.graph_break_count,
+        "checked": float((checked - step(q, k, v, True)).abs().max()),
+    }

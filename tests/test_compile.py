@@ -78,3 +78,10 @@ def test_compiled_refusals_are_value_errors(pools):
         for name in ("odd length", "heads"):
             assert r[f"{name} eager"].startswith("ValueError: rank "), r
             assert r[f"{name} compiled"] == r[f"{name} eager"], r
+
+
+def test_decode_step_compiles_whole(pools):
+    """decode_attention without its step check is one custom-op node: a decode step compiles with fullgraph=True
+    (one graph, no break) and equals eager (float32: 1e-6); with the check it runs through a graph break."""
+    for r in pools(2).run(compile_cases.decode_step_compiled):
+        assert r["graphs"] == 1 and r["breaks"] == 0 and r["diff"] < 1e-6 and r["checked"] < 1e-6, r

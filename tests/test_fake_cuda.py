@@ -440,3 +440,19 @@ def test_hf_prefill_decode_extend_on_cuda(collective_devices):
     kinds = {name for name, _ in collective_devices}
     assert {"all_gather", "batch_isend_irecv"} <= kinds, kinds
     assert all(devices == {"meta"} for _, devices in collective_devices), collective_devices
+
+
+def test_decode_step_without_its_check_makes_no_host_sync():
+    """A decode step's attention after a model's first layer (check=False), rank 2 of 4 on pretended CUDA tensors
+    over NCCL semantics: the CUDA attention kernel, one all-gather of device tensors and no host sync, what a
+    captured step (CUDA graphs, torch.compile's reduce-overhead) needs of it."""
+    with pretend_cuda(*H100), fake_rank(2, 4):
+        q = meta_like(1, 1, 8, 128)
+        k, v = meta_like(1, 40, 2, 128), meta_like(1, 40, 2, 128)
+        tokenring.decode_attention(q, k, v, check=False)
+        with Ops() as ops:
+            out = tokenring.decode_attention(q, k, v, check=False)
+    assert out.shape == q.shape and out.device.type == "meta"
+    assert ops.host_syncs() == [] and ops.attention_ops(), [n for n, _, _ in ops.calls]
+    gathers = [n for n, _, _ in ops.calls if "gather" in n]
+    assert len(gathers) == 1, [n for n, _, _ in ops.calls]

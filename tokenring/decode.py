@@ -12,7 +12,7 @@ from .comm import Comm
 from .extend import RowMask, attend_rows, check_rows
 from .kernels import attention_inputs, fold_scale, softmax_scale_of
 from .layouts import group_info
-from .merge import merge_sink_, merge_stacked
+from .merge import acc_dtype, merge_sink_, merge_stacked
 
 __all__ = ["decode_attention", "place_new", "step_bytes"]
 
@@ -83,7 +83,10 @@ def decode_attention(
         require_same(
             rows, _HEADER + [f"state[{i}]" for i in range(len(state))], rank, _WHO, _SAME_STEP, doing="decodes"
         )
-    out, out_lse = _gathered(q, k, v, positions, a, b, start or 0, mask, scale, group, log)
+    if torch.compiler.is_compiling() and mask.plain and log is None:  # one opaque node for the compiler
+        out, out_lse = decode_step(q, k, v, a, b, start or 0, scale, "" if group is None else group.group_name)
+    else:
+        out, out_lse = _gathered(q, k, v, positions, a, b, start or 0, mask, scale, group, log)
     if sinks is not None:
         merge_sink_(out, out_lse, sinks)
     return out.to(q.dtype)
@@ -100,6 +103,25 @@ def _gathered(q, k, v, positions, a: int, b: int, start: int, mask, scale: float
         log.append({"bytes": comm.log[0]["bytes"], "strategy": "replicated", "devices": [comm.log[0]["device"]]})
     n, P = t * H * d, every.shape[0]
     return merge_stacked(every[:, :, :n].reshape(P, B, t, H, d), every[:, :, n:].reshape(P, B, H, t))
+
+
+@torch.library.custom_op("tokenring::decode_step", mutates_args=())
+def decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: int, b: int, start: int, scale: float, group: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_gathered` without a window or documents, as a custom op: under ``torch.compile`` a decode step
+    is one node whose host work (the all-gather's posting, no value read) runs when the graph runs; its shapes
+    come from :func:`_decode_step_shapes`, so ``fullgraph=True`` traces a model's decode step whole."""
+    from .ops import resolve_group
+
+    return _gathered(q, k, v, None, a, b, start, RowMask(), scale, resolve_group(group), None)
+
+
+@decode_step.register_fake
+def _decode_step_shapes(q, k, v, a, b, start, scale, group):
+    B, t, H, d = q.shape
+    acc = acc_dtype(q.dtype)
+    return q.new_empty((B, t, H, d), dtype=acc), q.new_empty((B, H, t), dtype=acc)
 
 
 _HEADER = ["batch", "new tokens", "query heads", "key/value heads", "head dim", "dtype"]
