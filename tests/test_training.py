@@ -85,3 +85,11 @@ def test_every_wiring_trains_exactly_or_is_refused(pools):
     ):
         msgs = pools(4).run(train_cases.wiring_step, 2, how)
         assert all(isinstance(m, str) and words in m for m in msgs), (how, msgs)
+
+
+def test_a_closed_mesh_leaves_the_layers_group_as_it_was(pools):
+    """SequenceParallel sets the hf layers' group to its cp ranks; close() puts the earlier group back, so a later
+    model over every rank attends over every rank (before: over the closed mesh's cp pairs, wrong logits and
+    ranks sampling apart)."""
+    for err in pools(4).run(train_cases.after_closed_mesh):
+        assert err < 1e-5, err

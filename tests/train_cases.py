@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import tokenring.hf as thf
 from tokenring.hf import SequenceParallel
+from tokenring.layouts import local_positions
 
 SMALL = dict(
     num_hidden_layers=2,
@@ -379,3 +380,20 @@ def wiring_step(rank: int, P: int, dp: int, how: str) -> dict | str:
         return _outcome(rank, model, sp.reduce_loss(loss).item(), want)
     finally:
         _reset(sp)
+
+
+def after_closed_mesh(rank: int, P: int) -> float:
+    """A SequenceParallel over a (2, P/2) mesh, closed; then a model sharded over all P ranks (the default group):
+    its logits against one process (the closed mesh must leave the layers' group as it found it)."""
+    _env(rank, P)
+    thf.configure(group=dist.group.WORLD, layout="zigzag")
+    SequenceParallel(mesh_of(2, P), layout="contiguous").close()
+    model = hf_cases.build("llama", "tokenring")
+    ref = hf_cases.build("llama", "sdpa")
+    ref.load_state_dict(model.state_dict())
+    ids = torch.randint(3, 100, (1, 8 * P), generator=torch.Generator().manual_seed(0))
+    pos = local_positions(8 * P, P, rank, "zigzag")  # this rank's zigzag rows of the P-way split
+    with torch.no_grad():
+        got = model(input_ids=ids[:, pos], position_ids=pos[None]).logits
+        want = ref(input_ids=ids).logits[:, pos]
+    return float((got - want).abs().max() / want.abs().max())

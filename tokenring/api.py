@@ -151,8 +151,8 @@ def _call_key(q, k, v, sinks, causal, softmax_scale, strategy, layout, cu_seqlen
         return None
     try:
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
-        return (
-            id(group), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+        return (  # the group itself, not its id: a group made after another was destroyed may reuse the id
+            group, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
             None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), causal, softmax_scale, strategy,
             layout, None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens),
             None if window is None else tuple(window), inner_size, seq_len, grad,

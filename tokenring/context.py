@@ -58,7 +58,7 @@ class _SDPA(TorchFunctionMode):
         super().__init__()
         self.group, self.strategy, self.layout = group, strategy, layout
         self.cu_seqlens, self.window, self.seq_len = cu_seqlens, window, seq_len
-        self.uneven_rows = _uneven_rows(group, layout, seq_len)
+        self.uneven_rows = _rows_if_uneven(group, layout, seq_len)
         self.joint = _joint_rows(group, layout, lengths) if len(lengths) > 1 else {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -114,7 +114,7 @@ class _SDPA(TorchFunctionMode):
         return out.transpose(1, 2)
 
 
-def _uneven_rows(group, layout: str, S: int | None) -> int | None:
+def _rows_if_uneven(group, layout: str, S: int | None) -> int | None:
     """This rank's rows of the buffers' length ``S`` when the layout splits it unevenly (else ``None``): an SDPA
     call over that many rows runs with ``seq_len=S``."""
     rank, P = group_info(group)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -218,8 +219,10 @@ def attention_forward(
         step[0].commit()  # not refused: the K/V before this step need not be kept (they would double the cache)
     s = query.shape[2]
     if not torch.compiler.is_compiling():
-        check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, _mixers.model_on_stack(module))
-        _check_mixers(module, f"tokenring ({_where(module)})")
+        model = _mixers.model_on_stack(module)
+        if model is None or _checked() is not model:  # (mask_forward checked this forward's model already)
+            check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, model)
+            _check_mixers(module, f"tokenring ({_where(module)})")
     if stepping:
         window = kwargs.get("sliding_window")  # transformers: query i sees keys j with i - W < j <= i
         window = window - 1 if window is not None and step[0].total > window else None
@@ -418,9 +421,20 @@ def mask_forward(*, attention_mask=None, **kwargs):
         forget_steps()
         P = group_info(_settings.group)[1]
         model = _mixers.model_on_stack(config=kwargs.get("config"))  # (P = 1 too: packed documents)
+        global _checked
+        _checked = _nobody
         if model is not None:
             _mixers.prepare(model, _context, P, "tokenring")
+            check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, model)
+            _checked = weakref.ref(model)  # its layers skip these checks in this forward (one scan, not one a layer)
     return attention_mask
+
+
+def _nobody():
+    return None
+
+
+_checked = _nobody  # a weak reference to the model whose forward mask_forward has checked
 
 
 def register(name: str = NAME) -> None:

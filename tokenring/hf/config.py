@@ -80,6 +80,11 @@ def settings(**kw):
 _active = None  # the active tokenring.hf.SequenceParallel
 
 
+def restore(group, layout: str) -> None:
+    """Put the layers' group and layout back as they were (what :class:`SequenceParallel` set, undone)."""
+    _settings.group, _settings.layout = group, layout
+
+
 def active():
     """The :class:`SequenceParallel` the tokenring.hf layers run under, if any."""
     return _active

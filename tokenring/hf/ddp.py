@@ -28,8 +28,10 @@ def _world_average(sp):
 def _check_fsdp(model, cp_ranks: set) -> None:
     """Refuse FSDP2 sharding that would average the loss shares of one sequence wrongly: over ranks sharing the
     sequence with plain (unscaled) shares, or, under :class:`SequenceParallel`, over other ranks than its own."""
-    p = next((q for q in model.parameters() if hasattr(q, "device_mesh")), None) if model is not None else None
-    if p is None or len(cp_ranks) <= 1:
+    if model is None or len(cp_ranks) <= 1:
+        return
+    p = next((q for q in model.parameters() if hasattr(q, "device_mesh")), None)
+    if p is None:
         return
     mesh_ranks = set(p.device_mesh.mesh.flatten().tolist())
     sp = active()

@@ -13,7 +13,7 @@ from ..comm import guard_exit
 from ..device import collective_device
 from ..layouts import group_info
 from .batch import shard_batch
-from .config import active, configure, same_batch, set_active
+from .config import _settings, active, configure, restore, same_batch, set_active
 
 __all__ = ["SequenceParallel"]
 
@@ -49,13 +49,16 @@ class SequenceParallel:
         self.dp_rank = dist.get_rank(self.dp) if self.dp is not None else 0
         self.layout, self.verify = layout, verify
         self.world_ranks = tuple(dist.get_process_group_ranks(self.world)) if self.world_size > 1 else (0,)
+        self._before = (_settings.group, _settings.layout)  # what close() puts back
         configure(group=self.cp, layout=layout)
         set_active(self)
 
     def close(self) -> None:
-        """Stop being the active configuration (the hf layers fall back to plain :func:`tokenring.hf.configure`)."""
+        """Stop being the active configuration: the hf layers' group and layout go back to what they were before
+        (a later model over all ranks must not run its attention over this mesh's cp ranks only)."""
         if active() is self:
             set_active(None)
+            restore(*self._before)
 
     def count(self, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """The global batch's targets (shifted on the full sequences), from this dp rank's full labels."""
