@@ -85,7 +85,42 @@ def _variants(P: int, quick: bool):
     from tokenring.kernels import block_forward
 
     out["decode's local kernel alone (block_forward)"] = lambda: block_forward(qd, kc, vc, False, D**-0.5)
+    out.update(_hf_layer(P))
     return out
+
+
+LAYERS = 8  # the HF model's layers
+
+
+def _hf_layer(P: int) -> dict:
+    """A tiny HF Llama (``LAYERS`` layers, hidden 64, 4/2 heads) with ``attn_implementation="tokenring"``: one
+    forward over this rank's zigzag rows, the attention calls with the layers' glue around them (transformers
+    absent: nothing)."""
+    try:
+        import transformers
+    except ImportError:
+        return {}
+    import torch
+    import torch.distributed as dist
+
+    import tokenring.hf as thf
+    from tokenring.layouts import local_positions
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="tokenring").eval()
+    thf.configure(group=dist.group.WORLD)
+    pos = local_positions(S_LOCAL * P, P, dist.get_rank(), "zigzag")
+    ids = torch.randint(3, 100, (1, S_LOCAL * P))[:, pos]
+
+    def forward():
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=pos[None])
+
+    return {f"HF Llama forward ({LAYERS} layers, {S_LOCAL} rows per rank)": forward}
 
 
 def child(P: int, rounds: int, calls: int, quick: bool) -> None:

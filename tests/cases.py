@@ -953,14 +953,15 @@ def ragged_refused(rank: int, P: int) -> dict:
 def repeated_calls_case(rank: int, P: int) -> dict:
     """The same call shapes again and again, changing what the prepared path (ops.Ready) must notice between
     repeats: values, requires_grad, no_grad, check_calls, forget_choices, documents as a list, a window, an
-    instrumented call. Returns the worst error against float64 and how many calls took the prepared path."""
+    instrumented call, documents as one tensor (then edited in place). Returns the worst error against float64
+    and how many calls took the prepared path."""
     from tokenring import api
 
     taken = [0]
     real = api.ready_again
 
-    def counted(key):
-        hit = real(key)
+    def counted(key, anchor=None):
+        hit = real(key, anchor)
         taken[0] += hit is not None
         return hit
 
@@ -968,18 +969,22 @@ def repeated_calls_case(rank: int, P: int) -> dict:
     worst = 0.0
     S, H, Hkv, d = 12 * P, 4, 2, 8
     idx = local_positions(S, P, rank, "zigzag")
+    docs_t = torch.tensor([0, 5, S])  # documents as one tensor, as a model's layers share it
     try:
         for i, (grad, docs, window, mode) in enumerate(
             [(True, None, None, ""), (True, None, None, ""), (False, None, None, ""), (False, None, None, ""),
              (True, None, None, "check_calls"), (True, None, None, "forget"), (True, None, None, ""),
              (True, [0, 5, S], None, ""), (True, [0, 5, S], None, ""), (True, [0, 7, S], None, ""),
-             (True, None, (3, 0), ""), (True, None, (3, 0), ""), (True, None, None, "instrument")]
+             (True, None, (3, 0), ""), (True, None, (3, 0), ""), (True, None, None, "instrument"),
+             (True, docs_t, None, ""), (True, docs_t, None, ""), (True, docs_t, None, "edit")]
         ):  # fmt: skip
             g = torch.Generator().manual_seed(i)
             full = [torch.randn(1, S, h, d, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv, H)]
             q, k, v = (t.index_select(1, idx).clone().requires_grad_(grad) for t in full[:3])
             if mode == "forget":
                 tokenring.forget_choices()
+            if mode == "edit":  # the same tensor, edited in place: other documents
+                docs_t[1] = 7
             log: list = []
             with contextlib.ExitStack() as stack:
                 if mode == "check_calls":
@@ -993,7 +998,7 @@ def repeated_calls_case(rank: int, P: int) -> dict:
             if mode == "instrument":
                 assert log and all(records for _, records in log), log  # the byte records are kept when read
             want = [t.detach().clone().requires_grad_() for t in full[:3]]
-            ref = reference(*want, True, d**-0.5, docs, window)
+            ref = reference(*want, True, d**-0.5, None if docs is None else [int(x) for x in docs], window)
             ref.backward(full[3])
             worst = max(worst, float((out.detach() - ref.detach().index_select(1, idx)).abs().max()))
             if grad:

@@ -370,15 +370,19 @@ def autocast_matches(rank: int, P: int, S: int, strategy: str) -> dict:
     model = build("llama", "tokenring", num_hidden_layers=2)
     ids = tokens(S, model.config.vocab_size)
     seen = []
-    import tokenring.api as api  # attention() calls the op by this name
+    import tokenring.api as api  # attention() calls the op (or, eager, the prepared call) by these names
 
-    orig = api.attention_op
+    orig, orig_ready = api.attention_op, api.eager_ready
 
     def spy(q, *a, **kw):
         seen.append(q.dtype)
         return orig(q, *a, **kw)
 
-    api.attention_op = spy
+    def spy_ready(ready, q, *a, **kw):
+        seen.append(q.dtype)
+        return orig_ready(ready, q, *a, **kw)
+
+    api.attention_op, api.eager_ready = spy, spy_ready
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16), thf.settings(strategy=strategy):
             batch = thf.shard_batch(ids, labels=ids)
@@ -387,7 +391,7 @@ def autocast_matches(rank: int, P: int, S: int, strategy: str) -> dict:
             loss = thf.reduce_loss(out.loss).float()
             logits = thf.gather_logits(out.logits).float()
     finally:
-        api.attention_op = orig
+        api.attention_op, api.eager_ready = orig, orig_ready
     res = dict(dtypes=sorted({str(d) for d in seen}))
     if rank == 0:
         ref = build("llama", "sdpa", num_hidden_layers=2)

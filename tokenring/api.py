@@ -87,8 +87,9 @@ def attention(
         )[..., :dv]  # fmt: skip
     key = _call_key(q, k, v, sinks, causal, softmax_scale, strategy, layout, cu_seqlens, window, group, inner_size,
                     seq_len, rows)  # fmt: skip
+    anchor = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
     if key is not None:  # this exact call ran before and its agreement stands: straight to the strategy
-        ready = ready_again(key)
+        ready = ready_again(key, anchor)
         rank, P = group_info(group)  # (a group made anew under the same name may have another size)
         if ready is not None and (ready.rank, ready.P) == (rank, P) and current_instruments() is None:
             if _plain_eager(q, k, v, sinks):
@@ -136,7 +137,7 @@ def _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, 
     if key is not None and hooks is None and not compiling and not recheck and _plain_eager(q, k, v, sinks, cu):
         ready = prepare_forward(q, k, sinks, cu, call)
         out = eager_ready(ready, q, k, v, sinks, cu)
-        remember_ready(key, ready)
+        remember_ready(key, ready, cu if key[-1] == "documents tensor" else None)
         return out
     out = attention_op(q, k, v, sinks, cu, call)
     del holder  # the op's autograd context keeps it while backward may still run
@@ -145,17 +146,24 @@ def _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, 
 
 def _call_key(q, k, v, sinks, causal, softmax_scale, strategy, layout, cu_seqlens, window, group, inner_size,
               seq_len, rows) -> tuple | None:  # fmt: skip
-    """What decides an eager call's plan, as a key (``None``: a call that is not looked up: documents as a tensor,
-    rows, tracing): the arguments' shapes, dtypes, devices and options, and whether it records a backward."""
-    if rows is not None or isinstance(cu_seqlens, torch.Tensor) or torch.compiler.is_compiling():
+    """What decides an eager call's plan, as a key (``None``: a call that is not looked up: rows, tracing): the
+    arguments' shapes, dtypes, devices and options, and whether it records a backward. Documents as a tensor
+    (a model's layers share one) by its identity and version, the key then ending in ``"documents tensor"``
+    (the lookup also checks that very tensor: :func:`tokenring.ops.ready_again`)."""
+    if rows is not None or torch.compiler.is_compiling():
         return None
     try:
+        if isinstance(cu_seqlens, torch.Tensor):
+            if cu_seqlens.is_inference() or type(cu_seqlens) is not torch.Tensor:
+                return None  # (no version counter, or a subclass)
+            docs, kind = (id(cu_seqlens), cu_seqlens._version), "documents tensor"
+        else:
+            docs, kind = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens), "documents"
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
         return (  # the group itself, not its id: a group made after another was destroyed may reuse the id
             group, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
             None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), causal, softmax_scale, strategy,
-            layout, None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens),
-            None if window is None else tuple(window), inner_size, seq_len, grad,
+            layout, docs, None if window is None else tuple(window), inner_size, seq_len, grad, kind,
         )  # fmt: skip
     except (TypeError, AttributeError, ValueError):  # not tensors, or options that are not plain values: no key
         return None

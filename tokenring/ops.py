@@ -709,18 +709,22 @@ def run_forward(q, k, v, sinks, cu, call: Call):
 _ready = cache()  # (id(group), a plain eager call's arguments) -> its Ready
 
 
-def ready_again(key) -> Ready | None:
+def ready_again(key, anchor: torch.Tensor | None = None) -> Ready | None:
     """The :class:`Ready` of an earlier plain eager call with these arguments, while its agreement stands
-    (the entry skipped exactly when the agreement would be: never under ``check_calls``)."""
+    (the entry skipped exactly when the agreement would be: never under ``check_calls``). ``anchor``: the
+    documents tensor the key names by identity, which must be that very tensor still (an id can be reused)."""
     hit = _ready.get(key)
-    if hit is None or _checked.get(hit.agreed) is not hit.strat or settings.get("check_calls"):
+    if hit is None:
         return None
-    return hit
+    ready, ref = hit
+    if (ref is not None and ref() is not anchor) or _checked.get(ready.agreed) is not ready.strat:
+        return None
+    return None if settings.get("check_calls") else ready
 
 
-def remember_ready(key, ready: Ready) -> None:
+def remember_ready(key, ready: Ready, anchor: torch.Tensor | None = None) -> None:
     if ready.agreed is not None and _checked.get(ready.agreed) is ready.strat:
-        _ready[key] = ready
+        _ready[key] = (ready, weakref.ref(anchor) if anchor is not None else None)
 
 
 def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, call: Call, ready: Ready | None = None):
