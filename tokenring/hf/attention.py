@@ -20,7 +20,7 @@ from ..api import attention
 from ..device import collective_device, values_travel
 from ..instrument import instrument
 from ..layouts import DOCUMENT_LAYOUTS, gather, group_info
-from ..ops import IdentityCache, _group_name, _pretended_meta, resolve_group
+from ..ops import IdentityCache, _group_name, _plain_eager, _pretended_meta, resolve_group
 from .cache import forget_steps, step_attention, take_step
 from .config import NAME, _settings
 from .ddp import check_ddp
@@ -307,10 +307,10 @@ def _cu_seqlens(module, attention_mask, s: int, causal: bool, kwargs: dict):
         raise _refuse(module, _mask_problem(attention_mask))
     if attention_mask is None and pos is None and cu_q is None:
         return None
-    group = _settings.group
-    return hf_documents(
-        pos, attention_mask, cu_q, cu_k, s, _settings.layout, _group_name(group), _where(module), causal
-    )
+    args = (pos, attention_mask, cu_q, cu_k, s, _settings.layout, _group_name(_settings.group), _where(module), causal)
+    if _plain_eager(pos, attention_mask, cu_q, cu_k):  # the op's body without its dispatch (as tokenring.ops does)
+        return hf_documents._init_fn(*args)
+    return hf_documents(*args)
 
 
 def _as_tensor(x):
