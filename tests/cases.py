@@ -953,8 +953,9 @@ def ragged_refused(rank: int, P: int) -> dict:
 def repeated_calls_case(rank: int, P: int) -> dict:
     """The same call shapes again and again, changing what the prepared path (ops.Ready) must notice between
     repeats: values, requires_grad, no_grad, check_calls, forget_choices, documents as a list, a window, an
-    instrumented call, documents as one tensor (then edited in place). Returns the worst error against float64
-    and how many calls took the prepared path."""
+    instrumented call, documents as one tensor (then edited in place), a checkpointed first call (its recompute
+    prepared: the same tensors saved). Returns the worst error against float64 and how many calls took the
+    prepared path."""
     from tokenring import api
 
     taken = [0]
@@ -976,7 +977,8 @@ def repeated_calls_case(rank: int, P: int) -> dict:
              (True, None, None, "check_calls"), (True, None, None, "forget"), (True, None, None, ""),
              (True, [0, 5, S], None, ""), (True, [0, 5, S], None, ""), (True, [0, 7, S], None, ""),
              (True, None, (3, 0), ""), (True, None, (3, 0), ""), (True, None, None, "instrument"),
-             (True, docs_t, None, ""), (True, docs_t, None, ""), (True, docs_t, None, "edit")]
+             (True, docs_t, None, ""), (True, docs_t, None, ""), (True, docs_t, None, "edit"),
+             (True, [0, 9, S], (5, 0), "checkpoint")]
         ):  # fmt: skip
             g = torch.Generator().manual_seed(i)
             full = [torch.randn(1, S, h, d, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv, H)]
@@ -992,7 +994,13 @@ def repeated_calls_case(rank: int, P: int) -> dict:
                     stack.callback(tokenring.configure, check_calls=False)
                 if mode == "instrument":
                     stack.enter_context(tokenring.instrument(comm_log=log))
-                out = tokenring.attention(q, k, v, causal=True, cu_seqlens=docs, window=window)
+                if mode == "checkpoint":  # a first call, recomputed in backward on the prepared path
+                    out = torch.utils.checkpoint.checkpoint(
+                        lambda *x: tokenring.attention(*x, causal=True, cu_seqlens=docs, window=window), q, k, v,
+                        use_reentrant=False,
+                    )  # fmt: skip
+                else:
+                    out = tokenring.attention(q, k, v, causal=True, cu_seqlens=docs, window=window)
                 if grad:
                     out.backward(full[3].index_select(1, idx))
             if mode == "instrument":

@@ -136,8 +136,8 @@ def _run_op(q, k, v, sinks, cu, strategy, causal, scale, layout, window, group, 
     call = Call(strategy, causal, scale, layout, window, _group_name(group), n, backward, extras_id, recheck, refused)
     if key is not None and hooks is None and not compiling and not recheck and _plain_eager(q, k, v, sinks, cu):
         ready = prepare_forward(q, k, sinks, cu, call)
-        out = eager_ready(ready, q, k, v, sinks, cu)
-        remember_ready(key, ready, cu if key[-1] == "documents tensor" else None)
+        out = eager_ready(ready, q, k, v, sinks, None)  # (as its repeats: the same tensors saved for backward,
+        remember_ready(key, ready, cu if key[-1] == "documents tensor" else None)  # which checkpointing compares)
         return out
     out = attention_op(q, k, v, sinks, cu, call)
     del holder  # the op's autograd context keeps it while backward may still run
