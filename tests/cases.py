@@ -498,9 +498,16 @@ def gone_before_posting_case(rank: int, P: int, strategy: str, timeout: float):
     if rank == P - 1:
         os._exit(0)
     time.sleep(0.5)
+    return _failure(rank, P, lambda: tokenring.attention(q, k, v, strategy=strategy))
+
+
+def _failure(rank: int, P: int, call) -> tuple[float, str]:
+    """Seconds until ``call()`` raises its RuntimeError (rank P-1 having exited), and the message."""
+    import time
+
     t0 = time.monotonic()
     try:
-        tokenring.attention(q, k, v, strategy=strategy)
+        call()
     except RuntimeError as e:
         return time.monotonic() - t0, str(e)
     raise AssertionError(f"rank {rank}: no RuntimeError although rank {P - 1} exited")
@@ -509,8 +516,6 @@ def gone_before_posting_case(rank: int, P: int, strategy: str, timeout: float):
 def decode_stop_case(rank: int, P: int, timeout: float, check: bool):
     """Rank P-1 exits inside a decode step (at its gather of the partials, after the step's check when
     ``check``); every other rank returns (seconds to its RuntimeError, message)."""
-    import time
-
     from tokenring.tools.launch import exit_at_step
 
     tokenring.set_timeout(timeout)
@@ -520,12 +525,7 @@ def decode_stop_case(rank: int, P: int, timeout: float, check: bool):
     tokenring.decode_attention(q, k, v, check=check)
     if rank == P - 1:
         exit_at_step("decode", 0)
-    t0 = time.monotonic()
-    try:
-        tokenring.decode_attention(q, k, v, check=check)
-    except RuntimeError as e:
-        return time.monotonic() - t0, str(e)
-    raise AssertionError(f"rank {rank}: no RuntimeError although rank {P - 1} exited")
+    return _failure(rank, P, lambda: tokenring.decode_attention(q, k, v, check=check))
 
 
 def absent_case(rank: int, P: int, timeout: float):

@@ -632,9 +632,6 @@ class Ready:
     call: Call
     agreed: tuple | None
 
-    def config(self, sinks, hooks) -> Config:
-        return _config_of(self.group, self.rank, self.P, self.causal, self.layout, self.scale, self.mask, sinks, hooks)
-
 
 def prepare_forward(q, k, sinks, cu, call: Call) -> Ready:
     """The part of :func:`run_forward` that reads no values of q, k, v: the mask, the cross-rank agreement."""
