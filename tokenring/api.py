@@ -91,7 +91,7 @@ def attention(
     if key is not None:  # this exact call ran before and its agreement stands: straight to the strategy
         ready = ready_again(key, anchor)
         rank, P = group_info(group)  # (a group made anew under the same name may have another size)
-        if ready is not None and (ready.rank, ready.P) == (rank, P) and current_instruments() is None:
+        if ready is not None and (ready.cfg.rank, ready.cfg.P) == (rank, P) and current_instruments() is None:
             if _plain_eager(q, k, v, sinks):
                 return eager_ready(ready, q, k, v, sinks, None)
     rank, P = group_info(group)

@@ -20,7 +20,7 @@ ranks that traced different strategies.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional
 
 import torch
@@ -618,17 +618,12 @@ def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
 @dataclass(frozen=True)
 class Ready:
     """What a call's constants and agreement decided, ready to run on its tensors: the strategy and its
-    :class:`~tokenring.strategies.base.Config` less the sinks. ``agreed``: the agreement's cache key, whose
-    entry must still stand for a repeated call to skip the agreement (:func:`ready_again`)."""
+    :class:`~tokenring.strategies.base.Config` (the scale before folding, no sinks or instruments: a call's own).
+    ``agreed``: the agreement's cache key, whose entry must still stand for a repeated call to skip the
+    agreement (:func:`ready_again`)."""
 
     strat: object
-    group: object
-    rank: int
-    P: int
-    causal: bool
-    layout: str
-    scale: float
-    mask: object
+    cfg: Config
     call: Call
     agreed: tuple | None
 
@@ -649,7 +644,7 @@ def prepare_forward(q, k, sinks, cu, call: Call) -> Ready:
             raise _ranked(e, rank) from None
         _refuse_everywhere(_ranked(e, rank), group, rank, P)
     if P == 1:
-        return Ready(SINGLE, group, rank, P, causal, layout, scale, mask, call, None)
+        return Ready(SINGLE, _config_of(group, rank, P, causal, layout, scale, mask, None, None), call, None)
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
         return resolve(
@@ -679,19 +674,20 @@ def prepare_forward(q, k, sinks, cu, call: Call) -> Ready:
         P,
         calibrate_for=(q, k) if auto else None,
     )
-    return Ready(strat, group, rank, P, causal, layout, scale, mask, call, (id(group), tuple(sig)))
+    cfg = _config_of(group, rank, P, causal, layout, scale, mask, None, None)
+    return Ready(strat, cfg, call, (id(group), tuple(sig)))
 
 
 def run_ready(ready: Ready, q, k, v, sinks, hooks):
     """The forward of a prepared call: ``(out, strategy, extra)`` (``extra``: what backward needs besides the
     inputs and ``out``)."""
-    q, scale = fold_scale(q, ready.scale)
-    cfg = _config_of(ready.group, ready.rank, ready.P, ready.causal, ready.layout, scale, ready.mask, sinks, hooks)
+    q, scale = fold_scale(q, ready.cfg.scale)
+    cfg = replace(ready.cfg, scale=scale, sinks=sinks, hooks=hooks or NO_HOOKS)
     strat = ready.strat
     if strat is SINGLE:
         out, saved = SINGLE.forward(q, k, v, cfg)
         return out, SINGLE, SINGLE.saved_extra(saved)
-    q, k, v = strat.prepare(q, k, v, ready.P)
+    q, k, v = strat.prepare(q, k, v, cfg.P)
     out, saved = strat.forward(q, k, v, cfg)
     return out, strat, strat.saved_extra(saved)
 
@@ -729,7 +725,7 @@ def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, call: Call, 
     ``dsinks`` (this rank's rows' share) with sinks; ``ready``: the forward's, with its mask."""
     causal, scale, layout = call.causal, call.scale, call.layout
     if ready is not None:
-        group, rank, P, mask = ready.group, ready.rank, ready.P, ready.mask
+        group, rank, P, mask = ready.cfg.group, ready.cfg.rank, ready.cfg.P, ready.cfg.mask
     else:
         group = resolve_group(call.group)
         rank, P = group_info(group)
