@@ -85,16 +85,15 @@ def attention(
             cu_seqlens=cu_seqlens, window=window, sinks=sinks, group=group, inner_size=inner_size, seq_len=seq_len,
             rows=rows,
         )[..., :dv]  # fmt: skip
+    rank, P = group_info(group)
     key = _call_key(q, k, v, sinks, causal, softmax_scale, strategy, layout, cu_seqlens, window, group, inner_size,
                     seq_len, rows)  # fmt: skip
-    anchor = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
     if key is not None:  # this exact call ran before and its agreement stands: straight to the strategy
-        ready = ready_again(key, anchor)
-        rank, P = group_info(group)  # (a group made anew under the same name may have another size)
+        ready = ready_again(key, cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None)
+        # (a group made anew under the same name may have another size)
         if ready is not None and (ready.cfg.rank, ready.cfg.P) == (rank, P) and current_instruments() is None:
             if _plain_eager(q, k, v, sinks):
                 return eager_ready(ready, q, k, v, sinks, None)
-    rank, P = group_info(group)
     if rows is not None:
         return _ragged(q, k, v, rows, causal, softmax_scale, strategy, cu_seqlens, window, sinks, group, inner_size,
                        seq_len, rank, P)  # fmt: skip
