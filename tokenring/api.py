@@ -159,8 +159,8 @@ def _call_key(q, k, v, sinks, causal, softmax_scale, strategy, layout, cu_seqlen
         else:
             docs, kind = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens), "documents"
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
-        return (  # the group itself, not its id: a group made after another was destroyed may reuse the id
-            group, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+        return (  # the group's name, not its id: a group made after another was destroyed may reuse the id
+            _group_name(group), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
             None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), causal, softmax_scale, strategy,
             layout, docs, None if window is None else tuple(window), inner_size, seq_len, grad, kind,
         )  # fmt: skip

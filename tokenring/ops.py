@@ -618,7 +618,8 @@ def _single_device(q, k, v, causal: bool, scale: float) -> torch.Tensor:
 @dataclass(frozen=True)
 class Ready:
     """What a call's constants and agreement decided, ready to run on its tensors: the strategy and its
-    :class:`~tokenring.strategies.base.Config` (the scale before folding, no sinks or instruments: a call's own).
+    :class:`~tokenring.strategies.base.Config` (the scale before folding; no sinks or instruments, a call's own;
+    no group object, which a cached Ready would keep alive: ``call.group`` names it).
     ``agreed``: the agreement's cache key, whose entry must still stand for a repeated call to skip the
     agreement (:func:`ready_again`)."""
 
@@ -644,7 +645,7 @@ def prepare_forward(q, k, sinks, cu, call: Call) -> Ready:
             raise _ranked(e, rank) from None
         _refuse_everywhere(_ranked(e, rank), group, rank, P)
     if P == 1:
-        return Ready(SINGLE, _config_of(group, rank, P, causal, layout, scale, mask, None, None), call, None)
+        return Ready(SINGLE, _config_of(None, rank, P, causal, layout, scale, mask, None, None), call, None)
 
     def decide():  # a concrete variant; for "auto" / a family choice the cost model, run on rank 0 only
         return resolve(
@@ -674,7 +675,7 @@ def prepare_forward(q, k, sinks, cu, call: Call) -> Ready:
         P,
         calibrate_for=(q, k) if auto else None,
     )
-    cfg = _config_of(group, rank, P, causal, layout, scale, mask, None, None)
+    cfg = _config_of(None, rank, P, causal, layout, scale, mask, None, None)  # (the group by name: call.group)
     return Ready(strat, cfg, call, (id(group), tuple(sig)))
 
 
@@ -682,7 +683,8 @@ def run_ready(ready: Ready, q, k, v, sinks, hooks):
     """The forward of a prepared call: ``(out, strategy, extra)`` (``extra``: what backward needs besides the
     inputs and ``out``)."""
     q, scale = fold_scale(q, ready.cfg.scale)
-    cfg = replace(ready.cfg, scale=scale, sinks=sinks, hooks=hooks or NO_HOOKS)
+    group = resolve_group(ready.call.group)
+    cfg = replace(ready.cfg, group=group, scale=scale, sinks=sinks, hooks=hooks or NO_HOOKS)
     strat = ready.strat
     if strat is SINGLE:
         out, saved = SINGLE.forward(q, k, v, cfg)
@@ -699,7 +701,7 @@ def run_forward(q, k, v, sinks, cu, call: Call):
     return run_ready(prepare_forward(q, k, sinks, cu, call), q, k, v, sinks, _extras(call.extras))
 
 
-_ready = cache()  # (id(group), a plain eager call's arguments) -> its Ready
+_ready = cache()  # (the group's name, a plain eager call's arguments) -> its Ready
 
 
 def ready_again(key, anchor: torch.Tensor | None = None) -> Ready | None:
@@ -725,7 +727,7 @@ def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, call: Call, 
     ``dsinks`` (this rank's rows' share) with sinks; ``ready``: the forward's, with its mask."""
     causal, scale, layout = call.causal, call.scale, call.layout
     if ready is not None:
-        group, rank, P, mask = ready.cfg.group, ready.cfg.rank, ready.cfg.P, ready.cfg.mask
+        group, rank, P, mask = resolve_group(call.group), ready.cfg.rank, ready.cfg.P, ready.cfg.mask
     else:
         group = resolve_group(call.group)
         rank, P = group_info(group)
