@@ -26,7 +26,7 @@ SMALL = dict(
 #   data: "fixed" (32 tokens, default_data_collator), "pad" (DataCollatorForLanguageModeling, right padding) or
 #   "flatten" (DataCollatorWithFlattening: padding-free packing), both over lengths that split over no 2P;
 #   resume: stop after step 1's checkpoint and resume from it; sp: SequenceParallelTrainer's own keywords;
-#   tol: relative tolerance (float32 1e-4); model: config overrides of SMALL (compile: one layer traces what two do).
+#   tol: relative tolerance (float32 1e-4).
 FEATURES = {
     "plain": {},
     "label_smoothing": {"args": dict(label_smoothing_factor=0.1)},
@@ -40,11 +40,7 @@ FEATURES = {
     "resume": {"resume": True},
     "tiled_loss": {"sp": dict(tiled_loss=16)},  # SequenceParallelTrainer's own option (the stock run: none)
     # packed batches of a different length every step: traced once more for dynamic shapes, not per length
-    "compile": {
-        "data": "flatten",
-        "args": dict(torch_compile=True, torch_compile_backend="aot_eager"),
-        "model": dict(num_hidden_layers=1),
-    },
+    "compile": {"data": "flatten", "args": dict(torch_compile=True, torch_compile_backend="aot_eager")},
 }
 
 # what SequenceParallelTrainer refuses when it is built (on every rank), and a phrase of the ValueError
@@ -120,8 +116,7 @@ def run(feature: str, dp: int, sp=None, out: str | None = None) -> dict:
     accumulate = args.get("gradient_accumulation_steps", 1)
     train = _samples(STEPS * accumulate * dp * PER_DEVICE, data, seed=3)
     evals = _samples(EVAL_SAMPLES, data, seed=4)
-    config = {**SMALL, **spec.get("model", {})}
-    model = hf_cases.build("llama", "sdpa" if sp is None else "tokenring", **config)
+    model = hf_cases.build("llama", "sdpa" if sp is None else "tokenring", **SMALL)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     events = Events()
     own = out is None
@@ -145,7 +140,7 @@ def run(feature: str, dp: int, sp=None, out: str | None = None) -> dict:
         )
         trainer = Trainer(**kw) if sp is None else thf.SequenceParallelTrainer(sp, **kw, **spec.get("sp", {}))
         if spec.get("resume"):  # a first run stopped at step 1 (a fresh trainer, like a restarted job)
-            first = kw | dict(model=hf_cases.build("llama", model.config._attn_implementation, **config))
+            first = kw | dict(model=hf_cases.build("llama", model.config._attn_implementation, **SMALL))
             first["args"] = TrainingArguments(**{**base, **args, "max_steps": 1})
             first["callbacks"] = []
             (Trainer(**first) if sp is None else thf.SequenceParallelTrainer(sp, **first, **spec.get("sp", {}))).train()
