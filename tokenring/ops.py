@@ -377,7 +377,11 @@ def trace_choice(
     rank, P = group_info(group)
     if q_shape[1] is None:  # no length to choose by: the shape-free rule (any length runs it)
         return resolve(strategy, tuple(q_shape), tuple(k_shape), P, inner_size=inner or None).name
-    mask = None if documents else make_mask(q_shape[1] * P, None, window, causal)
+    S = q_shape[1] * P
+    if documents and layout in DOCUMENT_LAYOUTS:  # placed by documents, which are values: one stands in
+        mask = make_mask(S, None, window, causal, force=True)
+    else:
+        mask = None if documents else make_mask(S, None, window, causal)
     sig = _signature_of(
         q_shape,
         k_shape,
