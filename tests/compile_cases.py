@@ -3,6 +3,7 @@ the same model in eager mode, on each rank of a RankPool."""
 
 from __future__ import annotations
 
+import family_cases
 import hf_cases
 
 import tokenring.agreement as agreement
@@ -24,7 +25,8 @@ def _step(model, batch, call=None) -> tuple[float, dict]:
     out = (call if call is not None else model)(**batch)
     out.loss.backward()
     thf.all_reduce_grads(model)
-    return thf.reduce_loss(out.loss).item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return thf.reduce_loss(out.loss).item(), grads
 
 
 def compiled_matches_eager(
@@ -35,21 +37,28 @@ def compiled_matches_eager(
     docs: list[int] | None = None,
     arch: str = "llama",
     over: dict | None = None,
+    layout: str = "zigzag",
+    family: str | None = None,
 ) -> dict:
     """Two training steps of ``torch.compile(model, fullgraph=True)`` (AOT autograd, so the custom ops' fake
-    implementations and autograd formula are traced) vs eager: losses, gradients, graphs and graph breaks."""
+    implementations and autograd formula are traced) vs eager: losses, gradients, graphs and graph breaks.
+    ``family``: a float64 model of tests/family_cases.py instead of ``arch``."""
+    import torch
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    model = hf_cases.build(arch, "tokenring", **{**SMALL, **(over or {})})
+    if family is not None:
+        model = family_cases.build(family, "tokenring", dtype=torch.float64)
+    else:
+        model = hf_cases.build(arch, "tokenring", **{**SMALL, **(over or {})})
     ids = hf_cases.tokens(S, model.config.vocab_size)
     pos = hf_cases.packed_positions(docs) if docs else None
-    batch = thf.shard_batch(ids, labels=ids, position_ids=pos)
     res = {}
-    with thf.settings(strategy=strategy):
+    with thf.settings(strategy=strategy, layout=layout):
+        batch = thf.shard_batch(ids, labels=ids, position_ids=pos)
         loss, grads = _step(model, batch)
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(model, fullgraph=True, backend=counter)
@@ -57,6 +66,7 @@ def compiled_matches_eager(
             closs, cgrads = _step(model, batch, compiled)
             res[f"loss{i}"] = abs(closs - loss) / abs(loss)
             res[f"grad{i}"] = max(hf_cases.rel(cgrads[n], g) for n, g in grads.items())
+            res["same_grads"] = set(cgrads) == set(grads)
     res["frames"] = counter.frame_count
     res["breaks"] = sum(counters["graph_break"].values())
     return res

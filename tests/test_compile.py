@@ -29,6 +29,28 @@ def test_fullgraph_packed_documents(pools):
         assert r["frames"] == 1 and r["breaks"] == 0 and r["grad0"] < 1e-6 and r["grad1"] < 1e-6, r
 
 
+@pytest.mark.parametrize("layout", ["balanced", "zigzag_docs"])
+def test_fullgraph_document_layouts(pools, layout):
+    """The layouts that place tokens by document: traced without the documents (values), run with them."""
+    res = pools(2).run(compile_cases.compiled_matches_eager, 48, "auto", [16, 8, 24], "llama", None, layout)
+    for r in res:
+        assert r["frames"] == 1 and r["breaks"] == 0 and r["grad0"] < 1e-6 and r["grad1"] < 1e-6, r
+
+
+@pytest.mark.parametrize(
+    "family,P,layout,docs",
+    [("qwen3_5", 2, "zigzag", [10, 14]), ("bamba", 3, "balanced", [7, 20, 9]), ("lfm2", 2, "contiguous", None)],
+)
+def test_fullgraph_hybrid_mixers(pools, family, P, layout, docs):
+    """Hybrids (Gated DeltaNet, Mamba2, short convolutions) compile whole: each mixer's sharded kernel call is
+    one op (``tokenring::mixer_kernel``) whose backward recomputes it; float64, the same as eager to 1e-12."""
+    S = sum(docs) if docs else 12 * P
+    res = pools(P).run(compile_cases.compiled_matches_eager, S, "auto", docs, "llama", None, layout, family)
+    for r in res:
+        assert r["frames"] == 1 and r["breaks"] == 0 and r["same_grads"], r
+        assert max(r["loss0"], r["loss1"], r["grad0"], r["grad1"]) < 1e-12, r
+
+
 def test_fullgraph_sinks_model(pools):
     """gpt-oss (attention sinks, sliding layers, experts) compiles whole too."""
     res = pools(2).run(compile_cases.compiled_matches_eager, 64, "token_ring", None, "gpt_oss", {})

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import recurrence
+from . import mixer_op, recurrence
 from .layouts import DOCUMENT_LAYOUTS, group_info, local_positions
 
 __all__ = [
@@ -284,20 +284,29 @@ def coverage(cls) -> frozenset[str] | None:
 
 @dataclass
 class _Call:
-    """The sharded forward of one mixer: its plan, group, and the kernel kinds it reached."""
+    """The sharded forward of one mixer: where its rows sit, and the kernel kinds it reached."""
 
     where: str
-    plan: recurrence.Plan
     group: object
+    rank: int
+    P: int
+    layout: str
+    rows: int  # this rank's rows
+    cu: torch.Tensor | None  # the documents' starts (cu_seq_lens_q), or None
     expected: frozenset
     reached: set = field(default_factory=set)
+
+    @functools.cached_property
+    def plan(self) -> recurrence.Plan:
+        starts = tuple(int(x) for x in self.cu[:-1].tolist()) if self.cu is not None else (0,)
+        return recurrence.plan_for(self.rows * self.P, self.P, self.rank, self.layout, starts)
 
 
 _calls: list[_Call | None] = []  # the mixer forwards running now (innermost last); None: not sharded
 
 
-def _dispatch(name: str, original):
-    """``original`` (a module-level kernel of transformers) as it runs inside a sharded mixer's forward."""
+def _dispatch(module: str, name: str, original):
+    """``original`` (the kernel ``module.name`` of transformers) as it runs inside a sharded mixer's forward."""
     kind = _KERNELS[name]
 
     @functools.wraps(original)
@@ -313,30 +322,14 @@ def _dispatch(name: str, original):
                 f"tokenring: {call.where} took its one-token path ({name}) in a sharded forward; a sharded "
                 f"forward runs whole sequences (generation: tokenring.hf.prefill, then generate)"
             )
-        if kind == "conv":
-            return _conv(original, call, *args, **kwargs)
-        if kind == "delta":
-            return recurrence.delta_rule(original, call.plan, call.group, *args, **kwargs)
-        return recurrence.ssd(original, call.plan, call.group, *args, **kwargs)
+        if torch.compiler.is_compiling():  # one op in the graph (none if an argument cannot be a constant)
+            out = mixer_op.compiled(kind, module, name, call, args, kwargs)
+            if out is not None:
+                return out
+        return mixer_op.run(kind, original, call.plan, call.group, args, kwargs)
 
     kernel.__tokenring_original__ = original
     return kernel
-
-
-def _conv(original, call: _Call, conv1d, x, cache, layer_idx, activation=None, state_idx=0, **kwargs):
-    """transformers' ``causal_conv1d_forward`` by halo exchange; in :func:`tokenring.hf.prefill` (``cache``) it
-    also leaves the whole prompt's convolution state in the cache, on every rank."""
-    kw = {k: v for k, v in kwargs.items() if k not in recurrence.PACKING_KWARGS}
-    k = conv1d.kernel_size[0]
-
-    def run(y):
-        return original(conv1d, y, None, layer_idx, activation=activation, state_idx=state_idx, **kw)
-
-    if cache is None:
-        return recurrence.causal_conv(run, call.plan, call.group, x, k - 1)
-    out, end = recurrence.causal_conv(run, call.plan, call.group, x, k - 1, end=True)
-    cache.set_conv_state(layer_idx, state_idx, torch.nn.functional.pad(end, (1, 0)), call.plan.length)
-    return out
 
 
 def _install(cls) -> None:
@@ -346,7 +339,7 @@ def _install(cls) -> None:
     for name in _KERNELS:
         fn = getattr(module, name, None)
         if fn is not None and not hasattr(fn, "__tokenring_original__"):
-            setattr(module, name, _dispatch(name, fn))
+            setattr(module, name, _dispatch(module.__name__, name, fn))
 
 
 class StatePassing:
@@ -385,16 +378,16 @@ class StatePassing:
                     f"generate with tokenring.hf.prefill"
                 )
             cu = kwargs.get("cu_seq_lens_q")
-            starts = tuple(int(x) for x in cu[:-1].tolist()) if cu is not None else (0,)
             sharded = P > 1 and (cache is None or cache.prefilling)  # else a step every rank runs whole (decode)
-            if sharded or (P == 1 and cache is None and len(starts) > 1):  # one rank: packed documents only
+            if P == 1 and cache is None and cu is not None:  # one rank: packed documents only
+                sharded = torch.compiler.is_compiling() or len(cu) > 2
+            if sharded:
                 if layout in DOCUMENT_LAYOUTS and cu is None:
                     raise ValueError(
                         f"tokenring: {where} runs under layout={layout!r}, which places tokens by document, but "
                         f"was not given the documents (cu_seq_lens_q, which tokenring.hf.shard_batch passes)"
                     )
-                plan = recurrence.plan_for(hidden.shape[1] * P, P, rank, layout, starts)
-                call = _Call(where, plan, group, expected)
+                call = _Call(where, group, rank, P, layout, hidden.shape[1], cu, expected)
         _calls.append(call)
 
     def _after(self, module, args, kwargs, output):
