@@ -158,15 +158,22 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
 }
 
 
-def build(name: str, attn: str, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """The family's tiny causal LM with attention ``attn`` ("tokenring", or the reference's), in ``dtype``."""
+def config(name: str):
+    """The family's tiny config."""
     import transformers
 
     model_type, over, _ = FAMILIES[name]
     over = {**BASE, **over}
     if over.get("head_dim", 0) is None:
         del over["head_dim"]
-    cfg = transformers.AutoConfig.for_model(model_type, **over)
+    return transformers.AutoConfig.for_model(model_type, **over)
+
+
+def build(name: str, attn: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """The family's tiny causal LM with attention ``attn`` ("tokenring", or the reference's), in ``dtype``."""
+    import transformers
+
+    cfg = config(name)
     torch.manual_seed(seed)
     kw = {} if dtype != torch.float64 else {"experts_implementation": "eager"}  # grouped_mm: no float64
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype, **kw)

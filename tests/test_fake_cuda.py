@@ -456,3 +456,56 @@ def test_decode_step_without_its_check_makes_no_host_sync():
     assert ops.host_syncs() == [] and ops.attention_ops(), [n for n, _, _ in ops.calls]
     gathers = [n for n, _, _ in ops.calls if "gather" in n]
     assert len(gathers) == 1, [n for n, _, _ in ops.calls]
+
+
+# (family, rank, P, S, layout): the kernels its mixers reach on the GPU path
+HYBRID_KERNELS = {
+    ("qwen3_5", 1, 3, 48, "zigzag"): {"causal_conv1d_fn", "chunk_gated_delta_rule"},
+    ("bamba", 2, 3, 48, "contiguous"): {"causal_conv1d_fn", "mamba_chunk_scan_combined"},
+    ("kimi_linear", 0, 2, 32, "zigzag"): {"causal_conv1d_fn", "chunk_kda"},
+    ("lfm2", 1, 2, 32, "zigzag"): {"causal_conv1d_fn"},
+}
+
+
+@pytest.mark.parametrize("case", list(HYBRID_KERNELS))
+def test_hybrid_mixers_reach_the_gpu_kernels(case):
+    """With flash-linear-attention, causal-conv1d and mamba_ssm installed (stand-ins with their signatures,
+    tests/fake_kernels_case.py, in a fresh interpreter), a sharded hybrid's mixers on pretended CUDA tensors run
+    those packages' kernels, not transformers' torch fallbacks, forward and backward: every call on the device,
+    with the arguments the real kernels document (delta rule: values widened by dk, an identity start
+    [N, HV, K, V] in float32, the final state asked for; Mamba2: no start, the final state asked for; no packed
+    arguments), over exactly this rank's rows; the fused Mamba2 training kernel is never reached."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    family, rank, P, S, layout = case
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(
+        [sys.executable, os.path.join(here, "fake_kernels_case.py"), family, str(rank), str(P), str(S), layout],
+        capture_output=True, text=True, timeout=300, cwd=here,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    calls, mixers, s = got["calls"], got["mixers"], S // P
+    assert {c["kernel"] for c in calls} == HYBRID_KERNELS[case], calls
+    assert all(c["devices"] == ["meta"] for c in calls), calls
+    assert mixers and all(m["grad"][:2] == [2, s] for m in mixers), mixers
+    for name in HYBRID_KERNELS[case] - {"causal_conv1d_fn"}:
+        mine = [c for c in calls if c["kernel"] == name]
+        main = "v" if name != "mamba_chunk_scan_combined" else "x"
+        assert sum(c["shapes"][main][0] * c["shapes"][main][1] for c in mine) == 2 * s * len(mixers), mine
+        for c in mine:
+            assert not c.get("cu_seqlens") and not c.get("seq_idx"), c
+            if main == "v":
+                N, T, HV, V = c["shapes"]["v"]
+                K = c["shapes"]["k"][-1]
+                assert c["output_final_state"] and c["shapes"]["initial_state"] == [N, HV, K, V], c
+                assert c["dtypes"]["initial_state"] == "torch.float32" and V > K, c
+            else:
+                assert c["return_final_states"] and "initial_states" not in c["shapes"], c
+    for c in (c for c in calls if c["kernel"] == "causal_conv1d_fn"):
+        width = c["shapes"]["weight"][1]
+        assert c["shapes"]["x"][1] == c["shapes"]["weight"][0] and s < c["shapes"]["x"][2] <= s + 2 * (width - 1), c

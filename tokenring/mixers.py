@@ -348,6 +348,7 @@ class StatePassing:
 
     def __init__(self, model: torch.nn.Module, modules: dict[str, torch.nn.Module], context):
         self.context = context
+        self.modules = modules  # path -> the mixer module hooked
         self.handles = []
         for path, mod in modules.items():
             _install(type(mod))

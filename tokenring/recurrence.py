@@ -142,7 +142,7 @@ def plan_for(S: int, P: int, rank: int, layout: str, doc_starts: tuple[int, ...]
     """The plan of ``rank`` for a sequence of ``S`` tokens in ``layout`` (``doc_starts``: where packed documents
     start; the document layouts take their placement from them)."""
     cu = (*sorted(set(doc_starts) | {0}), S)
-    positions = [local_positions(S, P, r, layout, cu_seqlens=cu).numpy() for r in range(P)]
+    positions = [local_positions(S, P, r, layout, "cpu", cu).numpy() for r in range(P)]
     return build_plan(positions, rank, doc_starts)
 
 
