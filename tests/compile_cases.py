@@ -101,25 +101,32 @@ def checks_once_per_forward(rank: int, P: int, S: int, layers: int) -> dict:
         hf_attention._check_inputs = real
 
 
-def over_lengths(rank: int, P: int, batches: list, strategy: str, dynamic) -> dict:
+def over_lengths(
+    rank: int, P: int, batches: list, strategy: str, dynamic, family: str | None = None, B: int = 1
+) -> dict:
     """``torch.compile(model, fullgraph=True, dynamic=dynamic)`` trained on batches of changing lengths (``(S,
-    documents or None)`` each) vs eager: the worst relative loss / gradient error, graphs compiled (``frames``;
-    ``graphs``: those with nodes, dynamic=True also compiles an empty one, as with PyTorch's own attention) and
-    graph breaks. The length is symbolic after the first recompile: no graph per length."""
+    documents or None)`` each, ``B`` rows) vs eager: the worst relative loss / gradient error, graphs compiled
+    (``frames``; ``graphs``: those with nodes, dynamic=True also compiles an empty one, as with PyTorch's own
+    attention) and graph breaks. The length is symbolic after the first recompile: no graph per length.
+    ``family``: a float64 model of tests/family_cases.py instead of a one-layer Llama."""
+    import torch
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    model = hf_cases.build("llama", "tokenring", **{**SMALL, "num_hidden_layers": 1})
+    if family is not None:
+        model = family_cases.build(family, "tokenring", dtype=torch.float64)
+    else:
+        model = hf_cases.build("llama", "tokenring", **{**SMALL, "num_hidden_layers": 1})
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, fullgraph=True, backend=counter, dynamic=dynamic)
     res = {"loss": 0.0, "grad": 0.0}
     with thf.settings(strategy=strategy):
         for S, docs in batches:
-            ids = hf_cases.tokens(S, model.config.vocab_size)
-            pos = hf_cases.packed_positions(docs) if docs else None
+            ids = hf_cases.tokens(S, model.config.vocab_size, B)
+            pos = hf_cases.packed_positions(docs).expand(B, S) if docs else None
             batch = thf.shard_batch(ids, labels=ids, position_ids=pos)
             loss, grads = _step(model, batch)
             closs, cgrads = _step(model, batch, compiled)

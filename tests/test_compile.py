@@ -51,6 +51,14 @@ def test_fullgraph_hybrid_mixers(pools, family, P, layout, docs):
         assert max(r["loss0"], r["loss1"], r["grad0"], r["grad1"]) < 1e-12, r
 
 
+def test_hybrid_over_changing_lengths(pools):
+    """A compiled hybrid (Gated DeltaNet) over lengths that change, B = 2, dynamic=True: one graph, as eager
+    (float64, 1e-12); the ops' outputs keep the strides their fakes declare (a B = 2 backward views them)."""
+    batches = [(24, None), (40, None)]
+    for r in pools(2).run(compile_cases.over_lengths, batches, "auto", True, "qwen3_5", 2):
+        assert r["graphs"] <= 1 and r["breaks"] == 0 and r["loss"] < 1e-12 and r["grad"] < 1e-12, r
+
+
 def test_fullgraph_sinks_model(pools):
     """gpt-oss (attention sinks, sliding layers, experts) compiles whole too."""
     res = pools(2).run(compile_cases.compiled_matches_eager, 64, "token_ring", None, "gpt_oss", {})

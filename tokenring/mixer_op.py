@@ -192,7 +192,7 @@ def mixer_kernel(tensors: List[torch.Tensor], cu: Optional[torch.Tensor], spec: 
     """The registered call ``spec`` (its kernel and constant arguments) over this rank's rows ``tensors``;
     ``cu``: the documents' starts (``cu_seq_lens_q``) or ``None``."""
     outs = _sharded(_specs[spec], tensors, cu)
-    return [o.clone() if any(o is t for t in tensors) else o for o in outs]
+    return [o.clone() if any(o is t for t in tensors) else o.contiguous() for o in outs]  # as the fake says
 
 
 @mixer_kernel.register_fake
@@ -204,7 +204,12 @@ def _(tensors, cu, spec):
     outs = _flat(s, s.kernel(*args, **kwargs))
     if len(outs) > 1:
         outs[1] = recurrence._state(outs[1])
-    return [torch.empty_like(o) for o in outs]
+    return [_contiguous_like(o) for o in outs]
+
+
+def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
+    """What the ops return: contiguous tensors (a graph's later views were traced on the fake's strides)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _with_autograd():
@@ -228,12 +233,15 @@ def mixer_kernel_backward(
         wanted = [i for i in inputs if i.requires_grad]
         got = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
         res = [next(got) if i.requires_grad else None for i in inputs]
-    return [torch.zeros_like(t) if g is None else g for g, t in zip(res, tensors)]
+    return [
+        torch.zeros(t.shape, dtype=t.dtype, device=t.device) if g is None else g.contiguous()
+        for g, t in zip(res, tensors)
+    ]
 
 
 @mixer_kernel_backward.register_fake
 def _(grads, tensors, cu, spec):
-    return [torch.empty_like(t) for t in tensors]
+    return [_contiguous_like(t) for t in tensors]
 
 
 def _setup(ctx, inputs, output):
