@@ -77,8 +77,7 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     except Exception:
         pass
     guard_exit(group)
-    if id(group) not in marked:  # this process, for a failure that cannot say which peer is gone
-        mark_process(group, rank)
+    mark_process(group, rank)  # this process, for a failure that cannot say which peer is gone
     work = dist.all_gather(every, mine, group=group, async_op=True)
     if not values_travel(group):
         work.wait()

@@ -181,6 +181,8 @@ marked: set = set()  # ids of the groups this process has left its mark in (agre
 
 def mark_process(group, rank: int) -> None:
     """Leave :func:`process_mark` in ``group``'s store as rank ``rank``'s, once per group."""
+    if id(group) in marked:
+        return
     marked.add(id(group))
     try:
         group_store(group).set(f"tokenring/pid/{rank}", process_mark())
@@ -270,10 +272,10 @@ def _follow(store, me: int, first: int, wait_s: float, world: int) -> str:
         return _exited(store, me, world)
 
 
-def _exited(store, me: int, world: int) -> str:
+def _exited(store, me: int, world: int, wait_s: float = 0.0) -> str:
     """A sentence naming a rank whose process exited without a failure report of its own ('' if none)."""
     try:
-        gone = [r for r in exited_ranks(store, [r for r in range(world) if r != me])
+        gone = [r for r in exited_ranks(store, [r for r in range(world) if r != me], wait_s)
                 if not store.check([f"tokenring/stuck/{r}"])]  # fmt: skip
     except Exception:
         return ""
@@ -442,8 +444,7 @@ class Comm:
         self.what = what
         self.log: list[dict] = []
         self.records = log or trace is not None  # a record per message (its dict costs host time per call)
-        if id(group) not in marked:
-            mark_process(group, self.rank)
+        mark_process(group, self.rank)
 
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
@@ -494,18 +495,17 @@ class Comm:
             else:
                 work.wait()
         except Exception as e:
-            others = [r for r in range(self.world) if r != self.rank]
-            gone = exited_ranks(group_store(self.group), others, wait_s=_REPORT_WAIT_S)
-            who = f" Rank {gone[0]} is the one that stopped: its process has exited." if gone else ""
+            who = _exited(group_store(self.group), self.rank, self.world, _REPORT_WAIT_S)
             raise RuntimeError(
                 f"tokenring{(' ' + self.what) if self.what else ''}: rank {self.rank} failed gathering every "
                 f"rank's step-{step} partials within {self.timeout:.0f} s: {e}.{who} A rank has died or is not "
                 f"calling the same step. The process group cannot be used again after this: destroy it and start "
                 f"the ranks again."
             ) from e
-        self.log.append(dict(step=step, due=step, direction="recv", peer=-1, kind="out", owner=-1, part="all",
-                             heads="all", staged=staged, device=out.device.type,
-                             bytes=(self.world - 1) * x.numel() * x.element_size()))  # fmt: skip
+        if self.records:
+            self.log.append(dict(step=step, due=step, direction="recv", peer=-1, kind="out", owner=-1, part="all",
+                                 heads="all", staged=staged, device=out.device.type,
+                                 bytes=(self.world - 1) * x.numel() * x.element_size()))  # fmt: skip
         return out.to(x.device) if staged else out
 
     def _host(self, t: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ from .extend import RowMask, attend_rows, check_rows
 from .kernels import attention_inputs, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .merge import acc_dtype, merge_sink_, merge_stacked
+from .ops import _group_name
 
 __all__ = ["decode_attention", "place_new", "step_bytes"]
 
@@ -84,7 +85,7 @@ def decode_attention(
             rows, _HEADER + [f"state[{i}]" for i in range(len(state))], rank, _WHO, _SAME_STEP, doing="decodes"
         )
     if torch.compiler.is_compiling() and mask.plain and log is None:  # one opaque node for the compiler
-        out, out_lse = decode_step(q, k, v, a, b, start or 0, scale, "" if group is None else group.group_name)
+        out, out_lse = decode_step(q, k, v, a, b, start or 0, scale, _group_name(group))
     else:
         out, out_lse = _gathered(q, k, v, positions, a, b, start or 0, mask, scale, group, log)
     if sinks is not None:
@@ -97,7 +98,7 @@ def _gathered(q, k, v, positions, a: int, b: int, start: int, mask, scale: float
     as one step), merged in one pass over the stacked partials: the same bits on every rank."""
     o, lse = attend_rows(q, 0, k, v, positions, a, b, start, mask, scale)
     B, t, H, d = o.shape
-    comm = Comm(group, what="decode")
+    comm = Comm(group, what="decode", log=log is not None)  # (records cost host time per step)
     every = comm.gather(0, torch.cat([o.reshape(B, -1), lse.reshape(B, -1)], 1))
     if log is not None:
         log.append({"bytes": comm.log[0]["bytes"], "strategy": "replicated", "devices": [comm.log[0]["device"]]})

@@ -29,6 +29,11 @@ from .masks import _mask_problem
 __all__ = ["attention_forward", "mask_forward", "prepare", "register"]
 
 
+def _settings_group():
+    """The group of the settings, the default group for ``None`` (what DDP's wiring is compared with)."""
+    return _settings.group if _settings.group is not None else dist.group.WORLD
+
+
 def _where(module) -> str:
     layer = getattr(module, "layer_idx", None)
     return f"layer {layer}" if layer is not None else type(module).__name__
@@ -221,7 +226,7 @@ def attention_forward(
     if not torch.compiler.is_compiling():
         model = _mixers.model_on_stack(module)
         if model is None or _checked() is not model:  # (mask_forward checked this forward's model already)
-            check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, model)
+            check_ddp(_settings_group(), model)
             _check_mixers(module, f"tokenring ({_where(module)})")
     if stepping:
         window = kwargs.get("sliding_window")  # transformers: query i sees keys j with i - W < j <= i
@@ -425,7 +430,7 @@ def mask_forward(*, attention_mask=None, **kwargs):
         _checked = _nobody
         if model is not None:
             _mixers.prepare(model, _context, P, "tokenring")
-            check_ddp(_settings.group if _settings.group is not None else dist.group.WORLD, model)
+            check_ddp(_settings_group(), model)
             _checked = weakref.ref(model)  # its layers skip these checks in this forward (one scan, not one a layer)
     return attention_mask
 
