@@ -19,7 +19,7 @@ LAYERS = [
     ("choice", ["sim", "choice"]),
     ("ops", ["ops", "api", "decode", "extend"]),
     ("front", ["calibration", "context", ""]),
-    ("integrations", ["hf", "mixers", "recurrence", "loss"]),
+    ("integrations", ["hf", "mixers", "mixer_op", "recurrence", "loss"]),
     ("tools", ["tools", "testing", "__main__"]),
 ]
 
