@@ -39,10 +39,11 @@ def compiled_matches_eager(
     over: dict | None = None,
     layout: str = "zigzag",
     family: str | None = None,
+    B: int = 1,
 ) -> dict:
     """Two training steps of ``torch.compile(model, fullgraph=True)`` (AOT autograd, so the custom ops' fake
     implementations and autograd formula are traced) vs eager: losses, gradients, graphs and graph breaks.
-    ``family``: a float64 model of tests/family_cases.py instead of ``arch``."""
+    ``family``: a float64 model of tests/family_cases.py instead of ``arch``; ``B`` rows."""
     import torch
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -54,8 +55,8 @@ def compiled_matches_eager(
         model = family_cases.build(family, "tokenring", dtype=torch.float64)
     else:
         model = hf_cases.build(arch, "tokenring", **{**SMALL, **(over or {})})
-    ids = hf_cases.tokens(S, model.config.vocab_size)
-    pos = hf_cases.packed_positions(docs) if docs else None
+    ids = hf_cases.tokens(S, model.config.vocab_size, B)
+    pos = hf_cases.packed_positions(docs).expand(B, S) if docs else None
     res = {}
     with thf.settings(strategy=strategy, layout=layout):
         batch = thf.shard_batch(ids, labels=ids, position_ids=pos)
@@ -101,32 +102,25 @@ def checks_once_per_forward(rank: int, P: int, S: int, layers: int) -> dict:
         hf_attention._check_inputs = real
 
 
-def over_lengths(
-    rank: int, P: int, batches: list, strategy: str, dynamic, family: str | None = None, B: int = 1
-) -> dict:
+def over_lengths(rank: int, P: int, batches: list, strategy: str, dynamic) -> dict:
     """``torch.compile(model, fullgraph=True, dynamic=dynamic)`` trained on batches of changing lengths (``(S,
-    documents or None)`` each, ``B`` rows) vs eager: the worst relative loss / gradient error, graphs compiled
-    (``frames``; ``graphs``: those with nodes, dynamic=True also compiles an empty one, as with PyTorch's own
-    attention) and graph breaks. The length is symbolic after the first recompile: no graph per length.
-    ``family``: a float64 model of tests/family_cases.py instead of a one-layer Llama."""
-    import torch
+    documents or None)`` each) vs eager: the worst relative loss / gradient error, graphs compiled (``frames``;
+    ``graphs``: those with nodes, dynamic=True also compiles an empty one, as with PyTorch's own attention) and
+    graph breaks. The length is symbolic after the first recompile: no graph per length."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    if family is not None:
-        model = family_cases.build(family, "tokenring", dtype=torch.float64)
-    else:
-        model = hf_cases.build("llama", "tokenring", **{**SMALL, "num_hidden_layers": 1})
+    model = hf_cases.build("llama", "tokenring", **{**SMALL, "num_hidden_layers": 1})
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, fullgraph=True, backend=counter, dynamic=dynamic)
     res = {"loss": 0.0, "grad": 0.0}
     with thf.settings(strategy=strategy):
         for S, docs in batches:
-            ids = hf_cases.tokens(S, model.config.vocab_size, B)
-            pos = hf_cases.packed_positions(docs).expand(B, S) if docs else None
+            ids = hf_cases.tokens(S, model.config.vocab_size)
+            pos = hf_cases.packed_positions(docs) if docs else None
             batch = thf.shard_batch(ids, labels=ids, position_ids=pos)
             loss, grads = _step(model, batch)
             closs, cgrads = _step(model, batch, compiled)
