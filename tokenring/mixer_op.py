@@ -173,10 +173,15 @@ def _flat(spec: _Spec, result) -> list[torch.Tensor]:
     return [o, final] if _final_wanted(spec.kwargs) else [o]
 
 
+def plan(rows: int, P: int, rank: int, layout: str, cu) -> recurrence.Plan:
+    """The plan of this rank's ``rows`` (``cu``: the documents' starts, ``cu_seq_lens_q``, or ``None``)."""
+    starts = tuple(int(x) for x in cu[:-1].tolist()) if cu is not None else (0,)
+    return recurrence.plan_for(rows * P, P, rank, layout, starts)
+
+
 def _plan(spec: _Spec, tensors, cu) -> recurrence.Plan:
     slot, dim = spec.rows
-    starts = tuple(int(x) for x in cu[:-1].tolist()) if cu is not None else (0,)
-    return recurrence.plan_for(tensors[slot].shape[dim] * spec.P, spec.P, spec.rank, spec.layout, starts)
+    return plan(tensors[slot].shape[dim], spec.P, spec.rank, spec.layout, cu)
 
 
 def _sharded(spec: _Spec, tensors, cu) -> list[torch.Tensor]:

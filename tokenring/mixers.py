@@ -298,8 +298,7 @@ class _Call:
 
     @functools.cached_property
     def plan(self) -> recurrence.Plan:
-        starts = tuple(int(x) for x in self.cu[:-1].tolist()) if self.cu is not None else (0,)
-        return recurrence.plan_for(self.rows * self.P, self.P, self.rank, self.layout, starts)
+        return mixer_op.plan(self.rows, self.P, self.rank, self.layout, self.cu)
 
 
 _calls: list[_Call | None] = []  # the mixer forwards running now (innermost last); None: not sharded
