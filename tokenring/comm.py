@@ -10,6 +10,7 @@ import math
 import os
 import socket
 import time
+from functools import lru_cache
 from multiprocessing.util import Finalize
 
 import torch
@@ -323,6 +324,12 @@ class Trace:
                     e[key] = wall + ref.elapsed_time(e[key]) / 1e3
 
 
+@lru_cache(maxsize=256)
+def _kind_tag(kind: str, heads: str) -> int:
+    """The part of a message's tag that tells its kind and heads apart."""
+    return message_kind(kind).tag * len(HEADS) + HEADS.index(heads)
+
+
 def _peer(direction: str, m: Message) -> int:
     """The other end of ``m`` for the rank that sends (``"send"``) or receives (``"recv"``) it."""
     return m.dst if direction == "send" else m.src
@@ -335,22 +342,38 @@ class Packed(list):
 
 
 def buffers(specs, device) -> Packed:
-    """Receive buffers for a message of tensors ``specs``: views of one flat, ``_ALIGN``-aligned byte buffer."""
-    spans, total = [], 0
-    for shape, dtype, *_ in specs:
-        nbytes = math.prod(shape) * dtype.itemsize
-        spans.append((total, nbytes, dtype, shape))
-        total += -(-nbytes // _ALIGN) * _ALIGN
+    """Receive buffers for a message of tensors ``specs``: views of one buffer (:func:`pack`'s layout)."""
     out = Packed()
+    uniform, spans, total = _layout(tuple((tuple(shape), dtype) for shape, dtype, *_ in specs))
+    if uniform:  # tensors of one shape and dtype (K and V): one (n, *shape) buffer
+        shape, dtype = specs[0][0], specs[0][1]
+        out.flat = torch.empty((len(specs), *shape), dtype=dtype, device=device)
+        out.extend(out.flat.unbind(0))
+        return out
     out.flat = torch.empty(total, dtype=torch.uint8, device=device)
     out.extend(out.flat[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in spans)
     return out
+
+
+@lru_cache(maxsize=1024)
+def _layout(specs: tuple) -> tuple[bool, list, int]:
+    """How a message of ``specs`` ``(shape, dtype)`` lies in its buffer: stacked where every tensor has one
+    shape and dtype, else each at an ``_ALIGN``-aligned byte offset: ``(stacked, spans, total bytes)``."""
+    uniform = len(specs) > 1 and all(x == specs[0] for x in specs)
+    spans, total = [], 0
+    for shape, dtype in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        spans.append((total, nbytes, dtype, shape))
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    return uniform, spans, total
 
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One contiguous buffer holding ``tensors`` as :func:`buffers` lays them out."""
     if len(tensors) == 1:
         return tensors[0].contiguous()
+    if _layout(tuple((tuple(t.shape), t.dtype) for t in tensors))[0]:
+        return torch.stack(tensors)
     views = buffers([(t.shape, t.dtype) for t in tensors], tensors[0].device)
     for dst, src in zip(views, tensors):
         dst.copy_(src)
@@ -513,10 +536,10 @@ class Comm:
         return self.stage == "always" or (bool(self.stage) and t.device.type != "cpu")
 
     def _op(self, direction: str, m: Message, tensors, posted: int, nth: int, got: list, copies: list):
-        """The point-to-point operation of one message, its buffer, and whether it is staged through the host;
-        a receive adds itself to ``got`` and the copies to make after its wait to ``copies``."""
-        kind = message_kind(m.kind).tag * len(HEADS) + HEADS.index(m.heads)
-        tag = (posted * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + kind
+        """The point-to-point operation of one message as ``(direction, peer, buffer, tag)``, and whether it is
+        staged through the host; a receive adds itself to ``got`` and the copies to make after its wait to
+        ``copies``."""
+        tag = (posted * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + _kind_tag(m.kind, m.heads)
         staged = False
         if direction == "send":
             buf = pack(tensors)
@@ -530,8 +553,18 @@ class Comm:
                 buf, staged = host, True
             copies.extend(after)  # then out of a packed buffer that was not the caller's
             got.append((m, tensors))
-        fn = dist.irecv if direction == "recv" else dist.isend
-        return dist.P2POp(fn, buf, self._global(_peer(direction, m)), self.group, tag), buf, staged
+        return (direction, _peer(direction, m), buf, tag), staged
+
+    def _post(self, ops: list[tuple]) -> list:
+        """Post ``(direction, peer, buffer, tag)`` operations: one coalesced batch on NCCL, else each straight on
+        the process group (what ``batch_isend_irecv`` does there, without its per-operation checks)."""
+        if not self.bounded:
+            return dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend if d == "send" else dist.irecv, buf, self._global(peer), self.group, tag)
+                 for d, peer, buf, tag in ops]
+            )  # fmt: skip
+        pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        return [pg.send([buf], peer, tag) if d == "send" else pg.recv([buf], peer, tag) for d, peer, buf, tag in ops]
 
     def start(
         self,
@@ -548,21 +581,21 @@ class Comm:
             for m, tensors, (posted, nth) in items:
                 due = posted if m.due < 0 else m.due
                 idx, records, got, copies = groups.setdefault(due, ([], [], [], []))
-                op, buf, staged = self._op(direction, m, tensors, posted, nth, got, copies)
+                op, staged = self._op(direction, m, tensors, posted, nth, got, copies)
                 idx.append(len(ops))  # the buffer stays referenced in `meta` until the wait completes
                 ops.append(op)
-                meta.append((direction, m, buf))
+                meta.append((direction, m, op[2]))
                 if self.records:
                     records.append(
                         dict(step=step, due=due, direction=direction, peer=_peer(direction, m), kind=m.kind,
-                             owner=m.owner, part=str(m.part), heads=m.heads, staged=staged, device=buf.device.type,
+                             owner=m.owner, part=str(m.part), heads=m.heads, staged=staged, device=op[2].device.type,
                              bytes=sum(t.numel() * t.element_size() for t in tensors))
                     )  # fmt: skip
         if not ops:
             return []
         t0 = time.monotonic()
         try:
-            handles = dist.batch_isend_irecv(ops)
+            handles = self._post(ops)
         except Exception as e:  # a peer that is already gone can fail the posting itself: name that one
             peers = sorted({_peer(d, m) for d, m, _ in meta})
             gone = exited_ranks(group_store(self.group), peers, wait_s=_REPORT_WAIT_S)

@@ -21,6 +21,7 @@ from ..merge import acc_dtype, merge_, merge_seen_, merge_sink_, new_accumulator
 from ..messages import Receive
 from ..messages import kind as message_kind
 from ..schedules import (
+    ALL,
     Compute,
     Message,
     Schedule,
@@ -294,6 +295,8 @@ class Store:
             )
         held_part, held_heads, tensors = piece
         want, held = part_slice(part, self.sh.s), part_slice(held_part, self.sh.s)
+        if want == held and held_heads == heads:  # the whole piece
+            return list(tensors)
         out = []
         for t, (_, _, dim) in zip(tensors, payload(kind, held_part, self.sh, held_heads)):
             t = t.narrow(dim, want.start - held.start, want.stop - want.start)
@@ -391,6 +394,7 @@ class ForwardOps(_OpsBase):
         self.o, self.lse = new_accumulator(sh.B, sh.s, sh.H, sh.d, q.dtype, q.device)
         self.g = self.kv_repeat(q)
         self.seen = cfg.mask is None and q.device.type == "cpu"  # (CUDA: merge_'s one fused kernel)
+        self.merged: list[tuple] = []  # (rows, heads) of every partial merged so far (with ``seen``)
 
     def finish(self) -> None:
         """After the last step: merge the attention sinks (``cfg.sinks``) into this rank's finished rows."""
@@ -398,11 +402,23 @@ class ForwardOps(_OpsBase):
             merge_sink_(self.o, self.lse, self.cfg.sinks)
 
     def _merge(self, part: str, heads: str, o, lse) -> None:
-        sl, hs = self.rows(part), head_slice(heads, self.sh.H)
-        if self.seen:  # no mask: every partial's rows saw a key
-            merge_seen_(self.o[:, sl, hs], self.lse[:, hs, sl], o, lse)
-        else:
-            merge_(self.o[:, sl, hs], self.lse[:, hs, sl], o, lse)
+        acc_o, acc_lse = self.o, self.lse
+        if part != ALL or heads != "all":
+            sl, hs = self.rows(part), head_slice(heads, self.sh.H)
+            acc_o, acc_lse = acc_o[:, sl, hs], acc_lse[:, hs, sl]
+        if not self.seen:
+            merge_(acc_o, acc_lse, o, lse)
+        elif self._first(part, heads):  # merge_seen_ into untouched rows gives the partial itself, bit for bit
+            acc_o.copy_(o)
+            acc_lse.copy_(lse)
+        else:  # no mask: every partial's rows saw a key
+            merge_seen_(acc_o, acc_lse, o, lse)
+
+    def _first(self, part, heads: str) -> bool:
+        """Whether no partial has been merged into rows ``part`` of ``heads`` yet (and note that one is)."""
+        first = not any(overlaps(p, part) and (h == heads or "all" in (h, heads)) for p, h in self.merged)
+        self.merged.append((part, heads))
+        return first
 
     def compute(self, c: Compute) -> None:
         (q,) = self.store.take("q", c.q_owner, c.q_part, c.heads)
