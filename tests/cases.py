@@ -423,9 +423,9 @@ class _Coalesced:
 
 
 def coalesced_case(rank: int, P: int, case: dict) -> dict:
-    """``check_case`` with ``batch_isend_irecv`` returning one coalesced work per step (NCCL's behaviour), and,
-    as on NCCL, every receive posted at its message's step (no early receives: a coalesced work would wait for
-    a receive whose send comes steps later)."""
+    """``check_case`` with each step's operations posted in one batch and ``batch_isend_irecv`` returning one
+    coalesced work for it (NCCL's behaviour), and, as on NCCL, every receive posted at its message's step (no
+    early receives: a coalesced work would wait for a receive whose send comes steps later)."""
     import torch.distributed as dist
 
     from tokenring.comm import Comm
@@ -434,7 +434,7 @@ def coalesced_case(rank: int, P: int, case: dict) -> dict:
 
     def nccl_like(self, *args, **kw):
         init(self, *args, **kw)
-        self.early_receives = False
+        self.early_receives, self.batched = False, True
 
     dist.batch_isend_irecv = lambda ops: [_Coalesced(real(ops))]
     Comm.__init__ = nccl_like
@@ -1015,3 +1015,27 @@ def repeated_calls_case(rank: int, P: int) -> dict:
     finally:
         api.ready_again = real
     return {"worst": worst, "taken": taken[0]}
+
+
+def replay_case(rank: int, P: int, todo: list[dict]) -> int:
+    """Each case's forward and backward replayed from its recorded program (twice: lowered, then cached) and
+    run by the step loop (``instrument(step_loop=True)``): out and every gradient must be the same bits."""
+    for case in todo:
+        (*full, dout_full), idx = case_inputs(rank, P, case)
+        sinks = sink_logits(case)
+        results = []
+        for loop in (False, False, True):
+            local = [t.index_select(1, idx).clone().requires_grad_() for t in full]
+            sk = sinks.clone().requires_grad_() if sinks is not None else None
+            with tokenring.instrument(step_loop=loop):
+                out = tokenring.attention(
+                    *local, causal=case["causal"], strategy=case["strategy"], layout=case["layout"],
+                    cu_seqlens=case.get("cu_seqlens"), window=case.get("window"), sinks=sk,
+                    inner_size=case.get("inner_size"),
+                )  # fmt: skip
+            out.backward(dout_full.index_select(1, idx))
+            results.append([out, *(t.grad for t in local), *([sk.grad] if sk is not None else [])])
+        for got in results[:2]:
+            for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, results[2]):
+                assert torch.equal(a, b), f"rank {rank}/{P} {case}: {name} replayed differs from the step loop"
+    return len(todo)

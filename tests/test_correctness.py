@@ -272,3 +272,32 @@ def test_repeated_calls_take_the_prepared_path_exactly(pools, P):
         # found for calls 2, 4, 7, 9, 12, 13, 15 and the 17th's recompute; the instrumented 13th still runs the
         # full path (its log), and the 16th's documents tensor was edited in place (its version)
         assert r["worst"] < 1e-10 and r["taken"] == 8, r
+
+
+def replay_grid(P: int, names: list[str], inner_size=None) -> list[dict]:
+    """Strategies over masks and layouts, MHA / GQA, an odd head dim, B=2, sinks: the program's replay cases."""
+    out = []
+    masks = [dict(), dict(cu_seqlens=[0, 3, 5 * P, 8 * P]), dict(window=(3, 0)), dict(sinks=True)]
+    for i, (name, (causal, layout), mask) in enumerate(itertools.product(names, LAYOUTS, masks)):
+        H, Hkv = HEADS[i % 3]
+        if why_not(name, H, Hkv, P, 8, causal and layout == "zigzag") or (mask.get("window") and not causal):
+            continue
+        case = dict(B=1 + i % 2, s=8, H=H, Hkv=Hkv, d=(8, 13)[i % 2], dtype=("float64", "float32")[i % 2],
+                    causal=causal, layout=layout, strategy=name, seed=i, inner_size=inner_size, **mask)  # fmt: skip
+        out.append(case)
+    return out
+
+
+@pytest.mark.parametrize(
+    "P,names,inner",
+    [
+        (3, [*FLAT, "token_ring:direct,c=2,k=2", "ring:direct,c=3,k=1"], None),
+        (4, ["double_ring:n=2,keep", "token_ring_2d:direct,c=2,k=1,n=2", "usp"], 2),
+    ],
+)
+def test_replay_equals_step_loop(pools, P, names, inner):
+    """A schedule's recorded program, replayed (lowered at the first call, cached for the next), gives the step
+    loop's bits: forward and backward, every flat strategy, direct variants, two-level ones keeping K/V."""
+    todo = replay_grid(P, names, inner)
+    assert len(todo) > 20
+    assert pools(P).run(cases.replay_case, todo) == [len(todo)] * P

@@ -330,6 +330,11 @@ def _kind_tag(kind: str, heads: str) -> int:
     return message_kind(kind).tag * len(HEADS) + HEADS.index(heads)
 
 
+def due_step(m: Message, posted: int) -> int:
+    """The step at whose end message ``m``, posted at step ``posted``, is waited for."""
+    return posted if m.due < 0 else m.due
+
+
 def _peer(direction: str, m: Message) -> int:
     """The other end of ``m`` for the rank that sends (``"send"``) or receives (``"recv"``) it."""
     return m.dst if direction == "send" else m.src
@@ -459,6 +464,7 @@ class Comm:
         self.world = dist.get_world_size(group)
         backend = dist.get_backend(group)
         self.bounded = not device.nccl(group)
+        self.batched = not self.bounded  # a step's operations posted as one batch (NCCL coalesces it)
         # early receives (Message.ready) only where a pair's operations match by tag: gloo
         self.early_receives = backend == "gloo"
         self.stage = backend == "gloo" if stage is None else stage
@@ -558,7 +564,7 @@ class Comm:
     def _post(self, ops: list[tuple]) -> list:
         """Post ``(direction, peer, buffer, tag)`` operations: one coalesced batch on NCCL, else each straight on
         the process group (what ``batch_isend_irecv`` does there, without its per-operation checks)."""
-        if not self.bounded:
+        if self.batched:
             return dist.batch_isend_irecv(
                 [dist.P2POp(dist.isend if d == "send" else dist.irecv, buf, self._global(peer), self.group, tag)
                  for d, peer, buf, tag in ops]
@@ -579,7 +585,7 @@ class Comm:
         groups: dict[int, tuple[list, list, list, list]] = {}  # due -> (op indices, records, received, copies)
         for direction, items in (("recv", recvs), ("send", sends)):
             for m, tensors, (posted, nth) in items:
-                due = posted if m.due < 0 else m.due
+                due = due_step(m, posted)
                 idx, records, got, copies = groups.setdefault(due, ([], [], [], []))
                 op, staged = self._op(direction, m, tensors, posted, nth, got, copies)
                 idx.append(len(ops))  # the buffer stays referenced in `meta` until the wait completes

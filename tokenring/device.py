@@ -67,7 +67,9 @@ def _set_pretend(g: GPU | None) -> GPU | None:
 
 
 def _device(x) -> torch.device:
-    return x.device if isinstance(x, torch.Tensor) else torch.device(x)
+    """``x``'s device: a tensor's (or a placeholder's that has one, :class:`tokenring.program.Ref`), or ``x``."""
+    dev = getattr(x, "device", None)
+    return dev if isinstance(dev, torch.device) else torch.device(x)
 
 
 def is_cuda(x) -> bool:

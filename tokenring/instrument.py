@@ -24,6 +24,7 @@ class Instruments:
     stage: bool | str | None = None  # Comm's host staging (None: on gloo; "always": CPU tensors too)
     expand_kv: bool | None = None  # repeat K/V heads once per stored block (None: where the kernel needs it)
     timeout: float | None = None  # this call's bound on a wait for a peer (None: the timeout setting)
+    step_loop: bool = False  # run schedules by the executor's step loop, not their recorded programs
 
 
 NONE = Instruments()

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 import torch
 
+from .. import program
 from ..comm import Comm, buffers
 from ..executor import execute
 from ..instrument import NONE as NO_HOOKS
@@ -20,8 +21,8 @@ from ..masks import block_tiles
 from ..merge import acc_dtype, merge_, merge_seen_, merge_sink_, new_accumulator, sink_grad
 from ..messages import Receive
 from ..messages import kind as message_kind
+from ..program import replayable
 from ..schedules import (
-    ALL,
     Compute,
     Message,
     Schedule,
@@ -242,8 +243,9 @@ class Config:
 class Store:
     """Tensors held on this rank, keyed ``(kind, owner, heads)``, each a list of row pieces (docs/schedules.md)."""
 
-    def __init__(self, sh: Shapes, me: int):
+    def __init__(self, sh: Shapes, me: int, expand=None):
         self.sh, self.me = sh, me
+        self.expand = expand or _repeat_heads  # (tensor, g) -> its heads repeated g times
         self.entries: dict[tuple[str, int, str], list[tuple[str, str, list[torch.Tensor]]]] = {}
         # (id of a piece's tensor list, rows, heads) -> (that list, its K/V with heads repeated): see take_kv
         self.expanded: dict[tuple[int, str, str], tuple[list, list[torch.Tensor]]] = {}
@@ -266,7 +268,7 @@ class Store:
         if key not in self.expanded:
             self.expanded[key] = (
                 piece[2],
-                [t.repeat_interleave(g, dim=2) for t in self.take("kv", owner, part, heads)],
+                [self.expand(t, g) for t in self.take("kv", owner, part, heads)],
             )
         return self.expanded[key][1]
 
@@ -321,16 +323,72 @@ def _span(sl: slice) -> tuple[int, int]:
     return sl.start, sl.stop - sl.start
 
 
+def _repeat_heads(t: torch.Tensor, g: int) -> torch.Tensor:
+    return t.repeat_interleave(g, dim=2)
+
+
+def rows_heads(t, rows: slice, heads: slice, n: int, h: int, heads_dim: int = 2):
+    """The view of ``t`` at ``rows`` (dim 1) and ``heads`` (dim ``heads_dim``) of its ``n`` rows and ``h`` heads
+    (``t`` itself when they are all)."""
+    if rows.stop - rows.start != n:
+        t = t.narrow(1 if heads_dim == 2 else 2, *_span(rows))
+    if heads.stop - heads.start != h:
+        t = t.narrow(heads_dim, *_span(heads))
+    return t
+
+
 class _OpsBase:
+    """What a schedule's computes and messages mean. The decisions (which rows, which store piece, merge or copy)
+    are Python; every tensor operation goes through a method below the decisions (``attend``, ``merge_into``,
+    ``add_``, ...), which :mod:`tokenring.program` records once per signature and replays."""
+
     def __init__(self, sh: Shapes, cfg: Config, device):
         self.sh, self.cfg, self.me, self.device = sh, cfg, cfg.rank, device
-        self.store = Store(sh, cfg.rank)
+        self.store = Store(sh, cfg.rank, self.expand)
+
+    @classmethod
+    def runner(cls, sh: Shapes, cfg: Config, device) -> "_OpsBase":
+        """An instance for a program's replay: the tensor operations with this call's ``cfg``, no state."""
+        obj = cls.__new__(cls)
+        _OpsBase.__init__(obj, sh, cfg, device)
+        return obj
+
+    # The tensor operations.
+    def expand(self, t, g: int):
+        return _repeat_heads(t, g)
+
+    def zeros(self, shape, dtype):
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def add_(self, dst, src) -> None:
+        dst.add_(src)
+
+    def cast(self, t, dtype):
+        return t.to(dtype)
+
+    def fold_heads(self, t, g: int):
+        """Gradients of K/V heads repeated ``g`` times, summed back onto each K/V head."""
+        return t.unflatten(2, (-1, g)).sum(3)
+
+    def merge_into(self, how: str, acc_o, acc_lse, o, lse) -> None:
+        """Merge a partial into accumulator views: ``"merge"`` (any rows), ``"seen"`` (every row saw a key) or
+        ``"copy"`` (rows nothing was merged into yet, every row seen: the merge's result bit for bit)."""
+        if how == "copy":
+            acc_o.copy_(o)
+            acc_lse.copy_(lse)
+        elif how == "seen":
+            merge_seen_(acc_o, acc_lse, o, lse)
+        else:
+            merge_(acc_o, acc_lse, o, lse)
 
     def payload(self, m: Message) -> list[torch.Tensor]:
         return self.store.take(m.kind, m.owner, m.part, m.heads)  # views: Comm packs them into one buffer
 
     def empty(self, m: Message) -> list[torch.Tensor]:
-        return buffers(payload(m.kind, m.part, self.sh, m.heads), self.device)
+        return self.alloc(payload(m.kind, m.part, self.sh, m.heads))
+
+    def alloc(self, specs) -> list[torch.Tensor]:
+        return buffers(specs, self.device)
 
     def release(self, step: int, reads: dict) -> None:
         self.store.release(step, reads)
@@ -391,7 +449,7 @@ class ForwardOps(_OpsBase):
         self.keep, self.kept = keep, {}
         self.store.put("q", self.me, "all", [q])
         self.store.put("kv", self.me, "all", [k, v])
-        self.o, self.lse = new_accumulator(sh.B, sh.s, sh.H, sh.d, q.dtype, q.device)
+        self.o, self.lse = self.accumulator(q.dtype)
         self.g = self.kv_repeat(q)
         self.seen = cfg.mask is None and q.device.type == "cpu"  # (CUDA: merge_'s one fused kernel)
         self.merged: list[tuple] = []  # (rows, heads) of every partial merged so far (with ``seen``)
@@ -401,18 +459,16 @@ class ForwardOps(_OpsBase):
         if self.cfg.sinks is not None:
             merge_sink_(self.o, self.lse, self.cfg.sinks)
 
+    def accumulator(self, dtype):
+        sh = self.sh
+        return new_accumulator(sh.B, sh.s, sh.H, sh.d, dtype, self.device)
+
     def _merge(self, part: str, heads: str, o, lse) -> None:
-        acc_o, acc_lse = self.o, self.lse
-        if part != ALL or heads != "all":
-            sl, hs = self.rows(part), head_slice(heads, self.sh.H)
-            acc_o, acc_lse = acc_o[:, sl, hs], acc_lse[:, hs, sl]
-        if not self.seen:
-            merge_(acc_o, acc_lse, o, lse)
-        elif self._first(part, heads):  # merge_seen_ into untouched rows gives the partial itself, bit for bit
-            acc_o.copy_(o)
-            acc_lse.copy_(lse)
-        else:  # no mask: every partial's rows saw a key
-            merge_seen_(acc_o, acc_lse, o, lse)
+        sl, hs, sh = self.rows(part), head_slice(heads, self.sh.H), self.sh
+        acc_o, acc_lse = rows_heads(self.o, sl, hs, sh.s, sh.H), rows_heads(self.lse, sl, hs, sh.s, sh.H, 1)
+        # no mask: every partial's rows saw a key; into untouched rows that merge gives the partial itself
+        how = "merge" if not self.seen else "copy" if self._first(part, heads) else "seen"
+        self.merge_into(how, acc_o, acc_lse, o, lse)
 
     def _first(self, part, heads: str) -> bool:
         """Whether no partial has been merged into rows ``part`` of ``heads`` yet (and note that one is)."""
@@ -456,17 +512,18 @@ class BackwardOps(_OpsBase):
         self.store.put("qgrad", self.me, "all", [q, dout, lse, delta])
         self.store.put("kv", self.me, "all", [k, v])
         acc = acc_dtype(q.dtype)
-        self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        self.dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-        self.dv = torch.zeros_like(self.dk)
+        self.dtypes = (q.dtype, k.dtype)
+        self.dq = self.zeros(tuple(q.shape), acc)
+        self.dk = self.zeros(tuple(k.shape), acc)
+        self.dv = self.zeros(tuple(k.shape), acc)
         self.g = self.kv_repeat(q, cfg.hooks.backward_kernel)
 
     def _add_dkv(self, owner: int, part: str, heads: str, dk, dv) -> None:
         """Add a dK/dV contribution for rows ``part`` of ``owner``'s K/V: into this rank's own, or a ``dkv`` piece."""
         if owner == self.me:
-            sl, hs = self.rows(part), head_slice(heads, self.sh.Hkv)
-            self.dk[:, sl, hs] += dk
-            self.dv[:, sl, hs] += dv
+            sl, hs, sh = self.rows(part), head_slice(heads, self.sh.Hkv), self.sh
+            self.add_(rows_heads(self.dk, sl, hs, sh.s, sh.Hkv), dk)
+            self.add_(rows_heads(self.dv, sl, hs, sh.s, sh.Hkv), dv)
             return
         piece = self.store.find("dkv", owner, part, heads)
         if piece is None:
@@ -474,36 +531,37 @@ class BackwardOps(_OpsBase):
             whole = part
             for p in old:
                 whole = part_union(whole, p[0])
-            acc = [
-                torch.zeros(shape, dtype=dt, device=self.device)
-                for shape, dt, _ in payload("dkv", whole, self.sh, heads)
-            ]
+            acc = [self.zeros(shape, dt) for shape, dt, _ in payload("dkv", whole, self.sh, heads)]
             self.store.put("dkv", owner, whole, acc, heads)
             for p_part, _, tensors in old:
                 for a, t in zip(self.store.take("dkv", owner, p_part, heads), tensors):
-                    a += t
+                    self.add_(a, t)
         for a, t in zip(self.store.take("dkv", owner, part, heads), (dk, dv)):
-            a += t
+            self.add_(a, t)
+
+    def _dq_rows(self, part: str, heads: str):
+        sh = self.sh
+        return rows_heads(self.dq, self.rows(part), head_slice(heads, sh.H), sh.s, sh.H)
 
     def compute(self, c: Compute) -> None:
         q, dout, lse, delta = self.store.take("qgrad", c.q_owner, c.q_part, c.heads)
         k, v = self.store.take_kv(c.kv_owner, c.kv_part, c.heads, self.g)
         out = None
         if c.q_owner == self.me and self.out is not None:
-            out = self.out[:, self.rows(c.q_part), head_slice(c.heads, self.sh.H)]
+            out = rows_heads(self.out, self.rows(c.q_part), head_slice(c.heads, self.sh.H), self.sh.s, self.sh.H)
         dq, dk, dv = self.attend_backward(c, dout, q, k, v, lse, delta, out)
         if self.g > 1:  # gradients of repeated K/V heads: sum each group back onto its K/V head
-            dk, dv = (t.unflatten(2, (-1, self.g)).sum(3) for t in (dk, dv))
+            dk, dv = self.fold_heads(dk, self.g), self.fold_heads(dv, self.g)
         if c.q_owner == self.me:
-            self.dq[:, self.rows(c.q_part), head_slice(c.heads, self.sh.H)] += dq
+            self.add_(self._dq_rows(c.q_part, c.heads), dq)
         else:  # dQ partials go home in the input dtype, like forward partials
-            self.store.put("dq", c.q_owner, c.q_part, [dq.to(q.dtype)], c.heads)
+            self.store.put("dq", c.q_owner, c.q_part, [self.cast(dq, self.dtypes[0])], c.heads)
         self._add_dkv(c.kv_owner, c.kv_part, c.heads, dk, dv)
 
     def receive(self, m: Message, tensors) -> None:
         action = message_kind(m.kind).receive
         if action == Receive.ADD_DQ:
-            self.dq[:, self.rows(m.part), head_slice(m.heads, self.sh.H)] += tensors[0]
+            self.add_(self._dq_rows(m.part, m.heads), tensors[0])
         elif action == Receive.ADD_DKV:
             self._add_dkv(m.owner, m.part, m.heads, *tensors)
         elif action == Receive.STORE:
@@ -530,34 +588,51 @@ class ScheduledStrategy(Strategy):
         """``(owner, rows)`` of the K/V pieces this rank keeps from forward for backward (none by default)."""
         return []
 
+    def _run(self, cls, cfg: Config, backward: bool, sh: Shapes, inputs: list, build, outputs) -> list:
+        """This rank's part of the schedule over ``inputs``: ``outputs(ops)`` after running ``build(cls, *inputs)``'s
+        Ops, replayed from its program (:mod:`tokenring.program`) unless the call's instruments need the loop."""
+        sched = self.plan_schedule(cfg, backward)
+        comm = cfg.comm(f"{self.name} {'backward' if backward else 'forward'}")
+        hooks = cfg.hooks
+        if not replayable(hooks):
+            ops = build(cls, *inputs)
+            execute(sched, comm, ops, cfg.held("backward" if backward else "forward"))
+            return outputs(ops)
+        key = (sh, inputs[0].device, cfg.mask is None, hooks.backward_kernel, hooks.expand_kv)
+        runner = cls.runner(sh, cfg, inputs[0].device)
+        return program.run(key, sched, comm, runner, inputs, lambda make, refs: build(make, *refs), outputs)
+
     def forward(self, q, k, v, cfg: Config):
         """Returns ``out`` (B, s, H, d) and the tensors backward needs (with the kept K/V pieces, if any)."""
         pieces = self.kept_pieces(cfg)
-        ops = ForwardOps(q, k, v, shapes_of(q, k, cfg.P), cfg, frozenset(o for o, _ in pieces))
-        execute(
-            self.plan_schedule(cfg, backward=False),
-            cfg.comm(f"{self.name} forward"),
-            ops,
-            cfg.held("forward"),
-        )
-        ops.finish()
-        out = ops.o.to(q.dtype)
-        return out, (q, k, v, out, ops.lse, *(t for key in pieces for t in ops.kept[key]))
+        keep, sh = frozenset(o for o, _ in pieces), shapes_of(q, k, cfg.P)
+        o, lse, *kept = self._run(
+            ForwardOps, cfg, False, sh, [q, k, v],
+            lambda make, q, k, v: make(q, k, v, sh, cfg, keep),
+            lambda ops: [ops.o, ops.lse, *(t for key in pieces for t in ops.kept[key])],
+        )  # fmt: skip
+        if cfg.sinks is not None:
+            merge_sink_(o, lse, cfg.sinks)
+        out = o.to(q.dtype)
+        return out, (q, k, v, out, lse, *kept)
 
     def backward(self, dout, saved, cfg: Config):
         q, k, v, out, lse, *kept = saved
         delta = row_delta(dout, out)
-        ops = BackwardOps(q, k, v, dout, lse, delta, shapes_of(q, k, cfg.P), cfg, out)
-        for i, (owner, rows) in enumerate(self.kept_pieces(cfg)):
-            ops.store.put("kv", owner, rows, kept[2 * i : 2 * i + 2])
-        execute(
-            self.plan_schedule(cfg, backward=True),
-            cfg.comm(f"{self.name} backward"),
-            ops,
-            cfg.held("backward"),
-        )
+        sh, pieces = shapes_of(q, k, cfg.P), self.kept_pieces(cfg)
+
+        def build(make, q, k, v, dout, lse, delta, out, *kept):
+            ops = make(q, k, v, dout, lse, delta, sh, cfg, out)
+            for i, (owner, rows) in enumerate(pieces):
+                ops.store.put("kv", owner, rows, list(kept[2 * i : 2 * i + 2]))
+            return ops
+
+        dq, dk, dv = self._run(
+            BackwardOps, cfg, True, sh, [q, k, v, dout, lse, delta, out, *kept], build,
+            lambda ops: [ops.dq, ops.dk, ops.dv],
+        )  # fmt: skip
         dsinks = sink_grad(lse, delta, cfg.sinks) if cfg.sinks is not None else None
-        return ops.dq.to(q.dtype), ops.dk.to(k.dtype), ops.dv.to(v.dtype), dsinks
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 
     def extra_like(self, q, k, v, cfg: Config) -> list[torch.Tensor]:
         sh = shapes_of(q, k, cfg.P)

@@ -1,0 +1,296 @@
+"""A schedule lowered for one rank: the step loop and the ``Ops``' decisions run once per signature, recorded as a
+flat list of tensor operations and message posts, which every later call replays on its own tensors.
+
+The executor (:func:`tokenring.executor.execute`) and the ``Ops`` (:mod:`tokenring.strategies.base`) decide per
+call which stored piece a compute reads, which rows a partial merges into, what to allocate and when to post
+and wait: the same answers for every call of one signature, at most of the call's host time
+(bench/results/host_overhead.md). Lowering runs that same code once with :class:`Ref` placeholders for
+tensors, through a recording comm, and keeps what it did (:class:`Program`). A replay makes the same tensor
+operations in the same order, so its results are the step loop's, bit for bit; tests compare the two
+(``tokenring.instrument(step_loop=True)`` runs the loop). Slots no later operation reads are dropped as the
+replay passes them, so a replay holds no more memory than the loop did.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from .comm import due_step
+from .executor import execute
+from .merge import acc_dtype
+
+__all__ = ["Ref", "Program", "replayable", "run"]
+
+
+class Ref:
+    """A tensor the program holds at run time: slot ``slot`` (its item ``item`` where the slot holds a list),
+    viewed through ``views`` (``narrow`` arguments). Carries what the decisions read: shape, dtype, device."""
+
+    __slots__ = ("slot", "item", "views", "shape", "dtype", "device")
+
+    def __init__(self, slot: int, shape, dtype, device, item: int | None = None, views: tuple = ()):
+        self.slot, self.item, self.views = slot, item, views
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, device
+
+    def narrow(self, dim: int, start: int, length: int) -> "Ref":
+        shape = list(self.shape)
+        shape[dim] = length
+        return Ref(self.slot, shape, self.dtype, self.device, self.item, (*self.views, (dim, start, length)))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def getter(self) -> Callable:
+        """``env -> tensor``: this slot's tensor at run time, viewed."""
+        slot, item, views = self.slot, self.item, self.views
+        if item is None and not views:
+            return lambda env: env[slot]
+
+        def get(env):
+            t = env[slot] if item is None else env[slot][item]
+            for d, a, n in views:
+                t = t.narrow(d, a, n)
+            return t
+
+        return get
+
+
+class _Refs(list):
+    """The Refs of a slot that holds a list (a message's receive buffers)."""
+
+    slot: int
+
+
+def _arg(x):
+    """``(getter, slot read or None)`` of an operation's argument: a Ref, or a constant."""
+    if isinstance(x, Ref):
+        return x.getter(), x.slot
+    return (lambda env: x), None
+
+
+class _Recorder:
+    """The operations of one lowering, in order: ``(run(env, ops, comm), slots read)``."""
+
+    def __init__(self, n_inputs: int):
+        self.code: list[tuple[Callable, set]] = []
+        self.slots = n_inputs
+
+    def slot(self) -> int:
+        self.slots += 1
+        return self.slots - 1
+
+    def call(self, name: str, args: tuple, outs=None):
+        """Record ``ops.<name>(*args)``; ``outs``: ``None`` (no result kept), a slot, or a tuple of slots."""
+        pairs = [_arg(a) for a in args]
+        getters = [g for g, _ in pairs]
+        reads = {s for _, s in pairs if s is not None}
+        if outs is None:
+
+            def run(env, ops, comm):
+                getattr(ops, name)(*[g(env) for g in getters])
+        elif isinstance(outs, int):
+
+            def run(env, ops, comm):
+                env[outs] = getattr(ops, name)(*[g(env) for g in getters])
+        else:
+
+            def run(env, ops, comm):
+                for slot, t in zip(outs, getattr(ops, name)(*[g(env) for g in getters])):
+                    env[slot] = t
+
+        self.code.append((run, reads))
+
+    def new(self, name: str, args: tuple, *likes) -> Ref | tuple:
+        """Record an operation returning tensors shaped like ``likes`` (``(shape, dtype, device)`` each)."""
+        slots = tuple(self.slot() for _ in likes)
+        self.call(name, args, slots[0] if len(slots) == 1 else slots)
+        refs = tuple(Ref(s, *like) for s, like in zip(slots, likes))
+        return refs[0] if len(refs) == 1 else refs
+
+
+class _Lowering:
+    """The ``Ops``' tensor operations, recorded instead of run (mixed in ahead of an ``Ops`` class)."""
+
+    rec: _Recorder
+
+    def expand(self, t, g: int):
+        B, n, h, d = t.shape
+        return self.rec.new("expand", (t, g), ((B, n, h * g, d), t.dtype, t.device))
+
+    def zeros(self, shape, dtype):
+        return self.rec.new("zeros", (tuple(shape), dtype), (shape, dtype, self.device))
+
+    def add_(self, dst, src) -> None:
+        self.rec.call("add_", (dst, src))
+
+    def cast(self, t, dtype):
+        return self.rec.new("cast", (t, dtype), (t.shape, dtype, t.device))
+
+    def fold_heads(self, t, g: int):
+        B, n, h, d = t.shape
+        return self.rec.new("fold_heads", (t, g), ((B, n, h // g, d), t.dtype, t.device))
+
+    def merge_into(self, how: str, acc_o, acc_lse, o, lse) -> None:
+        self.rec.call("merge_into", (how, acc_o, acc_lse, o, lse))
+
+    def alloc(self, specs):
+        slot = self.rec.slot()
+        self.rec.call("alloc", (specs,), slot)
+        out = _Refs(Ref(slot, shape, dt, self.device, item=i) for i, (shape, dt, *_) in enumerate(specs))
+        out.slot = slot
+        return out
+
+    def accumulator(self, dtype):
+        sh, acc = self.sh, acc_dtype(dtype)
+        return self.rec.new(
+            "accumulator",
+            (dtype,),
+            ((sh.B, sh.s, sh.H, sh.d), acc, self.device),
+            ((sh.B, sh.H, sh.s), acc, self.device),
+        )
+
+    def attend(self, c, q, k, v):
+        B, n, H, _ = q.shape
+        return self.rec.new(
+            "attend",
+            (c, q, k, v),
+            ((B, n, H, v.shape[3]), q.dtype, q.device),
+            ((B, H, n), acc_dtype(q.dtype), q.device),
+        )
+
+    def attend_backward(self, c, dout, q, k, v, lse, delta, out=None):
+        return self.rec.new(
+            "attend_backward",
+            (c, dout, q, k, v, lse, delta, out),
+            (q.shape, q.dtype, q.device),
+            (k.shape, k.dtype, k.device),
+            (v.shape, v.dtype, v.device),
+        )
+
+
+class _Pending:
+    """A recorded step's messages due at one step: waiting records the wait."""
+
+    def __init__(self, rec: _Recorder, slot: int, due: int, recvs: list):
+        self.rec, self.slot, self.due, self.recvs = rec, slot, due, recvs
+
+    def wait(self) -> None:
+        slot, due = self.slot, self.due
+
+        def run(env, ops, comm):
+            env[slot][due].wait()
+
+        self.rec.code.append((run, {slot}))
+
+
+class _Comm:
+    """A comm that records the step's posting (the real one posts at replay)."""
+
+    def __init__(self, comm, rec: _Recorder):
+        self.rank, self.early_receives, self.trace, self.rec = comm.rank, comm.early_receives, None, rec
+
+    def start(self, step: int, sends: list, recvs: list) -> list[_Pending]:
+        slot = self.rec.slot()
+        sent = [(m, [_arg(t)[0] for t in tensors], at) for m, tensors, at in sends]
+        got = [(m, bufs.slot, at) for m, bufs, at in recvs]
+        reads = {t.slot for _, tensors, _ in sends for t in tensors} | {bufs.slot for _, bufs, _ in recvs}
+
+        def run(env, ops, comm):
+            pendings = comm.start(
+                step, [(m, [g(env) for g in gs], at) for m, gs, at in sent], [(m, env[s], at) for m, s, at in got]
+            )
+            env[slot] = {p.due: p for p in pendings}
+
+        self.rec.code.append((run, reads))
+        by_due: dict[int, list] = {}
+        for m, bufs, (posted, _) in recvs:
+            by_due.setdefault(due_step(m, posted), []).append((m, bufs))
+        for m, _, (posted, _) in sends:
+            by_due.setdefault(due_step(m, posted), [])
+        return [_Pending(self.rec, slot, due, by_due[due]) for due in sorted(by_due)]
+
+
+class Program:
+    """One rank's recorded run of a schedule: ``code`` (operations, each with the slots to drop after it),
+    the number of slots, and the slots of the outputs."""
+
+    def __init__(self, code: list, slots: int, outputs: list[Callable]):
+        self.code, self.slots, self.outputs = code, slots, outputs
+
+    def run(self, inputs: list, ops, comm) -> list:
+        env = [None] * self.slots
+        env[: len(inputs)] = inputs
+        for op, dead in self.code:
+            op(env, ops, comm)
+            for s in dead:
+                env[s] = None
+        return [get(env) for get in self.outputs]
+
+
+def _lower(ops_cls, build: Callable, outputs: Callable, sched, comm, inputs: list) -> Program:
+    rec = _Recorder(len(inputs))
+    refs = [None if t is None else Ref(i, t.shape, t.dtype, t.device) for i, t in enumerate(inputs)]
+    cls = _lowering_class(ops_cls)
+
+    def make(*args, **kwargs):  # the recorder is in place before the Ops' __init__ records its allocations
+        obj = cls.__new__(cls)
+        obj.rec = rec
+        obj.__init__(*args, **kwargs)
+        return obj
+
+    ops = build(make, refs)
+    execute(sched, _Comm(comm, rec), ops)
+    outs = outputs(ops)
+    keep = {r.slot for r in outs} | set(range(len(inputs)))
+    last: dict[int, int] = {}
+    for i, (_, reads) in enumerate(rec.code):
+        for s in reads:
+            last[s] = i
+    dead: list[list[int]] = [[] for _ in rec.code]
+    for s, i in last.items():
+        if s not in keep:
+            dead[i].append(s)
+    code = [(op, tuple(d)) for (op, _), d in zip(rec.code, dead)]
+    return Program(code, rec.slots, [r.getter() for r in outs])
+
+
+_classes: dict = {}
+
+
+def _lowering_class(ops_cls):
+    if ops_cls not in _classes:
+        _classes[ops_cls] = type(f"Lowering{ops_cls.__name__}", (_Lowering, ops_cls), {})
+    return _classes[ops_cls]
+
+
+_programs: "OrderedDict[tuple, tuple]" = OrderedDict()  # key -> (schedule, program), least recent first
+_MAX_PROGRAMS = 256
+
+
+def replayable(hooks) -> bool:
+    """Whether a call with these instruments replays a program (tracing, logs and ``step_loop`` take the loop)."""
+    return hooks.trace is None and hooks.comm_log is None and hooks.held_log is None and not hooks.step_loop
+
+
+def run(key: tuple, sched, comm, ops, inputs: list, build: Callable, outputs: Callable) -> list:
+    """Run this rank's part of ``sched`` on ``inputs`` as a replay of its program, lowered at the first call of
+    ``key`` (what the decisions depend on besides the schedule); ``ops``: the call's ``Ops`` for the tensor
+    operations (:meth:`tokenring.strategies.base._OpsBase.runner`). ``build(make, refs)``: the recording
+    ``Ops`` over the inputs' Refs, made by ``make(*ops_args)``; ``outputs(ops)``: the Refs whose tensors to return."""
+    full = (type(ops), id(sched), comm.rank, comm.early_receives, *key)
+    hit = _programs.get(full)
+    if hit is None or hit[0] is not sched:  # (an id reused by another schedule)
+        hit = (sched, _lower(type(ops), build, outputs, sched, comm, inputs))
+        _programs[full] = hit
+        if len(_programs) > _MAX_PROGRAMS:
+            _programs.popitem(last=False)
+    else:
+        _programs.move_to_end(full)
+    return hit[1].run(inputs, ops, comm)
