@@ -349,7 +349,7 @@ class Packed(list):
 def buffers(specs, device) -> Packed:
     """Receive buffers for a message of tensors ``specs``: views of one buffer (:func:`pack`'s layout)."""
     out = Packed()
-    uniform, spans, total = _layout(tuple((tuple(shape), dtype) for shape, dtype, *_ in specs))
+    uniform, spans, total = _layout(specs if isinstance(specs, tuple) else tuple(tuple(x) for x in specs))
     if uniform:  # tensors of one shape and dtype (K and V): one (n, *shape) buffer
         shape, dtype = specs[0][0], specs[0][1]
         out.flat = torch.empty((len(specs), *shape), dtype=dtype, device=device)
@@ -362,11 +362,11 @@ def buffers(specs, device) -> Packed:
 
 @lru_cache(maxsize=1024)
 def _layout(specs: tuple) -> tuple[bool, list, int]:
-    """How a message of ``specs`` ``(shape, dtype)`` lies in its buffer: stacked where every tensor has one
+    """How a message of ``specs`` ``(shape, dtype, ...)`` lies in its buffer: stacked where every tensor has one
     shape and dtype, else each at an ``_ALIGN``-aligned byte offset: ``(stacked, spans, total bytes)``."""
-    uniform = len(specs) > 1 and all(x == specs[0] for x in specs)
+    uniform = len(specs) > 1 and all(tuple(x[:2]) == tuple(specs[0][:2]) for x in specs)
     spans, total = [], 0
-    for shape, dtype in specs:
+    for shape, dtype, *_ in specs:
         nbytes = math.prod(shape) * dtype.itemsize
         spans.append((total, nbytes, dtype, shape))
         total += -(-nbytes // _ALIGN) * _ALIGN
@@ -377,7 +377,8 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One contiguous buffer holding ``tensors`` as :func:`buffers` lays them out."""
     if len(tensors) == 1:
         return tensors[0].contiguous()
-    if _layout(tuple((tuple(t.shape), t.dtype) for t in tensors))[0]:
+    first = tensors[0]
+    if all(t.shape == first.shape and t.dtype == first.dtype for t in tensors):  # as _layout stacks them
         return torch.stack(tensors)
     views = buffers([(t.shape, t.dtype) for t in tensors], tensors[0].device)
     for dst, src in zip(views, tensors):

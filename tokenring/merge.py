@@ -76,11 +76,14 @@ def merge_eager_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, ls
 def merge_seen_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
     """:func:`merge_` for a partial whose every row saw a key (``lse`` finite: attention without a mask), in
     fewer ops: the new partial's weight ``sigmoid(lse - acc_lse)`` (1 while the accumulator is empty), a lerp
-    toward it, and ``max + log1p(exp(-|lse - acc_lse|))``."""
-    lse = lse.to(acc_lse.dtype)
-    gap = acc_lse - lse  # -inf while the accumulator is empty
-    acc_o.lerp_(o.to(acc_o.dtype), torch.sigmoid(-gap).transpose(1, 2).unsqueeze(-1))
-    acc_lse.copy_(torch.maximum(acc_lse, lse) + torch.nn.functional.softplus(-gap.abs()))
+    toward it, and ``logaddexp``."""
+    if lse.dtype != acc_lse.dtype:
+        lse = lse.to(acc_lse.dtype)
+    if o.dtype != acc_o.dtype:
+        o = o.to(acc_o.dtype)
+    w = torch.sigmoid(lse - acc_lse)  # 1 while the accumulator is empty (acc_lse = -inf)
+    acc_o.lerp_(o, w.transpose(1, 2).unsqueeze(-1))
+    acc_lse.copy_(torch.logaddexp(acc_lse, lse))
 
 
 def merge_stacked(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,20 +47,6 @@ class Ref:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def getter(self) -> Callable:
-        """``env -> tensor``: this slot's tensor at run time, viewed."""
-        slot, item, views = self.slot, self.item, self.views
-        if item is None and not views:
-            return lambda env: env[slot]
-
-        def get(env):
-            t = env[slot] if item is None else env[slot][item]
-            for d, a, n in views:
-                t = t.narrow(d, a, n)
-            return t
-
-        return get
-
 
 class _Refs(list):
     """The Refs of a slot that holds a list (a message's receive buffers)."""
@@ -68,44 +54,43 @@ class _Refs(list):
     slot: int
 
 
-def _arg(x):
-    """``(getter, slot read or None)`` of an operation's argument: a Ref, or a constant."""
-    if isinstance(x, Ref):
-        return x.getter(), x.slot
-    return (lambda env: x), None
-
-
 class _Recorder:
-    """The operations of one lowering, in order: ``(run(env, ops, comm), slots read)``."""
+    """The operations of one lowering, in order, each as a line of Python over slot variables ``v<n>``, with
+    the slots it reads; constants (schedule messages, dtypes, shapes) in ``consts`` (``K[i]`` in the lines)."""
 
     def __init__(self, n_inputs: int):
-        self.code: list[tuple[Callable, set]] = []
+        self.lines: list[tuple[str, set]] = []
+        self.consts: list = []
         self.slots = n_inputs
 
     def slot(self) -> int:
         self.slots += 1
         return self.slots - 1
 
-    def call(self, name: str, args: tuple, outs=None):
+    def text(self, x, reads: set) -> str:
+        """``x`` as an expression: a Ref's slot (item, views), or a constant; its slot added to ``reads``."""
+        if type(x) in (str, int, bool) or x is None:
+            return repr(x)
+        if not isinstance(x, Ref):
+            self.consts.append(x)
+            return f"K[{len(self.consts) - 1}]"
+        reads.add(x.slot)
+        out = f"v{x.slot}" if x.item is None else f"v{x.slot}[{x.item}]"
+        return out + "".join(f".narrow({d}, {a}, {n})" for d, a, n in x.views)
+
+    def line(self, code: str, reads: set) -> None:
+        self.lines.append((code, reads))
+
+    def call(self, name: str, args: tuple, outs=None) -> None:
         """Record ``ops.<name>(*args)``; ``outs``: ``None`` (no result kept), a slot, or a tuple of slots."""
-        pairs = [_arg(a) for a in args]
-        getters = [g for g, _ in pairs]
-        reads = {s for _, s in pairs if s is not None}
+        reads: set = set()
+        call = f"ops.{name}({', '.join(self.text(a, reads) for a in args)})"
         if outs is None:
-
-            def run(env, ops, comm):
-                getattr(ops, name)(*[g(env) for g in getters])
+            self.line(call, reads)
         elif isinstance(outs, int):
-
-            def run(env, ops, comm):
-                env[outs] = getattr(ops, name)(*[g(env) for g in getters])
+            self.line(f"v{outs} = {call}", reads)
         else:
-
-            def run(env, ops, comm):
-                for slot, t in zip(outs, getattr(ops, name)(*[g(env) for g in getters])):
-                    env[slot] = t
-
-        self.code.append((run, reads))
+            self.line(f"{', '.join(f'v{s}' for s in outs)} = {call}", reads)
 
     def new(self, name: str, args: tuple, *likes) -> Ref | tuple:
         """Record an operation returning tensors shaped like ``likes`` (``(shape, dtype, device)`` each)."""
@@ -182,12 +167,7 @@ class _Pending:
         self.rec, self.slot, self.due, self.recvs = rec, slot, due, recvs
 
     def wait(self) -> None:
-        slot, due = self.slot, self.due
-
-        def run(env, ops, comm):
-            env[slot][due].wait()
-
-        self.rec.code.append((run, {slot}))
+        self.rec.line(f"v{self.slot}[{self.due}].wait()", {self.slot})
 
 
 class _Comm:
@@ -197,41 +177,31 @@ class _Comm:
         self.rank, self.early_receives, self.trace, self.rec = comm.rank, comm.early_receives, None, rec
 
     def start(self, step: int, sends: list, recvs: list) -> list[_Pending]:
-        slot = self.rec.slot()
-        sent = [(m, [_arg(t)[0] for t in tensors], at) for m, tensors, at in sends]
-        got = [(m, bufs.slot, at) for m, bufs, at in recvs]
-        reads = {t.slot for _, tensors, _ in sends for t in tensors} | {bufs.slot for _, bufs, _ in recvs}
-
-        def run(env, ops, comm):
-            pendings = comm.start(
-                step, [(m, [g(env) for g in gs], at) for m, gs, at in sent], [(m, env[s], at) for m, s, at in got]
-            )
-            env[slot] = {p.due: p for p in pendings}
-
-        self.rec.code.append((run, reads))
+        rec, slot, reads = self.rec, self.rec.slot(), set()
+        sent = ", ".join(
+            f"({rec.text(m, reads)}, [{', '.join(rec.text(t, reads) for t in ts)}], {rec.text(at, reads)})"
+            for m, ts, at in sends
+        )
+        got = ", ".join(f"({rec.text(m, reads)}, v{bufs.slot}, {rec.text(at, reads)})" for m, bufs, at in recvs)
+        reads |= {bufs.slot for _, bufs, _ in recvs}
+        rec.line(f"v{slot} = {{p.due: p for p in comm.start({step}, [{sent}], [{got}])}}", reads)
         by_due: dict[int, list] = {}
         for m, bufs, (posted, _) in recvs:
             by_due.setdefault(due_step(m, posted), []).append((m, bufs))
         for m, _, (posted, _) in sends:
             by_due.setdefault(due_step(m, posted), [])
-        return [_Pending(self.rec, slot, due, by_due[due]) for due in sorted(by_due)]
+        return [_Pending(rec, slot, due, by_due[due]) for due in sorted(by_due)]
 
 
 class Program:
-    """One rank's recorded run of a schedule: ``code`` (operations, each with the slots to drop after it),
-    the number of slots, and the slots of the outputs."""
+    """One rank's recorded run of a schedule, as the source of one Python function over slot variables
+    (``source``, for reading; ``run`` is it compiled), with the constants it reads."""
 
-    def __init__(self, code: list, slots: int, outputs: list[Callable]):
-        self.code, self.slots, self.outputs = code, slots, outputs
-
-    def run(self, inputs: list, ops, comm) -> list:
-        env = [None] * self.slots
-        env[: len(inputs)] = inputs
-        for op, dead in self.code:
-            op(env, ops, comm)
-            for s in dead:
-                env[s] = None
-        return [get(env) for get in self.outputs]
+    def __init__(self, source: str, consts: list):
+        self.source, self.consts = source, consts
+        scope: dict = {"K": consts}
+        exec(compile(source, "<tokenring program>", "exec"), scope)
+        self.run = scope["program"]  # run(inputs, ops, comm) -> the outputs' tensors
 
 
 def _lower(ops_cls, build: Callable, outputs: Callable, sched, comm, inputs: list) -> Program:
@@ -250,15 +220,21 @@ def _lower(ops_cls, build: Callable, outputs: Callable, sched, comm, inputs: lis
     outs = outputs(ops)
     keep = {r.slot for r in outs} | set(range(len(inputs)))
     last: dict[int, int] = {}
-    for i, (_, reads) in enumerate(rec.code):
-        for s in reads:
-            last[s] = i
-    dead: list[list[int]] = [[] for _ in rec.code]
-    for s, i in last.items():
-        if s not in keep:
-            dead[i].append(s)
-    code = [(op, tuple(d)) for (op, _), d in zip(rec.code, dead)]
-    return Program(code, rec.slots, [r.getter() for r in outs])
+    for i, (_, reads) in enumerate(rec.lines):
+        for slot in reads:
+            last[slot] = i
+    dead: list[list[int]] = [[] for _ in rec.lines]
+    for slot, i in last.items():
+        if slot not in keep:
+            dead[i].append(slot)
+    body = [f"{', '.join(f'v{i}' for i in range(len(inputs)))}, = inputs"]
+    for (line, _), gone in zip(rec.lines, dead):
+        body.append(line)
+        body += [f"v{slot} = None" for slot in sorted(gone)]  # no later line reads it: free it now
+    returned: set = set()
+    body.append(f"return [{', '.join(rec.text(r, returned) for r in outs)}]")
+    source = "def program(inputs, ops, comm):\n" + "".join(f"    {line}\n" for line in body)
+    return Program(source, rec.consts)
 
 
 _classes: dict = {}

@@ -530,9 +530,11 @@ class Shapes:
     P: int
 
 
-def payload(kind: str, part: str, sh: Shapes, heads: str = "all") -> list[tuple[tuple[int, ...], torch.dtype, int]]:
-    """``(shape, dtype, sequence dim)`` of each tensor of a message of ``kind`` about rows ``part``."""
-    return list(_payload(kind, part, sh, heads))
+def payload(
+    kind: str, part: str, sh: Shapes, heads: str = "all"
+) -> tuple[tuple[tuple[int, ...], torch.dtype, int], ...]:
+    """``(shape, dtype, sequence dim)`` of each tensor of a message of ``kind`` about rows ``part`` (read-only)."""
+    return _payload(kind, part, sh, heads)
 
 
 @lru_cache(maxsize=1 << 12)  # read per message per call: the executor's hot path

@@ -33,7 +33,7 @@ class Single(Strategy):
             o = o.to(lse.dtype)
             merge_sink_(o, lse, cfg.sinks)
         out = o.to(q.dtype)
-        return out, (q, k, v, out, lse)
+        return out, (q, k, v, out, lse.contiguous())  # (kept for backward, and an op's output: contiguous)
 
     def backward(self, dout, saved, cfg):
         q, k, v, out, lse = saved

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device import pretended
 from ..merge import acc_dtype
 from .base import Backend, out_for_delta
 from .cpu import CpuFlash, cpu_backward_choice
@@ -56,6 +57,28 @@ def pick(q: torch.Tensor, backend: str = "auto", mask: torch.Tensor | None = Non
     """The backend that runs blocks like ``q``: ``backend`` itself where it takes them (else the math path: a
     named fused kernel that cannot take a boolean mask falls back), or for ``"auto"`` the first in
     ``REGISTRY`` that does."""
+    if mask is None and isinstance(q, torch.Tensor):  # per block: decided once per kind of block
+        cpu = backward and q.device.type == "cpu"  # (the CPU backward follows a setting)
+        key = (
+            q.device,
+            q.dtype,
+            q.shape[-1],
+            backend,
+            backward,
+            pretended(),
+            cpu and cpu_backward_choice(q.dtype, q.shape[-1]),
+        )
+        hit = _picked.get(key)
+        if hit is None:
+            hit = _picked[key] = _pick(q, backend, None, backward)
+        return hit
+    return _pick(q, backend, mask, backward)
+
+
+_picked: dict = {}
+
+
+def _pick(q, backend: str, mask, backward: bool) -> Backend:
     if backend != "auto":
         if backend not in REGISTRY:
             raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")

@@ -37,7 +37,11 @@ class CpuFlash(Backend):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=additive(mask, q),
             scale=scale,
         )  # fmt: skip
-        o, lse = o.transpose(1, 2), lse.to(acc_dtype(q.dtype)).contiguous()
+        # lse: (B, H, n) as a view of the op's (B, n, H) layout (a merge reads any strides; those that keep it
+        # make it contiguous)
+        o, acc = o.transpose(1, 2), acc_dtype(q.dtype)
+        if lse.dtype != acc:
+            lse = lse.to(acc)
         if mask is not None:  # the op leaves lse 0 on rows that see no key; the merge needs -inf there
             lse.masked_fill_(~mask.any(1), float("-inf"))
         return o, lse
