@@ -32,21 +32,29 @@ B, S_LOCAL, H, HKV, D = 1, 16, 8, 2, 64
 CACHE = 1024  # decode: cached rows per rank
 
 
-def _floor(q, k, v, P: int, causal: bool):
-    """A minimal ring loop (forward): P steps of one batched K/V exchange, one flash call, one LSE merge."""
+def _exchange(tensors, P: int):
+    """Post one batched isend/irecv of ``tensors`` to the next rank; ``(works, received)``."""
     import torch
     import torch.distributed as dist
 
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     rank = dist.get_rank()
     nxt, prv = (rank + 1) % P, (rank - 1) % P
+    got = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, nxt) for t in tensors] + [dist.P2POp(dist.irecv, t, prv) for t in got]
+    return dist.batch_isend_irecv(ops), got
+
+
+def _floor(q, k, v, P: int, causal: bool):
+    """A minimal ring loop (forward): P steps of one batched K/V exchange, one flash call, one LSE merge.
+    Returns ``(out (B, s, H, d) float32, lse (B, H, s))``."""
+    import torch
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     qt = q.transpose(1, 2)
     out = lse = None
     for step in range(P):
         if step + 1 < P:
-            k2, v2 = torch.empty_like(k), torch.empty_like(v)
-            ops = [dist.P2POp(dist.isend, k, nxt), dist.P2POp(dist.isend, v, nxt)]
-            works = dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, k2, prv), dist.P2POp(dist.irecv, v2, prv)])
+            works, (k2, v2) = _exchange([k, v], P)
         o, l = flash(qt, k.transpose(1, 2), v.transpose(1, 2), 0.0, causal and step == 0)[:2]
         if out is None:
             out, lse = o.float(), l
@@ -57,7 +65,60 @@ def _floor(q, k, v, P: int, causal: bool):
             for w in works:
                 w.wait()
             k, v = k2, v2
-    return out.transpose(1, 2)
+    return out.transpose(1, 2), lse
+
+
+def _floor_backward(dout, q, k, v, out, lse, P: int, causal: bool):
+    """A minimal ring backward, as ring-flash-attn writes it: per step one batched K/V exchange, one flash
+    backward call, dQ summed here, and dK/dV summed into buffers that travel with their K/V (one more batched
+    exchange per step; the last brings them home)."""
+    import torch
+
+    flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    qt, ot, dot, lse = q.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2), lse.contiguous()
+    dq = torch.zeros(qt.shape, dtype=torch.float32)
+    dk = dv = dk2 = dv2 = dkv_works = None
+    for step in range(P):
+        if step + 1 < P:
+            works, (k2, v2) = _exchange([k, v], P)
+        bdq, bdk, bdv = flash_bwd(dot, qt, k.transpose(1, 2), v.transpose(1, 2), ot, lse, 0.0, causal and step == 0)
+        dq += bdq
+        if dk is None:
+            dk, dv = bdk.float(), bdv.float()
+        else:
+            for w in dkv_works:
+                w.wait()
+            dk, dv = dk2 + bdk, dv2 + bdv
+        dkv_works, (dk2, dv2) = _exchange([dk, dv], P)
+        if step + 1 < P:
+            for w in works:
+                w.wait()
+            k, v = k2, v2
+    for w in dkv_works:
+        w.wait()
+    return dq.transpose(1, 2), dk2.transpose(1, 2), dv2.transpose(1, 2)
+
+
+def _floor_fn():
+    """The floor loops as one autograd function (as ring-flash-attn wraps its own)."""
+    import torch
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, P, causal):
+            out, lse = _floor(q, k, v, P, causal)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.P, ctx.causal = P, causal
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            return (*_floor_backward(dout, *ctx.saved_tensors, ctx.P, ctx.causal), None, None)
+
+    return Floor.apply
+
+
+FLOOR, FLOOR_FB = "floor: minimal ring loop", "floor: minimal ring loop, forward+backward"
 
 
 def _variants(P: int, quick: bool):
@@ -72,7 +133,11 @@ def _variants(P: int, quick: bool):
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     qd = torch.randn(B, 1, H, D, generator=g)
     kc, vc = (torch.randn(B, CACHE, HKV, D, generator=g) for _ in range(2))
-    out = {"floor: minimal ring loop": lambda: _floor(q, k, v, P, True)}
+    floor = _floor_fn()
+    out = {
+        FLOOR: lambda: _floor(q, k, v, P, True),
+        FLOOR_FB: lambda: floor(qg, kg, vg, P, True).sum().backward(),
+    }
     for s in ("ring", "token_ring", "ulysses"):
         out[f"attention {s}, forward"] = lambda s=s: tokenring.attention(q, k, v, causal=True, strategy=s)
     out["attention ring, forward+backward"] = lambda: (
@@ -81,6 +146,16 @@ def _variants(P: int, quick: bool):
     out["decode_attention (1 token, 1024 cached rows per rank)"] = lambda: tokenring.decode_attention(qd, kc, vc)
     out["decode_attention, check=False (a model's later layers)"] = lambda: tokenring.decode_attention(
         qd, kc, vc, check=False
+    )
+    import torch.distributed as dist
+
+    from tokenring.strategies.extend import Shards
+
+    rank, t = dist.get_rank(), S_LOCAL  # extend: t new tokens per rank over S_LOCAL cached rows per rank
+    qe, ke, ve = torch.randn(B, t, H, D, generator=g), *(torch.randn(B, S_LOCAL + t, HKV, D, generator=g) for _ in "kv")
+    shards = Shards(rows=(S_LOCAL + t,) * P, new=tuple((t * j, t * j + t) for j in range(P)))
+    out[f"extend_attention pass_q ({t} new tokens, {S_LOCAL} cached rows per rank)"] = lambda: (
+        tokenring.extend_attention(qe, ke, ve, new=shards.new[rank], strategy="pass_q", shards=shards)
     )
     from tokenring.kernels import block_forward
 
@@ -211,7 +286,7 @@ def main(argv=None) -> int:
             cells = []
             for version in versions:
                 kept = results[version][P]
-                us, floor = kept[name], statistics.median(kept["floor: minimal ring loop"])
+                us, floor = kept[name], statistics.median(kept[FLOOR_FB if "forward+backward" in name else FLOOR])
                 m = statistics.median(us)
                 cells.append(f"{m:.0f} ({min(us):.0f}-{max(us):.0f}) | {m / floor:.2f}x")
             lines.append(f"| {P} | {name} | " + " | ".join(cells) + " |")

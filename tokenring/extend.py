@@ -15,7 +15,7 @@ from .executor import execute
 from .kernels import attention_inputs, block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .masks import TILE_ROWS
-from .merge import acc_dtype, merge_, merge_sink_, new_accumulator
+from .merge import acc_dtype, merge_, merge_sink_, merge_stacked, new_accumulator
 from .schedules import Message
 from .strategies.extend import STRATEGIES, Shards, extend_bytes, schedule, sees, split_new  # noqa: F401
 
@@ -240,10 +240,15 @@ class RowsOps:
             return torch.cat([self.pieces[j][0] for j in range(self.shards.P)], dim=2), None
         if self.acc is not None or self.strategy == "pass_kv":
             return self.acc or new_accumulator(*self.q.shape, self.q.dtype, self.device)
-        out, out_lse = new_accumulator(*self.q.shape, self.q.dtype, self.device)
-        for j in sorted(self.partials):  # rank order: the same bits wherever the partials were made
-            merge_(out, out_lse, *self.partials[j])
-        return out, out_lse
+        order = sorted(self.partials)  # rank order: the same bits wherever the partials were made
+        if not order:
+            return new_accumulator(*self.q.shape, self.q.dtype, self.device)
+        if len(order) == 1:
+            o, lse = self.partials[order[0]]
+            return o.to(acc_dtype(o.dtype)), lse
+        acc = acc_dtype(self.q.dtype)
+        o = torch.stack([self.partials[j][0].to(acc) for j in order])
+        return merge_stacked(o, torch.stack([self.partials[j][1].to(acc) for j in order]))
 
     # the attention of queries to rows
     def _qa(self, j: int) -> int:
@@ -268,8 +273,10 @@ class RowsOps:
         B, _, H, d = qs[0].shape
         rows = [q.shape[1] for q in qs]
         o, lse = new_accumulator(B, sum(rows), H, d, qs[0].dtype, self.device)
-        if old:
-            merge_(o, lse, *block_forward(torch.cat(qs, 1), self.k[:, :old], self.v[:, :old], False, self.scale))
+        if old:  # (a merge into the empty accumulator of rows that all see keys: their partial itself)
+            o1, lse1 = block_forward(torch.cat(qs, 1), self.k[:, :old], self.v[:, :old], False, self.scale)
+            o.copy_(o1)
+            lse.copy_(lse1)
         out, at, after = [], 0, []
         kn, vn = self.k[:, old:], self.v[:, old:]
         for q, qa, n in zip(qs, qas, rows):
