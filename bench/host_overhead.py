@@ -26,6 +26,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 B, S_LOCAL, H, HKV, D = 1, 16, 8, 2, 64
@@ -39,7 +40,8 @@ def _exchange(tensors, P: int):
 
     rank = dist.get_rank()
     nxt, prv = (rank + 1) % P, (rank - 1) % P
-    got = [torch.empty_like(t) for t in tensors]
+    tensors = [t.contiguous() for t in tensors]
+    got = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, nxt) for t in tensors] + [dist.P2POp(dist.irecv, t, prv) for t in got]
     return dist.batch_isend_irecv(ops), got
 
@@ -121,7 +123,7 @@ def _floor_fn():
 FLOOR, FLOOR_FB = "floor: minimal ring loop", "floor: minimal ring loop, forward+backward"
 
 
-def _variants(P: int, quick: bool):
+def _variants(P: int, quick: bool, hf: bool = True):
     """name -> a function of no arguments making one call."""
     import torch
 
@@ -160,7 +162,8 @@ def _variants(P: int, quick: bool):
     from tokenring.kernels import block_forward
 
     out["decode's local kernel alone (block_forward)"] = lambda: block_forward(qd, kc, vc, False, D**-0.5)
-    out.update(_hf_layer(P))
+    if hf:
+        out.update(_hf_layer(P))
     return out
 
 
@@ -198,19 +201,9 @@ def _hf_layer(P: int) -> dict:
     return {f"HF Llama forward ({LAYERS} layers, {S_LOCAL} rows per rank)": forward}
 
 
-def child(P: int, rounds: int, calls: int, quick: bool) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    torch.set_num_threads(1)
-    # The fake group fills no receive buffer: kernels then read whatever memory held, denormals included, which
-    # cost the CPU 5-10x per kernel call (the floor's flash calls took 200 us instead of 20). Flushed, every
-    # variant computes at the same speed whatever its buffers hold.
-    torch.set_flush_denormal(True)
-    dist.init_process_group(backend="fake", store=FakeStore(), rank=1, world_size=P)
-    variants = _variants(P, quick)
-    for fn in variants.values():  # warm-up: plans, caches, agreements
+def _timed(variants: dict, rounds: int, calls: int) -> dict:
+    """Every round's microseconds per call of each variant, after a warm-up (plans, caches, agreements)."""
+    for fn in variants.values():
         for _ in range(20):
             fn()
     kept = {name: [] for name in variants}
@@ -220,12 +213,105 @@ def child(P: int, rounds: int, calls: int, quick: bool) -> None:
             for _ in range(calls):
                 fn()
             kept[name].append((time.perf_counter() - t0) / calls * 1e6)
-    print(json.dumps(kept))
+    return kept
+
+
+def _gloo_rank(rank: int, P: int, rounds: int, calls: int) -> dict:
+    """One gloo rank's timings (:func:`_timed`; the HF model left out)."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    return _timed(_variants(P, True, hf=False), rounds, calls)
+
+
+def walk(P: int = 4) -> dict:
+    """The modules of tokenring that one warm ``attention(..., strategy="ring")`` forward passes through, in
+    order (a profile hook's calls and returns, consecutive frames of one module counted once): the stays, and
+    the modules entered more than once."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import tokenring
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="fake", store=FakeStore(), rank=1, world_size=P)
+    q, k, v = torch.randn(B, S_LOCAL, H, D), torch.randn(B, S_LOCAL, HKV, D), torch.randn(B, S_LOCAL, HKV, D)
+    for _ in range(3):
+        tokenring.attention(q, k, v, causal=True, strategy="ring")
+    root = os.path.dirname(tokenring.__file__)
+    seen: list[str] = []
+
+    def hook(frame, event, arg):
+        if event in ("call", "return"):
+            f = frame.f_back if event == "return" else frame  # a return lands in the caller
+            path = f.f_code.co_filename if f is not None else ""
+            if path.startswith(root):
+                mod = os.path.relpath(path, root)
+                if not seen or seen[-1] != mod:
+                    seen.append(mod)
+
+    sys.setprofile(hook)
+    try:
+        tokenring.attention(q, k, v, causal=True, strategy="ring")
+    finally:
+        sys.setprofile(None)
+    again = sorted({m for m in seen if seen.count(m) > 1})
+    return dict(stays=len(seen), path=seen, entered_again=again)
+
+
+def child(P: int, rounds: int, calls: int, quick: bool, backend: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if backend == "gloo":  # P local gloo ranks on loopback; a round's time is its slowest rank's
+        import host_overhead
+
+        from tokenring.tools.launch import spawn
+
+        every = spawn(host_overhead._gloo_rank, P, rounds, calls)
+        print(json.dumps({name: [max(r[name][i] for r in every) for i in range(rounds)] for name in every[0]}))
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    # The fake group fills no receive buffer: kernels then read whatever memory held, denormals included, which
+    # cost the CPU 5-10x per kernel call (the floor's flash calls took 200 us instead of 20). Flushed, every
+    # variant computes at the same speed whatever its buffers hold.
+    torch.set_flush_denormal(True)
+    dist.init_process_group(backend="fake", store=FakeStore(), rank=1, world_size=P)
+    print(json.dumps(_timed(_variants(P, quick), rounds, calls)))
 
 
 def _commit(path: str) -> str:
     out = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return out.stdout.strip() or "?"
+
+
+def _walks(versions: dict, out: str) -> int:
+    """:func:`walk` per version, each in a process of its own; writes ``out``.{md,json}."""
+    call = 'attention(q, k, v, causal=True, strategy="ring")'
+    lines = [
+        "# The walk of q through one call",
+        "",
+        f"Command: `.venv/bin/python bench/host_overhead.py --walk --before DIR`. One warm `{call}` at P=4 on the "
+        "fake process group: the modules of tokenring its frames stay in, in order (a profile hook's calls and "
+        "returns; a module entered again counts again).",
+        "",
+    ]
+    walks = {}
+    for version, path in versions.items():
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([path or ROOT, HERE]))
+        res = subprocess.run([sys.executable, __file__, "--walk-child"], env=env, check=True, capture_output=True)
+        walks[version] = w = json.loads(res.stdout.decode().strip().splitlines()[-1])
+        commit = _commit(path or ROOT)
+        lines += [f"- {version} ({commit}): {w['stays']} stays; modules entered again: "
+                  f"{', '.join(w['entered_again']) or 'none'}.", f"  Path: {' > '.join(w['path'])}"]  # fmt: skip
+    from _results import write
+
+    write(out, {"walk": walks}, lines)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -235,42 +321,64 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
+        "--backend",
+        choices=("fake", "gloo"),
+        default="fake",
+        help="fake: PyTorch's fake process group, rank 1 of P in one process (host time alone); gloo: P local "
+        "gloo ranks on loopback (what a call costs with real messages; writes host_overhead_gloo)",
+    )
+    ap.add_argument(
         "--before",
         metavar="DIR",
         help="a checkout of an earlier commit: its tokenring is timed too, in child processes alternating with "
         "this one's (the floor is measured in both)",
     )
     ap.add_argument("--repeats", type=int, default=2, help="child processes per version and P, alternating")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "host_overhead"))
+    ap.add_argument("--out", default=None)
     ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--walk", action="store_true", help="only the walk of q through a call (host_overhead_walk)")
+    ap.add_argument("--walk-child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        child(a.child, a.rounds, a.calls, a.quick)
+        child(a.child, a.rounds, a.calls, a.quick, a.backend)
         return 0
+    if a.walk_child:
+        print(json.dumps(walk()))
+        return 0
+    versions = {"now": None, **({"before": os.path.abspath(a.before)} if a.before else {})}
+    if a.walk:
+        return _walks(versions, a.out or os.path.join(HERE, "results", "host_overhead_walk"))
+    gloo = a.backend == "gloo"
+    a.out = a.out or os.path.join(HERE, "results", "host_overhead_gloo" if gloo else "host_overhead")
     if a.quick:
         a.ranks, a.rounds, a.calls = [4], 3, 50
-    versions = {"now": None, **({"before": os.path.abspath(a.before)} if a.before else {})}
     results: dict = {}  # version -> P -> call -> every round's us per call
     for P in a.ranks:
         for _ in range(a.repeats):
             for version, path in versions.items():
-                env = dict(os.environ, OMP_NUM_THREADS="1")
-                if path:
-                    env["PYTHONPATH"] = path
+                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([path or ROOT, HERE]))
                 cmd = [sys.executable, __file__, "--child", str(P), "--rounds", str(a.rounds), "--calls", str(a.calls)]
+                cmd += ["--backend", a.backend]
                 text = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
                 for name, us in json.loads(text.strip().splitlines()[-1]).items():
                     results.setdefault(version, {}).setdefault(P, {}).setdefault(name, []).extend(us)
         print(f"P={P} done", file=sys.stderr)
     lines = [
-        "# Host time per call on the fake process group",
+        f"# Time per call on {'local gloo ranks (loopback)' if gloo else 'the fake process group (host time)'}",
         "",
-        f"Command: `.venv/bin/python bench/host_overhead.py{' --quick' if a.quick else ''}`. Machine: "
+        f"Command: `.venv/bin/python bench/host_overhead.py{' --quick' if a.quick else ''}"
+        f"{' --backend gloo' if gloo else ''} --ranks {' '.join(map(str, a.ranks))} --rounds {a.rounds} --calls "
+        f"{a.calls}{' --before DIR' if a.before else ''}`. Machine: "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, one thread per process, "
-        f"PyTorch's fake process group (no data moves). Shapes: B={B}, {S_LOCAL} rows per rank, {H}/{HKV} heads, "
+        + (
+            "P gloo ranks on 127.0.0.1 sharing the cores (a round's time: its slowest rank's)"
+            if gloo
+            else "PyTorch's fake process group (no data moves)"
+        )
+        + f". Shapes: B={B}, {S_LOCAL} rows per rank, {H}/{HKV} heads, "
         f"d={D}, float32, causal; decode: 1 new token over {CACHE} cached rows per rank. Microseconds per call, "
         f"median (min-max) of {a.repeats} processes x {a.rounds} interleaved rounds of {a.calls} calls; ratio: "
-        f"median over the floor's in the same processes."
+        f"median over the floor's in the same processes (forward+backward rows: the forward+backward floor's)."
         + (
             f" Before: the tokenring of `{a.before}` (commit {_commit(a.before)}), its processes alternating with "
             f"this checkout's (commit {_commit(HERE)})."

@@ -122,7 +122,7 @@ class _Lowering:
         B, n, h, d = t.shape
         return self.rec.new("fold_heads", (t, g), ((B, n, h // g, d), t.dtype, t.device))
 
-    def merge_into(self, how: str, acc_o, acc_lse, o, lse) -> None:
+    def merge_into(self, how, acc_o, acc_lse, o, lse) -> None:
         self.rec.call("merge_into", (how, acc_o, acc_lse, o, lse))
 
     def alloc(self, specs):

@@ -5,6 +5,7 @@ forward/backward ``Ops`` that give a schedule's computes and messages their mean
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 from fractions import Fraction
 from functools import lru_cache
 
@@ -337,6 +338,16 @@ def rows_heads(t, rows: slice, heads: slice, n: int, h: int, heads_dim: int = 2)
     return t
 
 
+class Merge(Enum):
+    """How a partial joins an accumulator: ``ANY`` rows (some may have seen no key), rows that all ``SEEN`` a key
+    (fewer ops), or a ``COPY`` into rows nothing was merged into yet, every row seen: the merge's result bit for
+    bit."""
+
+    ANY = "any"
+    SEEN = "seen"
+    COPY = "copy"
+
+
 class _OpsBase:
     """What a schedule's computes and messages mean. The decisions (which rows, which store piece, merge or copy)
     are Python; every tensor operation goes through a method below the decisions (``attend``, ``merge_into``,
@@ -370,13 +381,12 @@ class _OpsBase:
         """Gradients of K/V heads repeated ``g`` times, summed back onto each K/V head."""
         return t.unflatten(2, (-1, g)).sum(3)
 
-    def merge_into(self, how: str, acc_o, acc_lse, o, lse) -> None:
-        """Merge a partial into accumulator views: ``"merge"`` (any rows), ``"seen"`` (every row saw a key) or
-        ``"copy"`` (rows nothing was merged into yet, every row seen: the merge's result bit for bit)."""
-        if how == "copy":
+    def merge_into(self, how: "Merge", acc_o, acc_lse, o, lse) -> None:
+        """Merge a partial into accumulator views (``how``: :class:`Merge`)."""
+        if how is Merge.COPY:
             acc_o.copy_(o)
             acc_lse.copy_(lse)
-        elif how == "seen":
+        elif how is Merge.SEEN:
             merge_seen_(acc_o, acc_lse, o, lse)
         else:
             merge_(acc_o, acc_lse, o, lse)
@@ -467,7 +477,7 @@ class ForwardOps(_OpsBase):
         sl, hs, sh = self.rows(part), head_slice(heads, self.sh.H), self.sh
         acc_o, acc_lse = rows_heads(self.o, sl, hs, sh.s, sh.H), rows_heads(self.lse, sl, hs, sh.s, sh.H, 1)
         # no mask: every partial's rows saw a key; into untouched rows that merge gives the partial itself
-        how = "merge" if not self.seen else "copy" if self._first(part, heads) else "seen"
+        how = Merge.ANY if not self.seen else Merge.COPY if self._first(part, heads) else Merge.SEEN
         self.merge_into(how, acc_o, acc_lse, o, lse)
 
     def _first(self, part, heads: str) -> bool:

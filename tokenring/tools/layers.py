@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("base", ["settings", "device", "data"]),
     ("blocks", ["kernels", "merge", "masks", "layouts", "messages"]),
-    ("engine", ["schedules", "comm", "executor", "instrument", "agreement"]),
+    ("engine", ["schedules", "comm", "executor", "program", "instrument", "agreement"]),
     ("strategies", ["strategies", "single"]),
     ("choice", ["sim", "choice"]),
     ("ops", ["ops", "api", "decode", "extend"]),
