@@ -522,7 +522,7 @@ class BackwardOps(_OpsBase):
         self.store.put("qgrad", self.me, "all", [q, dout, lse, delta])
         self.store.put("kv", self.me, "all", [k, v])
         acc = acc_dtype(q.dtype)
-        self.dtypes = (q.dtype, k.dtype)
+        self.q_dtype = q.dtype  # (dQ partials go home in it)
         self.dq = self.zeros(tuple(q.shape), acc)
         self.dk = self.zeros(tuple(k.shape), acc)
         self.dv = self.zeros(tuple(k.shape), acc)
@@ -565,7 +565,7 @@ class BackwardOps(_OpsBase):
         if c.q_owner == self.me:
             self.add_(self._dq_rows(c.q_part, c.heads), dq)
         else:  # dQ partials go home in the input dtype, like forward partials
-            self.store.put("dq", c.q_owner, c.q_part, [self.cast(dq, self.dtypes[0])], c.heads)
+            self.store.put("dq", c.q_owner, c.q_part, [self.cast(dq, self.q_dtype)], c.heads)
         self._add_dkv(c.kv_owner, c.kv_part, c.heads, dk, dv)
 
     def receive(self, m: Message, tensors) -> None:
