@@ -449,7 +449,8 @@ class _Pending:
 
 class Comm:
     """Point-to-point engine for one call on one rank of ``group``; ``log``: one record per message,
-    ``stage``: copy tensors through host memory (docs/internals.md)."""
+    ``stage``: copy tensors through host memory (docs/internals.md); ``rank``, ``world``: this rank's and the
+    group's size, where the caller knows them."""
 
     def __init__(
         self,
@@ -459,12 +460,14 @@ class Comm:
         what: str = "",
         stage: bool | str | None = None,
         log: bool = True,
+        rank: int | None = None,
+        world: int | None = None,
     ):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group) if rank is None else rank
+        self.world = dist.get_world_size(group) if world is None else world
         backend = dist.get_backend(group)
-        self.bounded = not device.nccl(group)
+        self.bounded = not device.nccl(group, backend)
         self.batched = not self.bounded  # a step's operations posted as one batch (NCCL coalesces it)
         # early receives (Message.ready) only where a pair's operations match by tag: gloo
         self.early_receives = backend == "gloo"

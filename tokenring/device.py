@@ -125,9 +125,10 @@ def _real_gpu(index: int) -> GPU:
     return GPU(name, torch.cuda.get_device_capability(index), per_node, "nvlink" if linked else "pcie")
 
 
-def nccl(group) -> bool:
-    """Whether ``group`` has NCCL's semantics: an NCCL group, or the fake group inside ``pretend_cuda``."""
-    backend = str(dist.get_backend(group))
+def nccl(group, backend: str | None = None) -> bool:
+    """Whether ``group`` has NCCL's semantics: an NCCL group, or the fake group inside ``pretend_cuda``
+    (``backend``: the group's, where the caller has it)."""
+    backend = str(dist.get_backend(group) if backend is None else backend)
     return backend == "nccl" or (_pretend is not None and "fake" in backend)
 
 
@@ -152,8 +153,12 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
 
 
 def no_autocast(t: torch.Tensor):
-    """A context that turns autocast off for ``t``'s device (nothing to turn off for meta tensors)."""
-    return contextlib.nullcontext() if t.device.type == "meta" else torch.autocast(t.device.type, enabled=False)
+    """A context that turns autocast off for ``t``'s device (nothing to turn off where it is off, or for meta
+    tensors)."""
+    kind = t.device.type
+    if kind == "meta" or not torch.is_autocast_enabled(kind):
+        return contextlib.nullcontext()
+    return torch.autocast(kind, enabled=False)
 
 
 class _HostEvent:

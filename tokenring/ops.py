@@ -20,7 +20,8 @@ ranks that traced different strategies.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, replace
+from copy import copy
+from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
@@ -687,8 +688,8 @@ def run_ready(ready: Ready, q, k, v, sinks, hooks):
     """The forward of a prepared call: ``(out, strategy, extra)`` (``extra``: what backward needs besides the
     inputs and ``out``)."""
     q, scale = fold_scale(q, ready.cfg.scale)
-    group = resolve_group(ready.call.group)
-    cfg = replace(ready.cfg, group=group, scale=scale, sinks=sinks, hooks=hooks or NO_HOOKS)
+    cfg = copy(ready.cfg)  # (what dataclasses.replace makes, without its per-field checks)
+    cfg.group, cfg.scale, cfg.sinks, cfg.hooks = resolve_group(ready.call.group), scale, sinks, hooks or NO_HOOKS
     strat = ready.strat
     if strat is SINGLE:
         out, saved = SINGLE.forward(q, k, v, cfg)
@@ -933,5 +934,9 @@ def attention_op(q, k, v, sinks, cu_seqlens, call: Call) -> torch.Tensor:
 
 
 def eager_ready(ready: Ready, q, k, v, sinks, cu) -> torch.Tensor:
-    """:func:`attention_op` for a call prepared before (:func:`ready_again`)."""
-    return _Eager.apply(q, k, v, sinks, cu, ready)
+    """:func:`attention_op` for a call prepared before (:func:`ready_again`); without a gradient to record, the
+    forward alone."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        return _Eager.apply(q, k, v, sinks, cu, ready)
+    with no_autocast(q):
+        return run_ready(ready, q, k, v, sinks, _extras(ready.call.extras))[0]

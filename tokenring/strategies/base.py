@@ -235,7 +235,9 @@ class Config:
 
     def comm(self, what: str) -> Comm:
         h = self.hooks
-        c = Comm(self.group, h.timeout, h.trace, what, h.stage, log=h.comm_log is not None)
+        c = Comm(
+            self.group, h.timeout, h.trace, what, h.stage, log=h.comm_log is not None, rank=self.rank, world=self.P
+        )
         if h.comm_log is not None:
             h.comm_log.append((what, c.log))
         return c
