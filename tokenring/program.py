@@ -3,7 +3,7 @@ flat list of tensor operations and message posts, which every later call replays
 
 The executor (:func:`tokenring.executor.execute`) and the ``Ops`` (:mod:`tokenring.strategies.base`) decide per
 call which stored piece a compute reads, which rows a partial merges into, what to allocate and when to post
-and wait: the same answers for every call of one signature, at most of the call's host time
+and wait: the same answers for every call of one signature, and most of a small call's host time
 (bench/results/host_overhead.md). Lowering runs that same code once with :class:`Ref` placeholders for
 tensors, through a recording comm, and keeps what it did (:class:`Program`). A replay makes the same tensor
 operations in the same order, so its results are the step loop's, bit for bit; tests compare the two
