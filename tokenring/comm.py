@@ -360,11 +360,16 @@ def buffers(specs, device) -> Packed:
     return out
 
 
+def _stacked(shapes_dtypes: list) -> bool:
+    """Whether a message of these ``(shape, dtype)`` travels stacked: several tensors of one shape and dtype."""
+    return len(shapes_dtypes) > 1 and all(x == shapes_dtypes[0] for x in shapes_dtypes)
+
+
 @lru_cache(maxsize=1024)
 def _layout(specs: tuple) -> tuple[bool, list, int]:
     """How a message of ``specs`` ``(shape, dtype, ...)`` lies in its buffer: stacked where every tensor has one
     shape and dtype, else each at an ``_ALIGN``-aligned byte offset: ``(stacked, spans, total bytes)``."""
-    uniform = len(specs) > 1 and all(tuple(x[:2]) == tuple(specs[0][:2]) for x in specs)
+    uniform = _stacked([(tuple(shape), dtype) for shape, dtype, *_ in specs])
     spans, total = [], 0
     for shape, dtype, *_ in specs:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -377,8 +382,7 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One contiguous buffer holding ``tensors`` as :func:`buffers` lays them out."""
     if len(tensors) == 1:
         return tensors[0].contiguous()
-    first = tensors[0]
-    if all(t.shape == first.shape and t.dtype == first.dtype for t in tensors):  # as _layout stacks them
+    if _stacked([(t.shape, t.dtype) for t in tensors]):
         return torch.stack(tensors)
     views = buffers([(t.shape, t.dtype) for t in tensors], tensors[0].device)
     for dst, src in zip(views, tensors):

@@ -40,13 +40,6 @@ class Ref:
         shape[dim] = length
         return Ref(self.slot, shape, self.dtype, self.device, self.item, (*self.views, (dim, start, length)))
 
-    def dim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
 
 class _Refs(list):
     """The Refs of a slot that holds a list (a message's receive buffers)."""
