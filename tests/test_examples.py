@@ -130,19 +130,22 @@ def _recipe(tmp_path, path: str, n: int) -> list:
     assert codes == [0] * n, "\n".join(
         f"--- rank {r} exited {c}:\n{o[-4000:]}" for r, (c, o) in enumerate(zip(codes, outs))
     )
-    printed = [[x.split(" ", 1)[1] for x in out.splitlines() if x.startswith(("losses ", "tokens "))] for out in outs]
+    printed = [
+        [x.split(" ", 1)[1] for x in out.splitlines() if x.startswith(("losses ", "tokens ", "metrics "))]
+        for out in outs
+    ]
     assert all(len(p) == 1 for p in printed), outs
     return [ast.literal_eval(p[0]) for p in printed]
 
 
-RECIPES = ["trainer.py", "trl_sft.py", "plain_loop.py", "generate.py"]
+RECIPES = ["trainer.py", "trl_sft.py", "trl_grpo.py", "plain_loop.py", "generate.py"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_equals_its_stock_script(tmp_path, name):
     """Each recipe of the README's "Training" and "Generation" sections: the stock script in one process and the
-    sequence-parallel one on 2 processes (every rank sharing each sample) log the same losses over 2 steps (1e-4
-    relative), or generate the same sampled tokens on every rank."""
+    sequence-parallel one on 2 processes (every rank sharing each sample) log the same losses (GRPO: grad norms and
+    rewards) over 2 steps (1e-4 relative), or generate the same sampled tokens on every rank."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     if name.startswith("trl"):
@@ -153,4 +156,5 @@ def test_recipe_equals_its_stock_script(tmp_path, name):
         assert ranks == [want, want], (ranks, want)
         return
     got = ranks[0]
-    assert len(got) == len(want) == 2 and all(abs(g - w) <= 1e-4 * abs(w) for g, w in zip(got, want)), (got, want)
+    steps = 4 if name == "trl_grpo.py" else 2  # (grad norm, reward) per step
+    assert len(got) == len(want) == steps and all(abs(g - w) <= 1e-4 * abs(w) for g, w in zip(got, want)), (got, want)

@@ -74,6 +74,8 @@ def test_unsupported_settings_are_refused(pools):
         assert "attn_implementation" in got["sdpa"], got
         assert "precompute_ref_log_probs" in got["precompute"], got
         assert "reference model" in got["ref_sdpa"], got
+        assert "use_vllm=False" in got["grpo_vllm"] and "entropy_coef=0" in got["grpo_entropy"], got
+        assert "attn_implementation" in got["grpo_sdpa"] and "num_generations (2)" in got["grpo_groups"], got
 
 
 @pytest.mark.parametrize("kind", ["completion", "padding_free"])
@@ -82,3 +84,37 @@ def test_sft_evaluate_matches_one_process(pools, kind):
     want = trl_cases.sft_evaluate(kind)
     for got in pools(4).run(trl_cases.sft_evaluate_step, 2, kind):
         assert abs(got - want) <= TOL * abs(want), (got, want)
+
+
+def _grpo_scale(log: dict, key: str) -> float:
+    """What an error in ``key`` is measured against: the loss is a sum of advantage-weighted ratios near 1 whose
+    advantages cancel (near 0 on policy: against 1e-2), the KL a square of log-ratios of a few 1e-2 (1e-3)."""
+    return max(abs(log[key]), {"loss": 1e-2, "kl": 1e-3}.get(key, 1e-6))
+
+
+@pytest.mark.parametrize(
+    "setting,P,dp",
+    [("grpo", 2, 1), ("dapo_old", 3, 1), ("dr_grpo_kl", 2, 1), ("bnpo_seq", 4, 1), ("cispo_accum", 2, 1)]
+    + [("sapo", 3, 1), ("luspo", 2, 1), ("vespo", 2, 1), ("grpo", 4, 2), ("dr_grpo_kl", 4, 2)],
+)
+def test_grpo_matches_one_process(pools, tmp_path, setting, P, dp):
+    """Two GRPO steps: rollouts generated over the sharded KV cache (sampled, top-k) equal one process's token
+    for token, and the logged loss, grad norm, rewards and metrics, the last step's gradients and the parameters
+    after it (SGD) agree (1e-4 relative). At dp = 2 the reference is the stock trainer on 2 data-parallel ranks
+    (each samples with its own seed, as GRPO seeds them)."""
+    path = str(tmp_path / "m")
+    trl_cases.grpo_model(path)
+    got = pools(P).run(trl_cases.grpo_step, dp, setting, path)[0]
+    want = (
+        trl_cases.grpo_run(setting, dp, path) if dp == 1 else pools(dp).run(trl_cases.grpo_step, dp, setting, path)[0]
+    )
+    assert got["completions"] == want["completions"]
+    assert len(got["logs"]) == len(want["logs"]) == 2
+    for g, w in zip(got["logs"], want["logs"]):
+        assert set(g) == set(w), set(g) ^ set(w)
+        keys = [k for k, v in w.items() if isinstance(v, float) and "time" not in k and k != "epoch"]
+        err = {k: abs(g[k] - w[k]) / _grpo_scale(w, k) for k in keys}
+        assert max(err.values()) < TOL, err
+    grad = max(hf_cases.rel(got["grads"][n], g) for n, g in want["grads"].items())
+    param = max(hf_cases.rel(got["params"][n], p) for n, p in want["params"].items())
+    assert grad < TOL and param < TOL, (grad, param)

@@ -213,9 +213,13 @@ def dpo_step(rank: int, P: int, dp: int, loss: str) -> dict:
 def refused(rank: int, P: int) -> dict:
     """The ValueError each unsupported setting raises when the trainer is built (every rank)."""
     from datasets import Dataset
-    from trl import DPOConfig, SFTConfig
+    from trl import DPOConfig, GRPOConfig, SFTConfig
 
-    from tokenring.hf.trl import SequenceParallelDPOTrainer, SequenceParallelSFTTrainer
+    from tokenring.hf.trl import (
+        SequenceParallelDPOTrainer,
+        SequenceParallelGRPOTrainer,
+        SequenceParallelSFTTrainer,
+    )
 
     _env(rank, P)
     sp = SequenceParallel()
@@ -250,6 +254,25 @@ def refused(rank: int, P: int) -> dict:
             got["ref_sdpa"] = _expect_value_error(
                 dpo_trainer(tr(), hf_cases.build("llama", "sdpa", **SMALL)), "sdpa reference"
             )
+
+            def grpo_trainer(model, on=sp, **args):
+                config = GRPOConfig(**common, **{"per_device_train_batch_size": 2, "num_generations": 2, **args})
+                return lambda: SequenceParallelGRPOTrainer(
+                    on,
+                    model=model,
+                    reward_funcs=_reward([]),
+                    args=config,
+                    train_dataset=Dataset.from_list(grpo_data()),
+                    processing_class=tokenizer(),
+                )
+
+            got["grpo_vllm"] = _expect_value_error(grpo_trainer(tr(), use_vllm=True), "use_vllm")
+            got["grpo_entropy"] = _expect_value_error(grpo_trainer(tr(), entropy_coef=0.01), "entropy bonus")
+            got["grpo_sdpa"] = _expect_value_error(grpo_trainer(hf_cases.build("llama", "sdpa", **SMALL)), "sdpa")
+            # GRPOConfig counts 2 processes (2 prompts' rows per generation); the cp ranks share one prompt's row
+            got["grpo_groups"] = _expect_value_error(
+                grpo_trainer(tr(), per_device_train_batch_size=1, generation_batch_size=2), "a split group"
+            )
         return got
     finally:
         sp.close()
@@ -278,6 +301,101 @@ def sft_evaluate_step(rank: int, P: int, dp: int, kind: str) -> float:
     sp = SequenceParallel(mesh_of(dp, P))
     try:
         return sft_evaluate(kind, sp)
+    finally:
+        sp.close()
+        thf.configure(group=dist.group.WORLD)
+
+
+def grpo_data() -> list[dict]:
+    """Text prompts of lengths no 2P splits (left-padded against each other in a batch)."""
+    gen = torch.Generator().manual_seed(7)
+    return [dict(prompt=" ".join(map(str, _ids(n, gen)))) for n in (13, 6, 29, 9, 17, 4, 11, 23)]
+
+
+GRPO_SETTINGS = {  # name -> GRPOConfig options
+    "grpo": dict(loss_type="grpo"),
+    "dapo_old": dict(loss_type="dapo", num_iterations=2),  # old log-probabilities, importance ratios clipped
+    "dr_grpo_kl": dict(loss_type="dr_grpo", beta=0.1, scale_rewards="batch"),  # a reference model
+    "bnpo_seq": dict(loss_type="bnpo", importance_sampling_level="sequence", num_iterations=2, beta=0.1),
+    "cispo_accum": dict(loss_type="cispo", gradient_accumulation_steps=2, top_entropy_quantile=0.5),
+    "sapo": dict(loss_type="sapo", num_iterations=2),
+    "luspo": dict(loss_type="luspo", mask_truncated_completions=True),
+    "vespo": dict(loss_type="vespo", num_iterations=2),
+}
+
+
+def _reward(seen: list):
+    """A reward of the completion's text that varies within a prompt's group; keeps every completion seen."""
+
+    def parity(completions, **kw):
+        seen.extend(completions)
+        return [sum(int(w) % 2 == 0 for w in c.split() if w.isdigit()) / (1 + len(c.split())) for c in completions]
+
+    return parity
+
+
+def grpo_model(path: str) -> None:
+    """The small Llama GRPO starts from, saved at ``path`` (TRL builds the reference model from its path)."""
+    hf_cases.build("llama", "sdpa", **SMALL).save_pretrained(path)
+
+
+def grpo_run(setting: str, dp: int, path: str, sp=None) -> dict:
+    """Two GRPO steps on the small Llama saved at ``path`` (:func:`grpo_model`): the stock
+    GRPOTrainer (``sp`` None: one process, or a pure dp run on the rank processes) or SequenceParallelGRPOTrainer
+    over ``sp``. Returns the logs, the gradients of the last step, the parameters after it and the completions."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tokenring.hf.trl import SequenceParallelGRPOTrainer
+
+    attn = "tokenring" if sp is not None and sp.cp_size > 1 else "sdpa"
+    seen, completions = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32)
+        args = GRPOConfig(
+            output_dir=tmp,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=10,
+            max_steps=2,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            learning_rate=0.05,
+            optim="sgd",
+            seed=0,
+            disable_tqdm=True,
+            bf16=False,
+            generation_kwargs=dict(top_k=40),
+            **GRPO_SETTINGS[setting],
+        )
+        kw = dict(
+            model=model,
+            reward_funcs=_reward(completions),
+            args=args,
+            train_dataset=Dataset.from_list(grpo_data()),
+            processing_class=tokenizer(),
+            callbacks=[_Grab(model, seen)],
+        )
+        trainer = GRPOTrainer(**kw) if sp is None else SequenceParallelGRPOTrainer(sp, **kw)
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return dict(logs=logs, grads=seen, params=params, completions=completions)
+
+
+def grpo_step(rank: int, P: int, dp: int, setting: str, path: str) -> dict:
+    """SequenceParallelGRPOTrainer over a (dp, P // dp) mesh, or (``dp`` == P) the stock trainer over P dp ranks."""
+    _env(rank, P)
+    if dp == P:
+        out = grpo_run(setting, dp, path)
+        return out if rank == 0 else {}
+    sp = SequenceParallel(mesh_of(dp, P))
+    try:
+        out = grpo_run(setting, dp, path, sp)
+        return out if rank == 0 else {}
     finally:
         sp.close()
         thf.configure(group=dist.group.WORLD)

@@ -21,10 +21,14 @@ __all__ = ["SequenceParallelTrainer"]
 class SequenceParallelTrainer(Trainer):
     """A :class:`transformers.Trainer` whose steps run over ``sp`` (``tiled_loss``: a chunk size for the loss)."""
 
+    _scales_its_loss = False  # a subclass that normalises its loss itself, past the Trainer's num_items_in_batch
+
     def __init__(self, sp: SequenceParallel, *args, tiled_loss: int | None = None, **kwargs):
         self.sp, self.tiled_loss = sp, tiled_loss
         super().__init__(*args, **kwargs)
         mixers.prepare(self.model, _context, sp.cp_size, "SequenceParallelTrainer")  # before the first step
+        if self._scales_its_loss:  # (GRPO) the loss and its normalisation are the trainer's own, not the Trainer's
+            return
         if not self.args.average_tokens_across_devices:
             raise ValueError(
                 "SequenceParallelTrainer needs average_tokens_across_devices=True (the default): the "
