@@ -44,7 +44,7 @@ def test_documents_windows_sinks_at_odd_lengths(pools, P):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("P", [2, 3, 4, 5])
+@pytest.mark.parametrize("P", [2, 5])  # P = 3 and 4: the short odd lengths above
 def test_lengths_4095_and_4097(pools, P):
     grid = [
         dict(S=4095, H=2, Hkv=1, d=3, causal=True, strategy="token_ring", cu_seqlens=[0, 1, 4, 11, 2000, 4095]),

@@ -20,8 +20,11 @@ def _one_process(feature: str, dp: int) -> dict:
     return _reference[(feature, dp)]
 
 
-@pytest.mark.parametrize("dp,cp", [(1, 2), (2, 2)])
-@pytest.mark.parametrize("feature", sorted(trainer_matrix.FEATURES))
+# every feature at (dp, cp) = (1, 2) and (2, 2); torch.compile (the slowest by far) at (2, 2) only
+CELLS = [(f, dp, 2) for f in sorted(trainer_matrix.FEATURES) for dp in (1, 2) if (f, dp) != ("compile", 1)]
+
+
+@pytest.mark.parametrize("feature,dp,cp", CELLS)
 def test_trainer_feature_matches_one_process(pools, feature, dp, cp):
     tol = trainer_matrix.FEATURES[feature].get("tol", 1e-4)
     got = pools(dp * cp).run(trainer_matrix.sequence_parallel, dp, feature)
