@@ -266,7 +266,9 @@ def refused(rank: int, P: int) -> dict:
                     processing_class=tokenizer(),
                 )
 
-            got["grpo_vllm"] = _expect_value_error(grpo_trainer(tr(), use_vllm=True), "use_vllm")
+            got["grpo_batching"] = _expect_value_error(
+                grpo_trainer(tr(), use_transformers_continuous_batching=True), "continuous batching"
+            )
             got["grpo_entropy"] = _expect_value_error(grpo_trainer(tr(), entropy_coef=0.01), "entropy bonus")
             got["grpo_sdpa"] = _expect_value_error(grpo_trainer(hf_cases.build("llama", "sdpa", **SMALL)), "sdpa")
             # GRPOConfig counts 2 processes (2 prompts' rows per generation); the cp ranks share one prompt's row
@@ -321,7 +323,30 @@ GRPO_SETTINGS = {  # name -> GRPOConfig options
     "sapo": dict(loss_type="sapo", num_iterations=2),
     "luspo": dict(loss_type="luspo", mask_truncated_completions=True),
     "vespo": dict(loss_type="vespo", num_iterations=2),
+    "vllm": dict(loss_type="grpo"),  # the sharded run takes one process's rollouts from a stand-in for vLLM
 }
+VLLM = dict(use_vllm=True, vllm_mode="colocate", vllm_importance_sampling_correction=False)
+
+
+class _FakeVLLM:
+    """Stands in for TRL's VLLMGeneration: returns the rollouts one process generated, call by call (``script``),
+    on the cp group's rank 0, and other tokens on its other ranks (as vLLM's own samples would differ)."""
+
+    script: list = []
+    first: bool = True
+
+    def __init__(self, **kwargs):
+        self.calls = 0
+
+    def sync_weights(self):
+        pass
+
+    def generate(self, prompts, images, num_generations, profiler):
+        completions = self.script[self.calls]
+        self.calls += 1
+        if not self.first:
+            completions = [[t % 100 + 1 for t in c] for c in completions]
+        return None, completions, [[[0.0]] * len(c) for c in completions], None
 
 
 def _reward(seen: list):
@@ -339,13 +364,15 @@ def grpo_model(path: str) -> None:
     hf_cases.build("llama", "sdpa", **SMALL).save_pretrained(path)
 
 
-def grpo_run(setting: str, dp: int, path: str, sp=None) -> dict:
+def grpo_run(setting: str, dp: int, path: str, sp=None, script=None) -> dict:
     """Two GRPO steps on the small Llama saved at ``path`` (:func:`grpo_model`): the stock
     GRPOTrainer (``sp`` None: one process, or a pure dp run on the rank processes) or SequenceParallelGRPOTrainer
-    over ``sp``. Returns the logs, the gradients of the last step, the parameters after it and the completions."""
+    over ``sp``. Returns the logs, the gradients of the last step, the parameters after it, the completions and
+    the rollouts' token ids (``script``: rollouts to take from a stand-in for vLLM instead of generating)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer import grpo_trainer
 
     from tokenring.hf.trl import SequenceParallelGRPOTrainer
 
@@ -370,6 +397,7 @@ def grpo_run(setting: str, dp: int, path: str, sp=None) -> dict:
             bf16=False,
             generation_kwargs=dict(top_k=40),
             **GRPO_SETTINGS[setting],
+            **(VLLM if script is not None else {}),
         )
         kw = dict(
             model=model,
@@ -379,14 +407,29 @@ def grpo_run(setting: str, dp: int, path: str, sp=None) -> dict:
             processing_class=tokenizer(),
             callbacks=[_Grab(model, seen)],
         )
-        trainer = GRPOTrainer(**kw) if sp is None else SequenceParallelGRPOTrainer(sp, **kw)
+        saved = grpo_trainer.VLLMGeneration
+        if script is not None:
+            _FakeVLLM.script, _FakeVLLM.first = script, dist.get_rank(sp.cp) == 0
+            grpo_trainer.VLLMGeneration = _FakeVLLM
+        try:
+            trainer = GRPOTrainer(**kw) if sp is None else SequenceParallelGRPOTrainer(sp, **kw)
+        finally:
+            grpo_trainer.VLLMGeneration = saved
+        rollouts, generate = [], trainer._generate_single_turn
+
+        def record(*args, **kwargs):
+            out = generate(*args, **kwargs)
+            rollouts.append(out[0])
+            return out
+
+        trainer._generate_single_turn = record
         trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return dict(logs=logs, grads=seen, params=params, completions=completions)
+    return dict(logs=logs, grads=seen, params=params, completions=completions, rollouts=rollouts)
 
 
-def grpo_step(rank: int, P: int, dp: int, setting: str, path: str) -> dict:
+def grpo_step(rank: int, P: int, dp: int, setting: str, path: str, script=None) -> dict:
     """SequenceParallelGRPOTrainer over a (dp, P // dp) mesh, or (``dp`` == P) the stock trainer over P dp ranks."""
     _env(rank, P)
     if dp == P:
@@ -394,7 +437,7 @@ def grpo_step(rank: int, P: int, dp: int, setting: str, path: str) -> dict:
         return out if rank == 0 else {}
     sp = SequenceParallel(mesh_of(dp, P))
     try:
-        out = grpo_run(setting, dp, path, sp)
+        out = grpo_run(setting, dp, path, sp, script)
         return out if rank == 0 else {}
     finally:
         sp.close()

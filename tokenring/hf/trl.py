@@ -216,7 +216,8 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, trl.GRPOTrainer):
     """A :class:`trl.GRPOTrainer` whose rollouts and steps run over ``sp`` (:class:`tokenring.hf.SequenceParallel`).
 
     Each dp rank's prompts are prefilled sharded over its ``cp`` ranks and decoded over the sharded KV cache, the
-    ranks agreeing on every sampled token; the policy, old-policy and reference log-probabilities run sharded and
+    ranks agreeing on every sampled token (vLLM's or a ``rollout_func``'s rollouts: those of the cp group's rank 0,
+    sent to the others); the policy, old-policy and reference log-probabilities run sharded and
     are gathered per token (never the logits), so TRL's own rewards, advantages, every ``loss_type`` and its
     metrics run unchanged, over the dp ranks as the processes. ``generation_batch_size`` counts dp ranks."""
 
@@ -259,6 +260,15 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, trl.GRPOTrainer):
         finally:
             del model.generate
 
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        if self.sp.cp_size > 1 and (self.use_vllm or self.rollout_func is not None):
+            # vLLM (or a custom rollout) sampled on each rank apart: the cp group trains on its rank 0's rollouts
+            box = [out]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.sp.cp, 0), group=self.sp.cp)
+            out = box[0]
+        return out
+
     def _generate_and_score_completions(self, inputs):
         with _over_dp(self):
             return super()._generate_and_score_completions(inputs)
@@ -281,12 +291,6 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, trl.GRPOTrainer):
 def _check_grpo_config(config, sp, who: str) -> None:
     """Refuse what cannot be made exact, and count the generation batch over the dp ranks (GRPOConfig counts
     every process; a cp group shares one dp rank's rollouts)."""
-    if sp.cp_size > 1 and config.use_vllm:
-        raise ValueError(
-            f"{who}: use_vllm=True under cp > 1 is not supported yet: TRL hands each process its own share of vLLM's "
-            f"completions, so the cp ranks of one sequence would train on different completions. Use "
-            f"use_vllm=False (generation over the sharded KV cache)"
-        )
     if sp.cp_size > 1 and config.use_transformers_continuous_batching:
         raise ValueError(
             f"{who}: use_transformers_continuous_batching (generate_batch) does not take a sharded KV cache; leave "
