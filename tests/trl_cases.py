@@ -359,9 +359,13 @@ def _reward(seen: list):
     return parity
 
 
-def grpo_model(path: str) -> None:
-    """The small Llama GRPO starts from, saved at ``path`` (TRL builds the reference model from its path)."""
-    hf_cases.build("llama", "sdpa", **SMALL).save_pretrained(path)
+def grpo_model(path: str, family: str = "llama") -> None:
+    """The small model GRPO starts from, saved at ``path`` (TRL builds the reference model from its path): the
+    Llama of the other TRL tests, or a family of tests/family_cases.py."""
+    import family_cases
+
+    model = hf_cases.build("llama", "sdpa", **SMALL) if family == "llama" else family_cases.build(family, "sdpa")
+    model.save_pretrained(path)
 
 
 def grpo_run(setting: str, dp: int, path: str, sp=None, script=None) -> dict:
