@@ -321,7 +321,8 @@ GRPO_SETTINGS = {  # name -> GRPOConfig options
     "bnpo_seq": dict(loss_type="bnpo", importance_sampling_level="sequence", num_iterations=2, beta=0.1),
     "cispo_accum": dict(loss_type="cispo", gradient_accumulation_steps=2, top_entropy_quantile=0.5),
     "sapo": dict(loss_type="sapo", num_iterations=2),
-    "luspo": dict(loss_type="luspo", mask_truncated_completions=True),
+    # one prompt per batch: rollouts without left padding
+    "luspo": dict(loss_type="luspo", mask_truncated_completions=True, per_device_train_batch_size=2),
     "vespo": dict(loss_type="vespo", num_iterations=2),
     "vllm": dict(loss_type="grpo"),  # the sharded run takes one process's rollouts from a stand-in for vLLM
 }
@@ -386,7 +387,6 @@ def grpo_run(setting: str, dp: int, path: str, sp=None, script=None) -> dict:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32)
         args = GRPOConfig(
             output_dir=tmp,
-            per_device_train_batch_size=4,
             num_generations=2,
             max_completion_length=10,
             max_steps=2,
@@ -400,7 +400,7 @@ def grpo_run(setting: str, dp: int, path: str, sp=None, script=None) -> dict:
             disable_tqdm=True,
             bf16=False,
             generation_kwargs=dict(top_k=40),
-            **GRPO_SETTINGS[setting],
+            **{"per_device_train_batch_size": 4, **GRPO_SETTINGS[setting]},
             **(VLLM if script is not None else {}),
         )
         kw = dict(

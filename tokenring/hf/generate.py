@@ -57,7 +57,8 @@ def prefill(
     with torch.no_grad(), settings(layout=layout, group=group):  # the layers read the layout prefill shards with
         if split:
             if mask is None:
-                batch = shard_batch(input_ids[:, :split], layout=layout, group=group)
+                # (no targets, so nothing to scale: allowed while a SequenceParallel is active, as under GRPO)
+                batch = shard_batch(input_ids[:, :split], layout=layout, group=group, _scaled=True)
             else:
                 batch = _padded_shard(input_ids[:, :split], pos[:, :split], mask[:, :split], layout, group)
             batch["use_cache"] = True
