@@ -95,20 +95,28 @@ def _grpo_scale(log: dict, key: str) -> float:
 @pytest.mark.parametrize(
     "setting,P,dp",
     [("grpo", 2, 1), ("dapo_old", 3, 1), ("dr_grpo_kl", 2, 1), ("bnpo_seq", 4, 1), ("cispo_accum", 2, 1)]
-    + [("sapo", 3, 1), ("luspo", 2, 1), ("vespo", 2, 1), ("grpo", 4, 2), ("dr_grpo_kl", 4, 2), ("vllm", 3, 1)],
+    + [
+        ("sapo", 3, 1),
+        ("luspo", 2, 1),
+        ("vespo", 2, 1),
+        ("grpo", 4, 2),
+        ("dr_grpo_kl", 4, 2),
+        ("vllm", 3, 1),
+        ("grpo", 2, 2),
+    ],
 )
 def test_grpo_matches_one_process(pools, tmp_path, setting, P, dp):
     """Two GRPO steps: rollouts generated over the sharded KV cache (sampled, top-k) equal one process's token
     for token, and the logged loss, grad norm, rewards and metrics, the last step's gradients and the parameters
-    after it (SGD) agree (1e-4 relative). At dp = 2 the reference is the stock trainer on 2 data-parallel ranks
-    (each samples with its own seed, as GRPO seeds them). ``vllm``: use_vllm=True through TRL's vLLM seam, a
+    after it (SGD) agree (1e-4 relative). At dp = 2 (cp = 2, and cp = 1) the reference is the stock trainer on 2
+    data-parallel ranks (each samples with its own seed, as GRPO seeds them). ``vllm``: use_vllm=True through TRL's vLLM seam, a
     stand-in that returns one process's rollouts on each cp group's rank 0 and other tokens on its other ranks."""
     path = str(tmp_path / "m")
     trl_cases.grpo_model(path)
     if dp == 1:
         want = trl_cases.grpo_run(setting, dp, path)
     else:
-        want = pools(dp).run(trl_cases.grpo_step, dp, setting, path)[0]
+        want = pools(dp).run(trl_cases.grpo_step, dp, setting, path, None, True)[0]
     script = want["rollouts"] if setting == "vllm" else None
     got = pools(P).run(trl_cases.grpo_step, dp, setting, path, script)[0]
     assert got["completions"] == want["completions"]

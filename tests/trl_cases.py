@@ -433,10 +433,10 @@ def grpo_run(setting: str, dp: int, path: str, sp=None, script=None) -> dict:
     return dict(logs=logs, grads=seen, params=params, completions=completions, rollouts=rollouts)
 
 
-def grpo_step(rank: int, P: int, dp: int, setting: str, path: str, script=None) -> dict:
-    """SequenceParallelGRPOTrainer over a (dp, P // dp) mesh, or (``dp`` == P) the stock trainer over P dp ranks."""
+def grpo_step(rank: int, P: int, dp: int, setting: str, path: str, script=None, stock: bool = False) -> dict:
+    """SequenceParallelGRPOTrainer over a (dp, P // dp) mesh, or (``stock``) the stock trainer over P dp ranks."""
     _env(rank, P)
-    if dp == P:
+    if stock:
         out = grpo_run(setting, dp, path)
         return out if rank == 0 else {}
     sp = SequenceParallel(mesh_of(dp, P))
