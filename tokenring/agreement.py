@@ -34,6 +34,7 @@ __all__ = [
 
 _ARRIVAL_WAIT_S = 1.0  # after an early failure, how long to wait for the others' arrival marks
 _exchanges: dict = {}  # per group: exchanges so far (the same count on every rank in step)
+_ARRIVED = "tokenring/arrived/"  # + rank: the store key holding the latest exchange that rank reached
 
 
 def code(x) -> float:
@@ -66,16 +67,11 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     mine = torch.tensor(list(row), dtype=torch.float64, device=collective_device(group))
     every = [torch.empty_like(mine) for _ in range(P)]
     n = _exchanges[id(group)] = _exchanges.get(id(group), -1) + 1
-    store, prefix = group_store(group), f"tokenring/arrived/{n}/"
-    try:
-        store.set(prefix + str(rank), "1")
+    store = group_store(group)
+    try:  # one key per rank, overwritten: this rank's latest exchange (one store write per exchange)
+        store.set(_ARRIVED + str(rank), str(n))
     except Exception:
         store = None
-    try:  # the marks of two exchanges ago are read by nobody now: the store stays flat over many steps
-        if store is not None and n >= 2:
-            store.delete_key(f"tokenring/arrived/{n - 2}/{rank}")
-    except Exception:
-        pass
     guard_exit(group)
     mark_process(group, rank)  # this process, for a failure that cannot say which peer is gone
     work = dist.all_gather(every, mine, group=group, async_op=True)
@@ -86,7 +82,7 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     try:
         work.wait(datetime.timedelta(seconds=get_timeout()))
     except Exception as e:
-        missing = _who_never_arrived(store, prefix, P, who, early=time.monotonic() - t0 < get_timeout())
+        missing = _who_never_arrived(store, n, P, who, early=time.monotonic() - t0 < get_timeout())
         raise RuntimeError(
             f"tokenring: rank {rank} failed to compare {what} with the other ranks within {get_timeout():.0f} s "
             f"({e}).{missing} A rank has died, or is not calling {who} at this point (every rank of the group must "
@@ -96,8 +92,14 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     return [e.tolist() for e in every]
 
 
-def _who_never_arrived(store, prefix: str, P: int, who: str, early: bool) -> str:
-    """A sentence naming the ranks without an arrival mark under ``prefix``. After an early failure (a peer's
+def _arrived(store, rank: int, n: int) -> bool:
+    """Whether ``rank`` has reached exchange ``n`` (its mark holds its latest exchange)."""
+    key = _ARRIVED + str(rank)
+    return bool(store.check([key])) and int(store.get(key)) >= n
+
+
+def _who_never_arrived(store, n: int, P: int, who: str, early: bool) -> str:
+    """A sentence naming the ranks whose arrival mark is short of exchange ``n``. After an early failure (a peer's
     connection closed before the timeout) the others may still be on their way: their marks are awaited up to
     ``_ARRIVAL_WAIT_S``. This rank then counts among the readers (``comm.done_reading``), so that a rank hosting
     the store outlives the others' reading."""
@@ -106,11 +108,11 @@ def _who_never_arrived(store, prefix: str, P: int, who: str, early: bool) -> str
     try:
         deadline = time.monotonic() + (_ARRIVAL_WAIT_S if early else 0.0)
         while True:
-            gone = [r for r in range(P) if not store.check([prefix + str(r)])]
+            gone = [r for r in range(P) if not _arrived(store, r, n)]
             if len(gone) <= 1 or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
-        done_reading(store, prefix + "read", P - 1)
+        done_reading(store, f"tokenring/arrived/{n}/read", P - 1)
     except Exception:
         return (
             " Which rank never arrived cannot be told: the rendezvous store is gone (its host, rank 0 under a plain "
