@@ -108,9 +108,10 @@ def _grpo_scale(log: dict, key: str) -> float:
 def test_grpo_matches_one_process(pools, tmp_path, setting, P, dp):
     """Two GRPO steps: rollouts generated over the sharded KV cache (sampled, top-k) equal one process's token
     for token, and the logged loss, grad norm, rewards and metrics, the last step's gradients and the parameters
-    after it (SGD) agree (1e-4 relative). At dp = 2 (cp = 2, and cp = 1) the reference is the stock trainer on 2
-    data-parallel ranks (each samples with its own seed, as GRPO seeds them). ``vllm``: use_vllm=True through TRL's vLLM seam, a
-    stand-in that returns one process's rollouts on each cp group's rank 0 and other tokens on its other ranks."""
+    after it (SGD) agree (1e-4 relative); ``grpo`` at dp = 1 evaluates first, its metrics compared too. At dp = 2
+    (cp = 2, and cp = 1) the reference is the stock trainer on 2 data-parallel ranks (each samples with its own
+    seed, as GRPO seeds them). ``vllm``: use_vllm=True through TRL's vLLM seam, a stand-in that returns one
+    process's rollouts on each cp group's rank 0 and other tokens on its other ranks."""
     path = str(tmp_path / "m")
     trl_cases.grpo_model(path)
     if dp == 1:
@@ -120,6 +121,10 @@ def test_grpo_matches_one_process(pools, tmp_path, setting, P, dp):
     script = want["rollouts"] if setting == "vllm" else None
     got = pools(P).run(trl_cases.grpo_step, dp, setting, path, script)[0]
     assert got["completions"] == want["completions"]
+    assert set(got["eval"]) == set(want["eval"]), set(got["eval"]) ^ set(want["eval"])  # (``grpo``: evaluate first)
+    for k, w in want["eval"].items():
+        if "time" not in k and "per_second" not in k and k != "epoch":
+            assert abs(got["eval"][k] - w) <= TOL * _grpo_scale(want["eval"], k), (k, got["eval"][k], w)
     assert len(got["logs"]) == len(want["logs"]) == 2
     for g, w in zip(got["logs"], want["logs"]):
         assert set(g) == set(w), set(g) ^ set(w)

@@ -427,10 +427,15 @@ def grpo_run(setting: str, dp: int, path: str, sp=None, script=None) -> dict:
             return out
 
         trainer._generate_single_turn = record
+        # ``grpo`` at dp = 1: evaluate first (at dp > 1 the stock trainer would then train without DDP's gradient
+        # average: evaluate() leaves the model marked prepared, which SequenceParallelTrainer.train undoes)
+        evaluated = {}
+        if setting == "grpo" and dp == 1:
+            evaluated = trainer.evaluate(eval_dataset=Dataset.from_list(grpo_data()[:4]))
         trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return dict(logs=logs, grads=seen, params=params, completions=completions, rollouts=rollouts)
+    return dict(logs=logs, grads=seen, params=params, completions=completions, rollouts=rollouts, eval=evaluated)
 
 
 def grpo_step(rank: int, P: int, dp: int, setting: str, path: str, script=None, stock: bool = False) -> dict:
