@@ -310,7 +310,8 @@ def multiturn_matches(
 
 
 def generate_refusals(rank: int, P: int) -> dict:
-    """Bad generation inputs raise ValueError on every rank: different prompts, a cache from another model."""
+    """Bad generation inputs raise ValueError on every rank: different prompts, a cache from another model, a
+    rank feeding other tokens, caches out of step."""
     model = build("llama", "tokenring", num_hidden_layers=1).eval()
     msgs = {}
     ids = tokens(8 * P, model.config.vocab_size)
@@ -343,6 +344,13 @@ def generate_refusals(rank: int, P: int) -> dict:
         run(rank == 1)
     except ValueError as e:
         msgs["tokens"] = str(e)
+    stale = thf.prefill(model, ids)
+    if rank == 2:  # a cache that holds a token more than the others' (generated on alone, say)
+        stale.layers[0].total += 1
+    try:
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=stale, max_new_tokens=2, pad_token_id=0)
+    except ValueError as e:
+        msgs["step"] = str(e)
     msgs["same_after"] = torch.equal(run(False), before)  # nothing left behind by the refused generate
     return msgs
 

@@ -99,14 +99,16 @@ def test_generate_qwen2_sampling_and_batches(pools):
 
 
 def test_generate_refusals(pools):
-    """Different prompts, a cache from another model, and a rank generating other tokens than the rest: a
-    ValueError on every rank naming the odd rank out, and the next generate equals the one before."""
+    """Different prompts, a cache from another model, a rank generating other tokens than the rest, and a cache
+    holding a token more: a ValueError on every rank naming the odd rank out, and the next generate equals the one
+    before."""
     for msgs in pools(3).run(hf_cases.generate_refusals):
         # rank 0 is the odd one out (ranks 1 and 2 agree): named, not the two that agree
         assert "different prompts: rank(s) [0] differ" in msgs["prompt"], msgs
         assert "another model" in msgs["model"] or "decodes with a different" in msgs["model"], msgs
         # rank 1 alone samples other tokens (a logits processor of its own): named at the next step, every rank
         assert "feed different tokens at this step: rank(s) [1] differ" in msgs.get("tokens", ""), msgs
+        assert "caches are not in step: rank(s) [2] differ" in msgs.get("step", ""), msgs
         assert msgs["same_after"], msgs
 
 

@@ -84,7 +84,7 @@ class ShardedLayer(DynamicLayer):
             info = {"extend": (a, b), "shards": Shards(tuple(self.counts), tuple(ranges)), "start": start}
         elif self.skip:
             if self is o.first_attention():
-                o.agree_step(key_states)
+                o.agree_step(key_states, self.total)
             if t != 1:
                 raise ValueError(
                     f"tokenring ShardedCache: the first step after prefill must feed the prompt's last "
@@ -94,7 +94,7 @@ class ShardedLayer(DynamicLayer):
             info = {"new": None, "start": self.total - 1}  # the query is the cached last token
         else:
             if self is o.first_attention():
-                o.agree_step(key_states)
+                o.agree_step(key_states, self.total)
             placed = place_new(self.counts, t)
             a, b = placed[o.rank]
             start = self._store(key_states[:, :, a:b], value_states[:, :, a:b], a, b, placed, t)
@@ -185,6 +185,7 @@ class ShardedCache(Cache):
         self.log: list | None = None  # set to a list to receive each decode attention's {"bytes": received}
         self.pads: tuple[int, ...] | None = None  # set by prefill: each row's left pads (its attention_mask)
         self._mask_seen: tuple = (None, 0, None)  # (mask, length, verdict) of the step's first layer
+        self.agreed = False  # this decode step's agreement ran (decode_attention's own check is then redundant)
         layers = self._hybrid_layers(config) if config is not None else None
         if layers is None:
             super().__init__(layer_class_to_replicate=self._new_layer)
@@ -273,17 +274,21 @@ class ShardedCache(Cache):
             return None
         return [(0, p, length + 1) if p else () for p in self.pads]
 
-    def agree_step(self, keys: torch.Tensor) -> None:
+    def agree_step(self, keys: torch.Tensor, total: int) -> None:
         """Before a decode step's sampling: the ranks compare the tokens they feed this step (a checksum of
-        layer 0's new keys, a function of the tokens and their positions only) and raise the same ValueError
-        on every rank if they differ, so no rank generates on from other tokens than the rest; and every rank
-        takes rank 0's random state, so the tokens they sample next agree. One all_gather per step."""
+        layer 0's new keys, a function of the tokens, their positions and the keys' shape and dtype) and their
+        caches' lengths (``total`` tokens, layers), and raise the same ValueError on every rank if they differ,
+        so no rank generates on from other tokens than the rest; and every rank takes rank 0's random state, so
+        the tokens they sample next agree. One all_gather per step, which also stands for the step's
+        ``decode_attention`` check."""
         device = keys.device
+        self.agreed = False
         if self.P == 1 or device.type not in ("cpu", "cuda"):
             return
         cuda = device.type == "cuda"
         state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
-        mark = torch.tensor([checksum(keys)], dtype=torch.float64).view(torch.uint8)
+        marks = [checksum(keys), float(total), float(len(self.layers))]
+        mark = torch.tensor(marks, dtype=torch.float64).view(torch.uint8)
         row = torch.cat([state, mark]).to(collective_device(self.group))
         rows = [torch.empty_like(row) for _ in range(self.P)]
         wait_collective(
@@ -293,7 +298,16 @@ class ShardedCache(Cache):
             "a rank died or is not generating this step",
         )
         rows = [r.cpu() for r in rows]
-        differ = odd_ones([r[-8:].clone().view(torch.float64).item() for r in rows])
+        n = 8 * len(marks)
+        held = [tuple(r[-n:].clone().view(torch.float64).tolist()) for r in rows]
+        apart = odd_ones([h[1:] for h in held])
+        if apart:
+            raise ValueError(
+                f"tokenring generate (rank {self.rank}): the ranks' sharded caches are not in step: rank(s) {apart} "
+                f"differ from the rest (tokens, layers: {[h[1:] for h in held]}). Every rank must prefill the same "
+                f"prompt (tokenring.hf.prefill) and run the same generate steps on its cache"
+            )
+        differ = odd_ones([h[0] for h in held])
         if differ:
             raise ValueError(
                 f"tokenring generate (rank {self.rank}): the ranks feed different tokens at this step: rank(s) "
@@ -301,7 +315,8 @@ class ShardedCache(Cache):
                 f"generate the same sequence: the same generation options and logits processors everywhere"
             )
         if self.rank:
-            torch.cuda.set_rng_state(rows[0][:-8], device) if cuda else torch.set_rng_state(rows[0][:-8])
+            torch.cuda.set_rng_state(rows[0][:-n], device) if cuda else torch.set_rng_state(rows[0][:-n])
+        self.agreed = True
 
     def snapshot(self) -> tuple:
         """What :meth:`restore` puts back after a failed step: every layer's rows, positions, counts, total and
@@ -378,7 +393,7 @@ def step_attention(
             softmax_scale=scaling,
             group=owner.group,
             state=(layer.total, len(owner.layers)),
-            check=layer.layer_idx == 0,
+            check=layer.layer_idx == 0 and not owner.agreed,
             log=owner.log,
             sinks=sinks,
             window=window,
