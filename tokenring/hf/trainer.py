@@ -137,17 +137,13 @@ class SequenceParallelTrainer(Trainer):
         b, dp = self.args.per_device_eval_batch_size, self.sp.dp_size
         state = self.accelerator.gradient_state
         last = state.end_of_dataloader and state.remainder > 0
-        device = collective_device(self.sp.dp) if dp > 1 else None
 
         def gather(t):
-            parts = [t]
-            if dp > 1:
-                parts = [torch.empty_like(t, device=device) for _ in range(dp)]
-                dist.all_gather(parts, t.to(device).contiguous(), group=self.sp.dp)
+            parts = dp_parts(t, self.sp)
             if last:  # rank r's real samples: the remainder's share past the ranks before it (rows per sample)
                 real = [max(0, min(b, state.remainder - r * b)) for r in range(dp)]
                 parts = [p[: -(-n * len(p) // b)] for p, n in zip(parts, real)]
-            return torch.cat(parts).to(t.device)
+            return torch.cat(parts)
 
         return recursively_apply(gather, data)
 
@@ -199,6 +195,16 @@ class SequenceParallelTrainer(Trainer):
             labels = labels.clone()
             labels[real:] = -100
         return labels
+
+
+def dp_parts(t: torch.Tensor, sp: SequenceParallel) -> list[torch.Tensor]:
+    """Every dp rank's ``t`` (one shape on all), in dp order, on ``t``'s device; ``[t]`` without dp ranks."""
+    if sp.dp_size == 1:
+        return [t]
+    device = collective_device(sp.dp)
+    parts = [torch.empty_like(t, device=device) for _ in range(sp.dp_size)]
+    dist.all_gather(parts, t.to(device).contiguous(), group=sp.dp)
+    return [p.to(t.device) for p in parts]
 
 
 def _reduces_grads(model) -> bool:

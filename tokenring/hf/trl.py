@@ -28,7 +28,7 @@ from ..mixers import _Gather, prepare
 from .attention import _context
 from .config import NAME
 from .generate import prefill
-from .trainer import SequenceParallelTrainer
+from .trainer import SequenceParallelTrainer, dp_parts
 
 __all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer", "SequenceParallelGRPOTrainer"]
 
@@ -356,13 +356,7 @@ class _OverDataParallel:
         return self.gather_object(data) if use_gather_object else self.gather(data)
 
     def _gather_one(self, t: torch.Tensor) -> torch.Tensor:
-        t = t[None] if t.dim() == 0 else t
-        if self._sp.dp_size == 1:
-            return t
-        device = collective_device(self._sp.dp)
-        parts = [torch.empty_like(t, device=device) for _ in range(self._sp.dp_size)]
-        dist.all_gather(parts, t.to(device).contiguous(), group=self._sp.dp)
-        return torch.cat(parts).to(t.device)
+        return torch.cat(dp_parts(t[None] if t.dim() == 0 else t, self._sp))
 
     def gather_object(self, obj):
         if self._sp.dp_size == 1:
