@@ -42,7 +42,7 @@ def _run(tmp_path, what: str, P: int = 2, timeout: float = 90) -> list[tuple[int
 def test_refused_call_then_clean_exit(tmp_path, what):
     if what != "shapes":
         pytest.importorskip("transformers")
-    for _ in range(3):  # the abort was intermittent
+    for _ in range(3 if what == "shapes" else 1):  # the abort was intermittent (the HF cases: once each)
         for code, text in _run(tmp_path, what):
             assert code == 0 and "terminate called" not in text, text
             assert "refused:" in text, text
