@@ -14,7 +14,7 @@ import os
 import torch
 
 import tokenring
-from tokenring.layouts import local_positions
+from tokenring.layouts import PLANNED_LAYOUTS, local_positions
 
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -819,7 +819,7 @@ def any_length_case(rank: int, P: int, cases: list[dict]) -> list[float]:
         k, v = (torch.randn(2, S, Hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
         sinks = torch.linspace(-1.0, 1.5, H, dtype=torch.float64) if case.get("sinks") else None
         lay = layout or ("zigzag" if causal else "contiguous")
-        docs = cu if lay == "balanced" else None  # its plan follows the documents
+        docs = cu if lay in PLANNED_LAYOUTS else None  # the plan follows the documents
         mine = [tokenring.shard(x, 1, lay, cu_seqlens=docs).clone().requires_grad_() for x in (q, k, v)]
         if sinks is not None:
             sinks = sinks.clone().requires_grad_()

@@ -119,6 +119,68 @@ def test_balanced_layout_is_exact(pools, P):
         assert max(errs) < 1e-10, list(zip(grid, errs))
 
 
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
+def test_whole_docs_layout_is_exact(pools, P):
+    """layout="whole_docs": short documents whole on one rank, long ones split over several (zigzag within the
+    document), documents cut to fill the ranks; causal or not, windows, sinks, any length."""
+    S, long = 40 * P, 40 * P + 3
+    grid = [
+        dict(S=S, H=4, Hkv=2, d=5, causal=True, strategy="token_ring", cu_seqlens=[0, 3, 9, 30, 31, S - 5, S]),
+        dict(S=S, H=4, Hkv=2, d=5, causal=True, strategy="ring", cu_seqlens=[0, 47, 49, S], window=(6, 0)),
+        dict(S=long, H=4, Hkv=2, d=3, causal=True, strategy="ring_bidir", cu_seqlens=[0, 7, 10, 60, long]),
+        dict(
+            S=long,
+            H=4,
+            Hkv=4,
+            d=3,
+            causal=False,
+            strategy="token_ring",
+            cu_seqlens=[0, 5, long - 1, long],
+            window=(9, 4),
+        ),
+        dict(S=S, H=4, Hkv=2, d=3, causal=True, strategy="auto", cu_seqlens=[0, 3, S // 2, S], sinks=True),
+        dict(S=5, H=4, Hkv=2, d=5, causal=True, strategy="token_ring", cu_seqlens=[0, 1, 3, 5]),
+    ]
+    for g in grid:
+        g["layout"] = "whole_docs"
+    for errs in pools(P).run(cases.any_length_case, grid):
+        assert max(errs) < 1e-10, list(zip(grid, errs))
+
+
+def test_whole_docs_plan_keeps_documents_whole():
+    """Each rank holds S/P tokens in increasing order, every token once. A document is cut only when it is over
+    the split threshold (longer than S/P or over WHOLE_DOC_SHARE of a rank's mean work), or to fill ranks: each
+    such cut empties one rank's room, so at most P - 1 of them. The busiest rank's causal work is at most the mean
+    (and 5%) plus the largest work one document puts on one rank: the bound of dealing the largest first to the
+    least loaded."""
+    import numpy as np
+
+    from tokenring.layouts import WHOLE_DOC_SHARE, local_positions
+
+    rng = np.random.default_rng(5)
+    for P in (2, 3, 4, 8):
+        for _ in range(5):
+            S = 2048 * P
+            cu = [0]
+            while cu[-1] < S:
+                cu.append(min(S, cu[-1] + int(np.clip(rng.lognormal(np.log(300), 1.4), 1, 16384))))
+            held = [local_positions(S, P, r, "whole_docs", cu_seqlens=cu) for r in range(P)]
+            assert sorted(torch.cat(held).tolist()) == list(range(S))
+            assert all(len(h) == S // P and torch.all(h[1:] > h[:-1]) for h in held)
+            b = torch.tensor(cu)
+            lengths = (b[1:] - b[:-1]).double()
+            mean = (lengths**2 / 2).sum() / P
+            over = int(((lengths > S // P) | (lengths**2 / 2 > WHOLE_DOC_SHARE * mean)).sum())
+            where = [set((torch.searchsorted(b, h, right=True) - 1).tolist()) for h in held]
+            cut = sum(sum(d in w for w in where) > 1 for d in range(len(cu) - 1))
+            assert cut <= over + P - 1, (P, cut, over)
+            doc_of = [torch.searchsorted(b, h, right=True) - 1 for h in held]
+            per_doc = [torch.bincount(d, h - b[d] + 1, minlength=len(cu) - 1) for h, d in zip(held, doc_of)]
+            work = torch.stack([w.sum() for w in per_doc]).double()  # causal keys per query, summed
+            largest = max(float(w.max()) for w in per_doc)  # one document's (or piece's) work on one rank
+            assert work.max() <= 1.05 * work.mean() + largest, (P, work.tolist(), largest)
+
+
 def test_balanced_plan_holds_every_token_once_and_balances():
     """Each rank holds S/P tokens in increasing order, every token once; on a long-tailed packing the causal work
     (queries' and keys' side) of the busiest rank is within 10% of the mean, where zigzag is far off."""

@@ -256,6 +256,7 @@ def test_any_length_and_padding(pools, P):
     for lengths, layout in (
         ([1, 3, 7, 120, 2, 50], "balanced"),
         ([300, 5, 90, 1, 44], "balanced"),
+        ([2, 90, 7, 1, 130, 33], "whole_docs"),
         ([16] * P, "contiguous"),
     ):
         # the planner's layout; documents that are each one rank's whole shard (positions 0..s-1 on every rank)

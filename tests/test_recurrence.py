@@ -7,7 +7,15 @@ float64 kernels written token by token here check the algebra at 1e-10; transfor
 import pytest
 import recurrence_cases as rc
 
-LAYOUTS = [("contiguous", 1), ("zigzag", 1), ("zigzag", 3), ("contiguous", 4), ("balanced", 3), ("zigzag_docs", 2)]
+LAYOUTS = [
+    ("contiguous", 1),
+    ("zigzag", 1),
+    ("zigzag", 3),
+    ("contiguous", 4),
+    ("balanced", 3),
+    ("zigzag_docs", 2),
+    ("whole_docs", 4),
+]
 
 
 def _check(res, tol):

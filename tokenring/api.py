@@ -14,7 +14,7 @@ from .comm import move_rows
 from .device import device_type as device_kind
 from .instrument import current as current_instruments
 from .kernels import attention_inputs, fold_scale
-from .layouts import LAYOUTS, default_layout, even_out, group_info, padded_length, shard_positions
+from .layouts import LAYOUTS, PLANNED_LAYOUTS, default_layout, even_out, group_info, padded_length, shard_positions
 from .masks import check_bounds_tensor, whole_numbers
 from .ops import (
     Call,
@@ -272,7 +272,7 @@ def _uneven_rows(q, k, v, S: int, layout: str, cu_seqlens, rank: int, P: int) ->
         )
     if isinstance(cu_seqlens, (list, tuple)) and len(cu_seqlens) and int(cu_seqlens[-1]) != S:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, but seq_len={S}: they must agree")
-    docs = cu_seqlens if layout == "balanced" else None  # its plan follows the documents
+    docs = cu_seqlens if layout in PLANNED_LAYOUTS else None  # the plan follows the documents
     mine = len(shard_positions(S, P, rank, layout, cu_seqlens=docs)) if layout in LAYOUTS else q.shape[1]
     if any(t.shape[1] != mine for t in (q, k, v)):
         raise ValueError(

@@ -11,6 +11,10 @@
 - ``balanced``: for packed documents of any lengths: the sequence is cut into ``m`` equal chunks per rank (16
   for long sequences) and a planner deals them out so that every rank holds ``S/P`` tokens and close to the same
   causal work on the query side and on the key side (:func:`balanced_plan`). Takes ``cu_seqlens`` too.
+- ``whole_docs``: for packed documents of any lengths: documents stay whole on one rank, dealt out by their
+  causal work, so that two ranks sharing no document exchange nothing; only a document longer than a rank's
+  share of tokens, or with more work than a rank's mean, is split, zigzag-style within it, over as many ranks as
+  that takes (:func:`whole_docs_plan`). Takes ``cu_seqlens`` too.
 
 Within a rank the local tokens are always in increasing global order, so a causal mask on a rank's own
 Q against its own K/V is the plain lower-triangular mask.
@@ -42,12 +46,16 @@ __all__ = [
     "document_bounds",
     "balanced_plan",
     "DOCUMENT_LAYOUTS",
+    "PLANNED_LAYOUTS",
+    "whole_docs_plan",
+    "layout_runs",
     "Move",
     "even_out",
 ]
 
-LAYOUTS = ("contiguous", "zigzag", "zigzag_docs", "balanced")
-DOCUMENT_LAYOUTS = ("zigzag_docs", "balanced")  # which tokens a rank holds depends on the documents
+LAYOUTS = ("contiguous", "zigzag", "zigzag_docs", "balanced", "whole_docs")
+DOCUMENT_LAYOUTS = ("zigzag_docs", "balanced", "whole_docs")  # which tokens a rank holds depends on the documents
+PLANNED_LAYOUTS = ("balanced", "whole_docs")  # a planner places documents of any lengths (padding: one more)
 
 
 def default_layout(causal: bool) -> str:
@@ -88,7 +96,7 @@ def document_bounds(S: int, P: int, cu_seqlens, layout: str = "zigzag_docs") -> 
     cu = tuple(int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != S or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {S}; got {list(cu[:4])}...")
-    if layout == "balanced":
+    if layout in PLANNED_LAYOUTS:
         return cu
     bad = [b - a for a, b in zip(cu, cu[1:]) if (b - a) % (2 * P)]
     if bad:
@@ -105,9 +113,9 @@ def local_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
     documents, for ``zigzag_docs``)."""
     check_layout(layout)
     _check_divisible(S, P, layout)
-    if layout == "balanced":
-        chunks, c = balanced_plan(S, P, document_bounds(S, P, cu_seqlens, layout))
-        return (torch.as_tensor(chunks[rank], device=device)[:, None] * c + torch.arange(c, device=device)).flatten()
+    if layout in PLANNED_LAYOUTS:
+        runs = layout_runs(S, P, layout, document_bounds(S, P, cu_seqlens, layout))[rank]
+        return torch.cat([torch.arange(a, b, device=device) for a, b in runs] or [torch.empty(0, dtype=torch.long)])
     if layout == "zigzag_docs":
         parts = []
         cu = document_bounds(S, P, cu_seqlens)
@@ -201,6 +209,84 @@ def _spread(held: np.ndarray, docs: np.ndarray, x: int, y: int, a: int, b: int) 
     return int((h > 0).sum() - (held[[a, b], lo:hi] > 0).sum())
 
 
+WHOLE_DOC_SHARE = 2.0  # whole_docs splits a document whose causal work is over this share of a rank's mean
+
+
+def whole_docs_plan(S: int, P: int, bounds: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The ``whole_docs`` layout: per rank, the ``[first, end)`` runs of positions it holds, in increasing order,
+    ``S/P`` tokens each. Documents, longest first: one longer than ``S/P`` or with more causal work than
+    ``WHOLE_DOC_SHARE`` of a rank's mean is cut into ``2k`` chunks over the ``k`` least loaded ranks (chunks ``j``
+    and ``2k-1-j`` on the ``j``-th: the same work each); any other goes whole to the least loaded rank with room.
+    A document no rank has room for fills the roomiest ranks in turn (the last few short ones, as a rule)."""
+    return _whole_docs(S, P, tuple(bounds))
+
+
+@lru_cache(maxsize=64)
+def _whole_docs(S: int, P: int, bounds: tuple[int, ...]):
+    s = S // P
+    docs = sorted(((b - a, a) for a, b in zip(bounds, bounds[1:]) if b > a), reverse=True)
+    mean = sum(n * n for n, _ in docs) / (2 * P)
+    room, load = [s] * P, [0.0] * P
+    runs: list[list[tuple[int, int]]] = [[] for _ in range(P)]
+
+    def put(r: int, a: int, x: int, y: int, n: int) -> None:  # rows [x, y) of the document [a, a + n) to rank r
+        runs[r].append((x, y))
+        room[r] -= y - x
+        tri = lambda m: m * (m + 1) / 2  # noqa: E731
+        load[r] += (tri(y - a) - tri(x - a) + tri(a + n - x) - tri(a + n - y)) / 2  # query and key side
+
+    def fill(a: int, n: int, x: int) -> None:  # rows [x, a + n) to the roomiest ranks in turn
+        while x < a + n:
+            r = max(range(P), key=lambda r: (room[r], -load[r]))
+            y = min(a + n, x + room[r])
+            put(r, a, x, y, n)
+            x = y
+
+    for n, a in docs:
+        k = min(P, max(-(-n // s), int(-(-(n * n / 2) // (WHOLE_DOC_SHARE * mean)))))
+        if k == 1:
+            fits = [r for r in range(P) if room[r] >= n]
+            if fits:
+                put(min(fits, key=lambda r: (load[r], -room[r])), a, a, a + n, n)
+            else:
+                fill(a, n, a)
+            continue
+        edge = [a + n * i // (2 * k) for i in range(2 * k + 1)]
+        need = [edge[j + 1] - edge[j] + edge[2 * k - j] - edge[2 * k - 1 - j] for j in range(k)]
+        ranks = sorted(range(P), key=lambda r: (load[r], -room[r]))
+        chosen: list[int] = []
+        for j in range(k):  # the j-th chunk pair to the least loaded rank left with room for it
+            r = next((r for r in ranks if r not in chosen and room[r] >= need[j]), None)
+            if r is None:
+                break
+            chosen.append(r)
+        if len(chosen) < k:
+            fill(a, n, a)
+            continue
+        for j, r in enumerate(chosen):
+            put(r, a, edge[j], edge[j + 1], n)
+            put(r, a, edge[2 * k - 1 - j], edge[2 * k - j], n)
+    return tuple(tuple(_merged(sorted(x for x in rs if x[1] > x[0]))) for rs in runs)
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in runs:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def layout_runs(S: int, P: int, layout: str, bounds: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per rank, the ``[first, end)`` runs of positions a planned layout (:data:`PLANNED_LAYOUTS`) gives it."""
+    if layout == "whole_docs":
+        return whole_docs_plan(S, P, bounds)
+    chunks, c = balanced_plan(S, P, bounds)
+    return tuple(tuple((x * c, (x + 1) * c) for x in held) for held in chunks)
+
+
 def _parts(S: int, P: int, layout: str) -> int:
     """How many equal chunks ``layout`` cuts a sequence of ``S`` tokens into over ``P`` ranks."""
     if layout == "balanced":
@@ -221,7 +307,7 @@ def shard_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
     if layout == "zigzag_docs" or S == padded_length(S, P, layout):
         return local_positions(S, P, rank, layout, device, cu_seqlens)
     Sp = padded_length(S, P, layout)
-    cu = None if layout != "balanced" else document_bounds(S, P, cu_seqlens, layout) + (Sp,)  # the pad document
+    cu = None if layout not in PLANNED_LAYOUTS else document_bounds(S, P, cu_seqlens, layout) + (Sp,)  # the padding
     idx = local_positions(Sp, P, rank, layout, device, cu)
     return idx[idx < S]
 

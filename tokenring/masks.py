@@ -11,7 +11,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .layouts import DOCUMENT_LAYOUTS, balanced_plan, local_positions
+from .layouts import DOCUMENT_LAYOUTS, PLANNED_LAYOUTS, layout_runs, local_positions
 
 __all__ = [
     "Mask",
@@ -223,12 +223,13 @@ class PairTable:
 def _runs(S: int, P: int, layout: str, bounds) -> tuple[np.ndarray, ...]:
     """Every shard as runs of consecutive positions: ``(owner, first position, end position, first row)``."""
     r = np.arange(P)
-    if layout == "balanced":
-        chunks, c = balanced_plan(S, P, bounds)
-        owner = np.repeat(r, [len(x) for x in chunks])
-        first = np.concatenate([np.asarray(x, np.int64) for x in chunks]) * c
-        row0 = np.concatenate([np.arange(len(x), dtype=np.int64) * c for x in chunks])
-        return owner, first, first + c, row0
+    if layout in PLANNED_LAYOUTS:
+        held = layout_runs(S, P, layout, bounds)
+        owner = np.repeat(r, [len(x) for x in held])
+        first, end = (np.asarray([run[i] for x in held for run in x], np.int64).reshape(-1) for i in (0, 1))
+        size = end - first
+        row0 = np.concatenate([np.cumsum(size[owner == o]) - size[owner == o] for o in r])
+        return owner, first, end, row0
     if layout == "contiguous":
         s = S // P
         return r, r * s, (r + 1) * s, np.zeros(P, np.int64)

@@ -38,7 +38,15 @@ from .device import device_type as device_kind
 from .device import no_autocast, pretended
 from .instrument import NONE as NO_HOOKS
 from .kernels import fold_scale, softmax_scale_of
-from .layouts import DOCUMENT_LAYOUTS, LAYOUTS, check_layout, default_layout, document_bounds, group_info
+from .layouts import (
+    DOCUMENT_LAYOUTS,
+    LAYOUTS,
+    PLANNED_LAYOUTS,
+    check_layout,
+    default_layout,
+    document_bounds,
+    group_info,
+)
 from .masks import make_mask, whole_numbers, window_pair
 from .single import SINGLE
 from .strategies import CODE_LEN, NAMES, from_code, node_size, with_node_size
@@ -344,9 +352,9 @@ def _check_shards(H: int, Hkv: int, s: int, P: int, strategy: str, causal: bool,
     if P > 1 and strategy != "auto":
         st = get_strategy(strategy)
         why = st.check(H, Hkv, P, s, causal and layout == "zigzag")
-        if st.node_rows and layout == "balanced":
+        if st.node_rows and layout in PLANNED_LAYOUTS:
             why = (
-                f"{strategy!r} runs its ring over whole nodes' rows, which layout='balanced' does not nest into; "
+                f"{strategy!r} runs its ring over whole nodes' rows, which layout={layout!r} does not nest into; "
                 f"use another strategy (auto leaves it out), or layout='zigzag_docs'"
             )
         if why:

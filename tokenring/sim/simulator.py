@@ -11,7 +11,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ..layouts import default_layout
+from ..layouts import PLANNED_LAYOUTS, default_layout
 from ..messages import Handling
 from ..messages import kind as message_kind
 from ..schedules import Message, Shapes, message_bytes
@@ -440,7 +440,7 @@ def variant_candidates(requested: str, sh: Shapes, causal: bool, layout: str, in
         v.name
         for f in fams
         for v in get_strategy(f).variants(sh.P)
-        if v.check(sh.H, sh.Hkv, sh.P, sh.s, zigzag) is None and not (v.node_rows and layout == "balanced")
+        if v.check(sh.H, sh.Hkv, sh.P, sh.s, zigzag) is None and not (v.node_rows and layout in PLANNED_LAYOUTS)
     ]
 
 

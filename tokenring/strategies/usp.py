@@ -11,7 +11,7 @@ import torch
 
 from ..comm import buffers
 from ..executor import execute
-from ..layouts import local_positions
+from ..layouts import PLANNED_LAYOUTS, local_positions
 from ..masks import block_tiles
 from ..merge import acc_dtype, sink_grad
 from ..schedules import (
@@ -130,7 +130,7 @@ def _node_rows(S: int, P: int, node: int, n: int, layout: str, docs, device) -> 
     """Index tensors: ``order`` from node ``node``'s concatenated shards to global order, ``inverse`` back."""
     pos = torch.cat([local_positions(S, P, node * n + j, layout, None, docs) for j in range(n)])
     order = torch.argsort(pos)
-    if layout == "balanced" or not torch.equal(pos[order], local_positions(S, P // n, node, layout, None, docs)):
+    if layout in PLANNED_LAYOUTS or not torch.equal(pos[order], local_positions(S, P // n, node, layout, None, docs)):
         raise ValueError(
             f"usp: node {node}'s rows are not its {layout} shard over the nodes, which its ring needs; "
             f"use layout='zigzag_docs' or 'zigzag', or a strategy without a node level"
