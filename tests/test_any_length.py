@@ -179,6 +179,8 @@ def test_whole_docs_plan_keeps_documents_whole():
             work = torch.stack([w.sum() for w in per_doc]).double()  # causal keys per query, summed
             largest = max(float(w.max()) for w in per_doc)  # one document's (or piece's) work on one rank
             assert work.max() <= 1.05 * work.mean() + largest, (P, work.tolist(), largest)
+        one = [local_positions(S, P, r, "whole_docs", cu_seqlens=[0, S]) for r in range(P)]
+        assert all(torch.equal(x, local_positions(S, P, r, "zigzag")) for r, x in enumerate(one)), P
 
 
 def test_balanced_plan_holds_every_token_once_and_balances():

@@ -217,7 +217,9 @@ def whole_docs_plan(S: int, P: int, bounds: tuple[int, ...]) -> tuple[tuple[tupl
     ``S/P`` tokens each. Documents, longest first: one longer than ``S/P`` or with more causal work than
     ``WHOLE_DOC_SHARE`` of a rank's mean is cut into ``2k`` chunks over the ``k`` least loaded ranks (chunks ``j``
     and ``2k-1-j`` on the ``j``-th: the same work each); any other goes whole to the least loaded rank with room.
-    A document no rank has room for fills the roomiest ranks in turn (the last few short ones, as a rule)."""
+    A document no rank has room for fills the roomiest rank and then its ring neighbours (the last few short ones,
+    as a rule). One document filling the batch is placed as zigzag places it (chunks ``j`` and ``2P-1-j`` on rank
+    ``j``)."""
     return _whole_docs(S, P, tuple(bounds))
 
 
@@ -235,9 +237,11 @@ def _whole_docs(S: int, P: int, bounds: tuple[int, ...]):
         tri = lambda m: m * (m + 1) / 2  # noqa: E731
         load[r] += (tri(y - a) - tri(x - a) + tri(a + n - x) - tri(a + n - y)) / 2  # query and key side
 
-    def fill(a: int, n: int, x: int) -> None:  # rows [x, a + n) to the roomiest ranks in turn
+    def fill(a: int, n: int, x: int) -> None:  # rows [x, a + n) to the roomiest rank, then its next ones
+        r = max(range(P), key=lambda r: (room[r], -load[r]))
         while x < a + n:
-            r = max(range(P), key=lambda r: (room[r], -load[r]))
+            while not room[r]:
+                r = (r + 1) % P
             y = min(a + n, x + room[r])
             put(r, a, x, y, n)
             x = y
