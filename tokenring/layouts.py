@@ -209,7 +209,7 @@ def _spread(held: np.ndarray, docs: np.ndarray, x: int, y: int, a: int, b: int) 
     return int((h > 0).sum() - (held[[a, b], lo:hi] > 0).sum())
 
 
-WHOLE_DOC_SHARE = 2.0  # whole_docs splits a document whose causal work is over this share of a rank's mean
+WHOLE_DOC_SHARE = 1.0  # whole_docs splits a document whose causal work is over this share of a rank's mean
 
 
 def whole_docs_plan(S: int, P: int, bounds: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
