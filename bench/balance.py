@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
 """Load balance of packed batches: the causal attention work each rank computes under ``layout="zigzag"`` (the
-default) and ``layout="balanced"`` (the planner, ``tokenring.layouts.balanced_plan``), and what it does to a call.
+default), ``"contiguous"``, ``"balanced"`` (chunks dealt out by work, ``tokenring.layouts.balanced_plan``) and
+``"whole_docs"`` (documents whole on one rank, long ones split, ``whole_docs_plan``), and what it does to a call.
 
     .venv/bin/python bench/balance.py [--batches 20] [--per-rank 8192] [--ranks 4 8 16] [--time-ranks 4]
 
 Documents: lengths drawn from a log-normal with median 600 tokens and sigma 1.6 (a long tail: about 1 in 10
 over 4K), rounded and clipped to [1, 16384], packed into batches of ``per-rank x P`` tokens, the last document
-cut at the end (as a packing collator fills a fixed budget). Work, per rank, counted from the schedule a call
-runs (its tiles): the query-key pairs the kernels compute, a masked tile counted whole, since its kernel computes
-every pair. ``ring`` computes where the queries live, ``token_ring`` where the keys live; the planner balances
-both sides at once. Reported: max / mean over ranks (1.00 = perfect), the median and worst over the batches.
+cut at the end (as a packing collator fills a fixed budget); and a mix of one to three 32K-128K documents among
+such short ones (4x the tokens per rank). Work, per rank, counted from the schedule a call runs (its tiles): the
+query-key pairs the kernels compute, a masked tile counted whole, since its kernel computes every pair. ``ring``
+computes where the queries live, ``token_ring`` where the keys live. Reported: max / mean over ranks (1.00 =
+perfect), the median and worst over the batches; the simulator's prediction of a forward+backward call on an
+H200 NVSwitch node (``h200-nvswitch-8``, calibrated H200 kernel model, bf16), also for one document filling the
+batch.
 
 Time: ``--time-ranks`` gloo ranks on this machine, forward+backward per call, B=1, H=8, Hkv=2, d=64, float32,
-the two layouts interleaved per batch, every call kept; and the simulator's prediction for the same call on
-an H200 NVSwitch node (``h200-nvswitch-8``, calibrated H200 kernel model, bf16). Writes
-``bench/results/balance.{json,md}``.
+zigzag, contiguous and balanced interleaved per batch, every call kept (``bench/placement.py`` times whole_docs,
+also on the emulated mesh). Writes ``bench/results/balance.{json,md}``.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ import _results  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-LAYOUTS = ("zigzag", "contiguous", "balanced")
+LAYOUTS = ("zigzag", "contiguous", "balanced", "whole_docs")
+TIMED = ("zigzag", "contiguous", "balanced")  # measured here on gloo (bench/placement.py measures whole_docs)
 STRATEGIES = ("ring", "token_ring")
+PLANNED = ("balanced", "whole_docs")
 
 
 def documents(S: int, rng: np.random.Generator) -> list[int]:
@@ -44,6 +49,20 @@ def documents(S: int, rng: np.random.Generator) -> list[int]:
         n = int(np.clip(np.round(rng.lognormal(np.log(600), 1.6)), 1, 16384))
         cu.append(min(S, cu[-1] + n))
     return cu
+
+
+def long_mix(S: int, rng: np.random.Generator) -> list[int]:
+    """``cu_seqlens`` of a batch of ``S`` tokens: one to three documents of 32K-128K tokens (at most half of
+    ``S`` together) among log-normal short ones, in random order."""
+    longs = []
+    for _ in range(int(rng.integers(1, 4))):
+        n = int(rng.integers(32768, 131073))
+        if sum(longs) + n <= S // 2:
+            longs.append(n)
+    rest = np.diff(documents(S - sum(longs), rng)).tolist()
+    lengths = longs + rest
+    rng.shuffle(lengths)
+    return [0, *np.cumsum(lengths).tolist()]
 
 
 def work(S: int, P: int, cu: list[int], layout: str, strategy: str) -> list[int]:
@@ -106,6 +125,12 @@ def predicted(S: int, P: int, cu: list[int], layout: str, strategy: str) -> floa
     return simulate(strategy, sh, topo, kern, causal=True, layout=layout, backward=True, mask=mask).time
 
 
+MIXES = {
+    "log-normal": (documents, 1),  # (cu_seqlens of a batch, tokens per rank in units of --per-rank)
+    "long documents": (long_mix, 4),
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, default=20)
@@ -118,51 +143,70 @@ def main(argv=None) -> int:
     ap.add_argument("--predict-batches", type=int, default=3)
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
-    rows, data = [], {"balance": [], "time": []}
+    rows, data = [], {"balance": [], "time": [], "single": []}
+    for mix, (make, scale) in MIXES.items():
+        for P in a.ranks:
+            S = a.per_rank * scale * P
+            got = {(lay, st): [] for lay in LAYOUTS for st in STRATEGIES}
+            pred = {(lay, st): [] for lay in LAYOUTS for st in STRATEGIES}
+            nbatches = a.batches if mix == "log-normal" else a.predict_batches
+            for n in range(nbatches):
+                cu = make(S, rng)
+                for lay in LAYOUTS:
+                    for st in STRATEGIES:
+                        w = work(S, P, cu, lay, st)
+                        got[lay, st].append(imbalance(w))
+                        t = predicted(S, P, cu, lay, st) if n < a.predict_batches else None
+                        if t is not None:
+                            pred[lay, st].append(t)
+                        data["balance"].append(
+                            dict(mix=mix, P=P, S=S, documents=len(cu) - 1, layout=lay, strategy=st, work=w,
+                                 predicted_s=t, cu_seqlens=cu if n < a.predict_batches else None)
+                        )  # fmt: skip
+            for (lay, st), xs in got.items():
+                ratio = [z / x for x, z in zip(pred[lay, st], pred["zigzag", st])]
+                rows.append(
+                    f"| {mix} | {P} | {S} | {lay} | {st} | {median(xs):.3f} | {max(xs):.3f} | "
+                    f"{median(pred[lay, st]) * 1e3:.1f} | {median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f}) |"
+                )
+    single = []
     for P in a.ranks:
         S = a.per_rank * P
-        got = {(lay, st): [] for lay in LAYOUTS for st in STRATEGIES}
-        pred = {(lay, st): [] for lay in LAYOUTS for st in STRATEGIES}
-        t_plan = []
-        for n in range(a.batches):
-            cu = documents(S, rng)
-            t0 = time.perf_counter()
-            from tokenring.layouts import balanced_plan
-
-            balanced_plan(S, P, tuple(cu))
-            t_plan.append(time.perf_counter() - t0)
-            for lay in LAYOUTS:
-                for st in STRATEGIES:
-                    w = work(S, P, cu, lay, st)
-                    got[lay, st].append(imbalance(w))
-                    t = predicted(S, P, cu, lay, st) if n < a.predict_batches else None
-                    if t is not None:
-                        pred[lay, st].append(t)
-                    data["balance"].append(
-                        dict(P=P, S=S, documents=len(cu) - 1, layout=lay, strategy=st, work=w, predicted_s=t)
-                    )
-        for (lay, st), xs in got.items():
-            ratio = [x / z for x, z in zip(pred[lay, st], pred["zigzag", st])]
-            rows.append(
-                f"| {P} | {S} | {lay} | {st} | {median(xs):.3f} | {max(xs):.3f} | "
-                f"{median(pred[lay, st]) * 1e3:.1f} | {min(ratio):.2f}-{max(ratio):.2f} |"
+        for st in STRATEGIES:
+            t = {lay: predicted(S, P, [0, S], lay, st) for lay in ("zigzag", "whole_docs")}
+            data["single"].append(dict(P=P, S=S, strategy=st, predicted_s=t))
+            single.append(
+                f"| {P} | {S} | {st} | {t['zigzag'] * 1e3:.2f} | {t['whole_docs'] * 1e3:.2f} | "
+                f"{t['whole_docs'] / t['zigzag']:.3f} |"
             )
-        data.setdefault("plan_seconds", {})[P] = t_plan
     lines = [
-        "# Load balance of packed batches: zigzag vs balanced",
+        "# Load balance of packed batches: zigzag, contiguous, balanced and whole_docs",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. "
         f"Command: `{' '.join(['.venv/bin/python bench/balance.py', *(argv or sys.argv[1:])])}`.",
         "",
-        f"Documents: log-normal lengths (median 600, sigma 1.6) clipped to [1, 16384], packed into "
-        f"{a.per_rank} tokens per rank, {a.batches} batches per P. Causal forward work per rank, as the kernels "
-        f"compute it (masked tiles whole): max / mean over ranks. Predicted: the simulator's forward+backward "
-        f"time of the first {a.predict_batches} batches on h200-nvswitch-8 (calibrated H200 kernels, bf16, "
-        f"H=32, Hkv=8, d=128): median, and the range of its ratio to zigzag on the same batch.",
+        f"Mixes: *log-normal*: lengths (median 600, sigma 1.6) clipped to [1, 16384], packed into {a.per_rank} "
+        f"tokens per rank, {a.batches} batches per P; *long documents*: one to three documents of 32K-128K tokens "
+        f"(at most half the batch) among log-normal ones, {4 * a.per_rank} tokens per rank, {a.predict_batches} "
+        f"batches per P. Imbalance: causal forward work of the busiest rank over the mean, as the kernels "
+        f"compute it (masked tiles whole). Predicted: the simulator's forward+backward time of one attention "
+        f"call, the first {a.predict_batches} batches, on h200-nvswitch-8 (calibrated H200 kernels, bf16, H=32, "
+        f"Hkv=8, d=128): median ms, and zigzag's time over the layout's on the same batch (above 1: faster than "
+        f"zigzag), median (min-max).",
         "",
-        "| P | S | layout | strategy (computes at) | imbalance median | imbalance worst | predicted ms | vs zigzag |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mix | P | S | layout | strategy (computes at) | imbalance median | imbalance worst | predicted ms | "
+        "speed-up vs zigzag |",
+        "|---|---|---|---|---|---|---|---|---|",
         *[r.replace("| ring |", "| ring (queries) |").replace("| token_ring |", "| token_ring (keys) |") for r in rows],
+        "",
+        "## One document filling the batch",
+        "",
+        "whole_docs splits it over every rank, zigzag within it: the same placement as zigzag. Predicted "
+        "forward+backward ms, same model.",
+        "",
+        "| P | S | strategy | zigzag ms | whole_docs ms | whole_docs / zigzag |",
+        "|---|---|---|---|---|---|",
+        *single,
     ]
     lines += _timing(a, rng, data)
     _results.write(os.path.join(HERE, "results", "balance"), data, lines)
@@ -189,9 +233,9 @@ def _timing(a, rng, data) -> list[str]:
         for b in range(a.time_batches):
             cu = documents(S, rng)
             for st in STRATEGIES:
-                t = {lay: [] for lay in LAYOUTS}
+                t = {lay: [] for lay in TIMED}
                 for _ in range(a.calls):  # the layouts interleaved, one timed call each per round
-                    for lay in LAYOUTS:
+                    for lay in TIMED:
                         t[lay] += pool.run(rank_fn, S, cu, lay, st, 1)[0]
                 data["time"].append(dict(P=P, S=S, cu_seqlens=cu, strategy=st, measured=t))
                 span = {lay: f"{median(x):.3f} [{min(x):.3f}-{max(x):.3f}]" for lay, x in t.items()}
