@@ -119,6 +119,26 @@ def test_balanced_layout_is_exact(pools, P):
         assert max(errs) < 1e-10, list(zip(grid, errs))
 
 
+def _packing(S: int, rng, median: int, sigma: float) -> list[int]:
+    """``cu_seqlens`` of ``S`` tokens of log-normal document lengths, the last one cut at the end."""
+    import numpy as np
+
+    cu = [0]
+    while cu[-1] < S:
+        cu.append(min(S, cu[-1] + int(np.clip(rng.lognormal(np.log(median), sigma), 1, 16384))))
+    return cu
+
+
+def _held_once_in_order(S: int, P: int, layout: str, cu: list[int]) -> list[torch.Tensor]:
+    """Every rank's positions under ``layout``, checked: S/P each, increasing, every token once."""
+    from tokenring.layouts import local_positions
+
+    held = [local_positions(S, P, r, layout, cu_seqlens=cu) for r in range(P)]
+    assert sorted(torch.cat(held).tolist()) == list(range(S))
+    assert all(len(h) == S // P and torch.all(h[1:] > h[:-1]) for h in held)
+    return held
+
+
 @pytest.mark.parametrize("P", [2, 3, 4, 5])
 def test_whole_docs_layout_is_exact(pools, P):
     """layout="whole_docs": short documents whole on one rank, long ones split over several (zigzag within the
@@ -161,12 +181,8 @@ def test_whole_docs_plan_keeps_documents_whole():
     for P in (2, 3, 4, 8):
         for _ in range(5):
             S = 2048 * P
-            cu = [0]
-            while cu[-1] < S:
-                cu.append(min(S, cu[-1] + int(np.clip(rng.lognormal(np.log(300), 1.4), 1, 16384))))
-            held = [local_positions(S, P, r, "whole_docs", cu_seqlens=cu) for r in range(P)]
-            assert sorted(torch.cat(held).tolist()) == list(range(S))
-            assert all(len(h) == S // P and torch.all(h[1:] > h[:-1]) for h in held)
+            cu = _packing(S, rng, 300, 1.4)
+            held = _held_once_in_order(S, P, "whole_docs", cu)
             b = torch.tensor(cu)
             lengths = (b[1:] - b[:-1]).double()
             mean = (lengths**2 / 2).sum() / P
@@ -193,12 +209,8 @@ def test_balanced_plan_holds_every_token_once_and_balances():
     rng = np.random.default_rng(3)
     for P in (2, 4, 8):
         S = 2048 * P
-        cu = [0]
-        while cu[-1] < S:
-            cu.append(min(S, cu[-1] + int(np.clip(rng.lognormal(np.log(600), 1.6), 1, 16384))))
-        held = [local_positions(S, P, r, "balanced", cu_seqlens=cu) for r in range(P)]
-        assert sorted(torch.cat(held).tolist()) == list(range(S))
-        assert all(len(h) == S // P and torch.all(h[1:] > h[:-1]) for h in held)
+        cu = _packing(S, rng, 600, 1.6)
+        held = _held_once_in_order(S, P, "balanced", cu)
         b = torch.tensor(cu)
 
         def work(pos, layout_held):
