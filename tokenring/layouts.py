@@ -115,7 +115,7 @@ def local_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
     _check_divisible(S, P, layout)
     if layout in PLANNED_LAYOUTS:
         runs = layout_runs(S, P, layout, document_bounds(S, P, cu_seqlens, layout))[rank]
-        return torch.cat([torch.arange(a, b, device=device) for a, b in runs] or [torch.empty(0, dtype=torch.long)])
+        return torch.cat([torch.arange(a, b, device=device) for a, b in runs] or [torch.arange(0, device=device)])
     if layout == "zigzag_docs":
         parts = []
         cu = document_bounds(S, P, cu_seqlens)
@@ -231,10 +231,12 @@ def _whole_docs(S: int, P: int, bounds: tuple[int, ...]):
     room, load = [s] * P, [0.0] * P
     runs: list[list[tuple[int, int]]] = [[] for _ in range(P)]
 
+    def tri(m: int) -> float:  # causal pairs of m rows from a document's start
+        return m * (m + 1) / 2
+
     def put(r: int, a: int, x: int, y: int, n: int) -> None:  # rows [x, y) of the document [a, a + n) to rank r
         runs[r].append((x, y))
         room[r] -= y - x
-        tri = lambda m: m * (m + 1) / 2  # noqa: E731
         load[r] += (tri(y - a) - tri(x - a) + tri(a + n - x) - tri(a + n - y)) / 2  # query and key side
 
     def fill(a: int, n: int, x: int) -> None:  # rows [x, a + n) to the roomiest rank, then its next ones
