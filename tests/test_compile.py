@@ -29,7 +29,7 @@ def test_fullgraph_packed_documents(pools):
         assert r["frames"] == 1 and r["breaks"] == 0 and r["grad0"] < 1e-6 and r["grad1"] < 1e-6, r
 
 
-@pytest.mark.parametrize("layout", ["balanced", "zigzag_docs"])
+@pytest.mark.parametrize("layout", ["balanced", "zigzag_docs", "whole_docs"])
 def test_fullgraph_document_layouts(pools, layout):
     """The layouts that place tokens by document: traced without the documents (values), run with them."""
     res = pools(2).run(compile_cases.compiled_matches_eager, 48, "auto", [16, 8, 24], "llama", None, layout)
