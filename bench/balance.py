@@ -39,7 +39,6 @@ import torch  # noqa: E402
 LAYOUTS = ("zigzag", "contiguous", "balanced", "whole_docs")
 TIMED = ("zigzag", "contiguous", "balanced")  # measured here on gloo (bench/placement.py measures whole_docs)
 STRATEGIES = ("ring", "token_ring")
-PLANNED = ("balanced", "whole_docs")
 
 
 def documents(S: int, rng: np.random.Generator) -> list[int]:

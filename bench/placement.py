@@ -31,18 +31,12 @@ sys.path.insert(0, HERE)
 import _results  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from balance import LAYOUTS, documents  # noqa: E402
 
-LAYOUTS = ("zigzag", "contiguous", "balanced", "whole_docs")
+from tokenring.layouts import PLANNED_LAYOUTS  # noqa: E402
+
 STRATEGIES = ("token_ring", "ring")
 H, HKV, D = 8, 8, 64
-
-
-def documents(S: int, rng: np.random.Generator) -> list[int]:
-    """``cu_seqlens`` of one packed batch of ``S`` tokens (log-normal lengths, median 600, sigma 1.6)."""
-    cu = [0]
-    while cu[-1] < S:
-        cu.append(min(S, cu[-1] + int(np.clip(np.round(rng.lognormal(np.log(600), 1.6)), 1, 16384))))
-    return cu
 
 
 def busiest(S: int, P: int, cu: list[int], layout: str) -> float:
@@ -52,7 +46,7 @@ def busiest(S: int, P: int, cu: list[int], layout: str) -> float:
     b = torch.tensor(cu)
     work = []
     for r in range(P):
-        pos = local_positions(S, P, r, layout, cu_seqlens=cu if layout in ("balanced", "whole_docs") else None)
+        pos = local_positions(S, P, r, layout, cu_seqlens=cu if layout in PLANNED_LAYOUTS else None)
         work.append(float((pos - b[torch.searchsorted(b, pos, right=True) - 1] + 1).sum()))
     return max(work) / (sum(work) / P)
 
@@ -64,7 +58,7 @@ def _call(tokenring, full, cu, layout, strategy):
 
     from tokenring.instrument import instrument
 
-    docs = cu if layout in ("balanced", "whole_docs") else None
+    docs = cu if layout in PLANNED_LAYOUTS else None
     local = [tokenring.shard(t, 1, layout, cu_seqlens=docs) for t in full]
     q, k, v = (t.clone().requires_grad_() for t in local[:3])
     log: list = []
@@ -225,7 +219,6 @@ def main(argv=None) -> int:
     else:
         lines += ["", f"Mesh: not run ({why})."]
     _results.write(os.path.join(HERE, "results", "placement"), data, lines)
-    print("\n".join(lines))
     return 0
 
 
