@@ -101,6 +101,25 @@ def _floor_backward(dout, q, k, v, out, lse, P: int, causal: bool):
     return dq.transpose(1, 2), dk2.transpose(1, 2), dv2.transpose(1, 2)
 
 
+def _decode_floor(q, k, v, P: int):
+    """A minimal decode step: one CPU flash call over this rank's cached rows, its output and log-sum-exp in
+    one all-gather, an LSE merge of the P partials. Returns (B, t, H, d)."""
+    import torch
+    import torch.distributed as dist
+
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False
+    )[:2]
+    b, h, t, d = o.shape
+    mine = torch.cat([o.reshape(b, -1), lse.reshape(b, -1)], 1)
+    every = mine.new_empty((P, *mine.shape))
+    dist.all_gather_single(every, mine.unsqueeze(0))
+    n = h * t * d
+    os_, lses = every[:, :, :n].view(P, b, h, t, d), every[:, :, n:].view(P, b, h, t)
+    total = torch.logsumexp(lses, 0)
+    return (os_ * torch.exp(lses - total).unsqueeze(-1)).sum(0).transpose(1, 2)
+
+
 def _floor_fn():
     """The floor loops as one autograd function (as ring-flash-attn wraps its own)."""
     import torch
@@ -121,6 +140,7 @@ def _floor_fn():
 
 
 FLOOR, FLOOR_FB = "floor: minimal ring loop", "floor: minimal ring loop, forward+backward"
+FLOOR_DECODE = "floor: minimal decode step (one flash call, one all-gather, an LSE merge)"
 
 
 def _variants(P: int, quick: bool, hf: bool = True):
@@ -145,9 +165,14 @@ def _variants(P: int, quick: bool, hf: bool = True):
     out["attention ring, forward+backward"] = lambda: (
         tokenring.attention(qg, kg, vg, causal=True, strategy="ring").sum().backward()
     )
+    kn, vn = (torch.cat([c, torch.randn(B, 1, HKV, D, generator=g)], 1) for c in (kc, vc))  # + the new token
+    out[FLOOR_DECODE] = lambda: _decode_floor(qd, kc, vc, P)
     out["decode_attention (1 token, 1024 cached rows per rank)"] = lambda: tokenring.decode_attention(qd, kc, vc)
     out["decode_attention, check=False (a model's later layers)"] = lambda: tokenring.decode_attention(
         qd, kc, vc, check=False
+    )
+    out["decode_attention, check=False, on the rank storing the new token"] = lambda: tokenring.decode_attention(
+        qd, kn, vn, check=False, new=(0, 1)
     )
     import torch.distributed as dist
 
@@ -242,8 +267,15 @@ def walk(P: int = 4) -> dict:
         tokenring.attention(q, k, v, causal=True, strategy="ring")
     root = os.path.dirname(tokenring.__file__)
     seen: list[str] = []
+    down: list[str] = []  # the modules on the call stack when the first kernel call begins, outermost first
 
     def hook(frame, event, arg):
+        if event == "call" and not down and frame.f_code.co_name == "forward" and "kernels" in frame.f_code.co_filename:
+            f = frame
+            while f is not None:
+                if f.f_code.co_filename.startswith(root):
+                    down.insert(0, f"{os.path.relpath(f.f_code.co_filename, root)}:{f.f_code.co_name}")
+                f = f.f_back
         if event in ("call", "return"):
             f = frame.f_back if event == "return" else frame  # a return lands in the caller
             path = f.f_code.co_filename if f is not None else ""
@@ -258,7 +290,9 @@ def walk(P: int = 4) -> dict:
     finally:
         sys.setprofile(None)
     again = sorted({m for m in seen if seen.count(m) > 1})
-    return dict(stays=len(seen), path=seen, entered_again=again)
+    mods = [x.split(":")[0] for x in down]
+    twice = sorted({m for m in mods if mods.count(m) > 1})
+    return dict(stays=len(seen), path=seen, entered_again=again, down=down, down_twice=twice)
 
 
 def child(P: int, rounds: int, calls: int, quick: bool, backend: str) -> None:
@@ -307,11 +341,22 @@ def _walks(versions: dict, out: str) -> int:
         walks[version] = w = json.loads(res.stdout.decode().strip().splitlines()[-1])
         commit = _commit(path or ROOT)
         lines += [f"- {version} ({commit}): {w['stays']} stays; modules entered again: "
-                  f"{', '.join(w['entered_again']) or 'none'}.", f"  Path: {' > '.join(w['path'])}"]  # fmt: skip
+                  f"{', '.join(w['entered_again']) or 'none'}.",
+                  f"  The way down (the call stack when the first kernel call begins): {' > '.join(w['down'])}; "
+                  f"modules on it twice: {', '.join(w['down_twice']) or 'none'}.",
+                  f"  Path: {' > '.join(w['path'])}"]  # fmt: skip
     from _results import write
 
     write(out, {"walk": walks}, lines)
     return 0
+
+
+def _floor_of(name: str) -> str:
+    """The floor a call is set against: decode steps against the minimal decode step, forward+backward calls
+    against the forward+backward ring loop, the rest against the forward ring loop."""
+    if name.startswith("decode") or name == FLOOR_DECODE:
+        return FLOOR_DECODE
+    return FLOOR_FB if "forward+backward" in name else FLOOR
 
 
 def main(argv=None) -> int:
@@ -378,7 +423,8 @@ def main(argv=None) -> int:
         + f". Shapes: B={B}, {S_LOCAL} rows per rank, {H}/{HKV} heads, "
         f"d={D}, float32, causal; decode: 1 new token over {CACHE} cached rows per rank. Microseconds per call, "
         f"median (min-max) of {a.repeats} processes x {a.rounds} interleaved rounds of {a.calls} calls; ratio: "
-        f"median over the floor's in the same processes (forward+backward rows: the forward+backward floor's)."
+        f"median over the floor's in the same processes (forward+backward rows: the forward+backward floor's; "
+        f"decode rows: the minimal decode step's)."
         + (
             f" Before: the tokenring of `{a.before}` (commit {_commit(a.before)}), its processes alternating with "
             f"this checkout's (commit {_commit(HERE)})."
@@ -394,7 +440,7 @@ def main(argv=None) -> int:
             cells = []
             for version in versions:
                 kept = results[version][P]
-                us, floor = kept[name], statistics.median(kept[FLOOR_FB if "forward+backward" in name else FLOOR])
+                us, floor = kept[name], statistics.median(kept[_floor_of(name)])
                 m = statistics.median(us)
                 cells.append(f"{m:.0f} ({min(us):.0f}-{max(us):.0f}) | {m / floor:.2f}x")
             lines.append(f"| {P} | {name} | " + " | ".join(cells) + " |")

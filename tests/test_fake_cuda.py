@@ -384,7 +384,14 @@ def test_extend_on_cuda(strategy):
         assert log[0]["strategy"] == strategy and log[0]["devices"] == ["meta"], log
 
 
-COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "all_to_all_single", "all_gather_into_tensor")
+COLLECTIVES = (
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "all_to_all_single",
+    "all_gather_into_tensor",
+    "all_gather_single",
+)
 
 
 @pytest.fixture
@@ -438,7 +445,8 @@ def test_hf_prefill_decode_extend_on_cuda(collective_devices):
         assert out.logits.shape == (1, 1, 64) and out.logits.device.type == "meta"
         thf.extend(model, cache, torch.zeros(1, 64 + 1 + 40, dtype=torch.long, device="meta"))
     kinds = {name for name, _ in collective_devices}
-    assert {"all_gather", "batch_isend_irecv"} <= kinds, kinds
+    gather = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+    assert {gather, "batch_isend_irecv"} <= kinds, kinds  # the agreements and decode's partials; the schedules
     assert all(devices == {"meta"} for _, devices in collective_devices), collective_devices
 
 

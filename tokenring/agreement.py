@@ -65,7 +65,7 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     collectives move no values. ``RuntimeError`` naming the ranks that never arrived when the exchange does not
     finish within the timeout (:func:`tokenring.get_timeout`)."""
     mine = torch.tensor(list(row), dtype=torch.float64, device=collective_device(group))
-    every = [torch.empty_like(mine) for _ in range(P)]
+    every = mine.new_empty((P, len(mine)))
     n = _exchanges[id(group)] = _exchanges.get(id(group), -1) + 1
     store = group_store(group)
     try:  # one key per rank, overwritten: this rank's latest exchange (one store write per exchange)
@@ -74,7 +74,8 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
         store = None
     guard_exit(group)
     mark_process(group, rank)  # this process, for a failure that cannot say which peer is gone
-    work = dist.all_gather(every, mine, group=group, async_op=True)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
+    work = gather(every, mine.unsqueeze(0), group=group, async_op=True)
     if not values_travel(group):
         work.wait()
         return None
@@ -89,7 +90,7 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
             f"call it with the same shapes and options). Raise the bound with tokenring.set_timeout() if it is only "
             f"slow. The process group cannot be used again after this: destroy it and start the ranks again."
         ) from e
-    return [e.tolist() for e in every]
+    return every.tolist()
 
 
 def _arrived(store, rank: int, n: int) -> bool:

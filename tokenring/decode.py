@@ -87,23 +87,23 @@ def decode_attention(
     if torch.compiler.is_compiling() and mask.plain and log is None:  # one opaque node for the compiler
         out, out_lse = decode_step(q, k, v, a, b, start or 0, scale, _group_name(group))
     else:
-        out, out_lse = _gathered(q, k, v, positions, a, b, start or 0, mask, scale, group, log)
+        out, out_lse = _gathered(q, k, v, positions, a, b, start or 0, mask, scale, group, log, rank, P)
     if sinks is not None:
         merge_sink_(out, out_lse, sinks)
     return out.to(q.dtype)
 
 
-def _gathered(q, k, v, positions, a: int, b: int, start: int, mask, scale: float, group, log):
+def _gathered(q, k, v, positions, a: int, b: int, start: int, mask, scale: float, group, log, rank: int, P: int):
     """This rank's partial over its rows, every rank's gathered in one collective (the ``replicated`` schedule
     as one step), merged in one pass over the stacked partials: the same bits on every rank."""
     o, lse = attend_rows(q, 0, k, v, positions, a, b, start, mask, scale)
     B, t, H, d = o.shape
-    comm = Comm(group, what="decode", log=log is not None)  # (records cost host time per step)
+    comm = Comm(group, what="decode", log=log is not None, rank=rank, world=P)  # (records cost host time)
     every = comm.gather(0, torch.cat([o.reshape(B, -1), lse.reshape(B, -1)], 1))
     if log is not None:
         log.append({"bytes": comm.log[0]["bytes"], "strategy": "replicated", "devices": [comm.log[0]["device"]]})
-    n, P = t * H * d, every.shape[0]
-    return merge_stacked(every[:, :, :n].reshape(P, B, t, H, d), every[:, :, n:].reshape(P, B, H, t))
+    n = t * H * d
+    return merge_stacked(every[:, :, :n].view(P, B, t, H, d), every[:, :, n:].view(P, B, H, t))
 
 
 @torch.library.custom_op("tokenring::decode_step", mutates_args=())
@@ -115,7 +115,8 @@ def decode_step(
     come from :func:`_decode_step_shapes`, so ``fullgraph=True`` traces a model's decode step whole."""
     from .ops import resolve_group
 
-    return _gathered(q, k, v, None, a, b, start, RowMask(), scale, resolve_group(group), None)
+    group = resolve_group(group)
+    return _gathered(q, k, v, None, a, b, start, RowMask(), scale, group, None, *group_info(group))
 
 
 @decode_step.register_fake

@@ -83,7 +83,7 @@ def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowM
         return _attend_groups(q, qa, k, v, kpos, ka, kb, start, mask, scale)
     B, tq, H, d = q.shape
     old, qb = k.shape[1] - (kb - ka), qa + tq
-    if mask.plain and old and kb == ka:  # no new rows here: one block, every query over every cached row
+    if mask.plain and k.shape[1] and (kb == ka or kb - 1 <= qa):  # every query sees every row here: one block
         o, lse = block_forward(q, k, v, False, scale)
         acc = acc_dtype(q.dtype)
         return o.to(acc), lse.to(acc)

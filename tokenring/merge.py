@@ -88,13 +88,11 @@ def merge_seen_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse
 
 def merge_stacked(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The merge of ``n`` partials stacked on a first dimension, ``o`` (n, B, rows, H, d) and ``lse`` (n, B, H, rows),
-    in one pass (a handful of ops whatever ``n``): ``(o, lse)`` of the rows, never NaN (a row no partial saw:
-    0 and -inf)."""
-    hi = lse.amax(0, keepdim=True).nan_to_num(neginf=0.0)  # a row no partial saw: shift by 0, not -inf
-    w = torch.exp(lse - hi)  # (n, B, H, rows), each <= 1, the largest exactly 1 where a key was seen
-    total = w.sum(0)
-    share = (w / total).nan_to_num(nan=0.0)  # 0 / 0 where no partial saw the row
-    return (o * share.transpose(-1, -2).unsqueeze(-1)).sum(0), hi[0] + torch.log(total)
+    in one pass (five ops whatever ``n``): ``(o, lse)`` of the rows, never NaN (a row no partial saw: 0 and
+    -inf)."""
+    total = torch.logsumexp(lse, 0)  # -inf where no partial saw the row
+    share = torch.exp(lse - total).nan_to_num_(0.0)  # each <= 1; -inf - -inf = NaN where no partial saw it
+    return (o * share.transpose(-1, -2).unsqueeze(-1)).sum(0), total
 
 
 def merge_sink_(acc_o: torch.Tensor, acc_lse: torch.Tensor, sinks: torch.Tensor) -> None:
