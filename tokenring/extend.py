@@ -15,7 +15,7 @@ from .executor import execute
 from .kernels import attention_inputs, block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .masks import TILE_ROWS
-from .merge import acc_dtype, merge_, merge_sink_, merge_stacked, new_accumulator
+from .merge import acc_dtype, merge_, merge_seen_, merge_sink_, merge_stacked, new_accumulator
 from .schedules import Message
 from .strategies.extend import STRATEGIES, Shards, extend_bytes, schedule, sees, split_new  # noqa: F401
 
@@ -90,7 +90,9 @@ def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowM
     o, lse = new_accumulator(B, tq, H, d, q.dtype, q.device)
 
     def add(rows: slice, keys: slice, causal: bool = False, vis=None):
-        merge_(o[:, rows], lse[:, :, rows], *block_forward(q[:, rows], k[:, keys], v[:, keys], causal, scale, mask=vis))
+        part = block_forward(q[:, rows], k[:, keys], v[:, keys], causal, scale, mask=vis)
+        # without a mask every row of a block sees a key (full blocks, causal squares): the shorter merge
+        (merge_ if vis is not None else merge_seen_)(o[:, rows], lse[:, :, rows], *part)
 
     if not mask.plain:  # explicit masks from global positions, TILE_ROWS query rows at a time
         qpos = torch.arange(start + qa, start + qb, device=q.device)
@@ -283,7 +285,7 @@ class RowsOps:
             part = (o[:, at : at + n], lse[:, :, at : at + n])
             if kb > ka and qa >= kb:  # after every new row here: one full block for all such ranks, below
                 after.append((q, part))
-            elif kb > ka:  # the new rows, as a shard of no cached rows
+            elif kb > ka and qa + n > ka:  # some of these queries see new rows here, as a shard of no cached rows
                 merge_(*part, *attend_rows(q, qa, kn, vn, None, ka, kb, 0, self.mask, self.scale))
             out.append(part)
             at += n
@@ -292,7 +294,7 @@ class RowsOps:
             at = 0
             for q, part in after:
                 n = q.shape[1]
-                merge_(*part, o2[:, at : at + n], lse2[:, :, at : at + n])
+                merge_seen_(*part, o2[:, at : at + n], lse2[:, :, at : at + n])  # (a full block: every row sees)
                 at += n
         return out
 
