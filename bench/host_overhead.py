@@ -184,6 +184,9 @@ def _variants(P: int, quick: bool, hf: bool = True):
     out[f"extend_attention pass_q ({t} new tokens, {S_LOCAL} cached rows per rank)"] = lambda: (
         tokenring.extend_attention(qe, ke, ve, new=shards.new[rank], strategy="pass_q", shards=shards)
     )
+    out["extend_attention pass_q, state=None (a model's later layers: no check)"] = lambda: tokenring.extend_attention(
+        qe, ke, ve, new=shards.new[rank], strategy="pass_q", shards=shards, state=None
+    )
     from tokenring.kernels import block_forward
 
     out["decode's local kernel alone (block_forward)"] = lambda: block_forward(qd, kc, vc, False, D**-0.5)
