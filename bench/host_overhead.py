@@ -293,8 +293,8 @@ def walk(P: int = 4) -> dict:
     finally:
         sys.setprofile(None)
     again = sorted({m for m in seen if seen.count(m) > 1})
-    mods = [x.split(":")[0] for x in down]
-    twice = sorted({m for m in mods if mods.count(m) > 1})
+    mods = [m for i, m in enumerate(x.split(":")[0] for x in down) if i == 0 or m != down[i - 1].split(":")[0]]
+    twice = sorted({m for m in mods if mods.count(m) > 1})  # (consecutive frames of one module: one stay)
     return dict(stays=len(seen), path=seen, entered_again=again, down=down, down_twice=twice)
 
 

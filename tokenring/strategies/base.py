@@ -5,21 +5,20 @@ forward/backward ``Ops`` that give a schedule's computes and messages their mean
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import Enum
 from fractions import Fraction
 from functools import lru_cache
 
 import torch
 
 from .. import program
-from ..comm import Comm, buffers
+from ..comm import Comm
 from ..executor import execute
 from ..instrument import NONE as NO_HOOKS
 from ..instrument import Instruments
-from ..kernels import block_backward, block_forward, needs_equal_heads, tiled_backward, tiled_forward
+from ..kernels import needs_equal_heads
 from ..layouts import DOCUMENT_LAYOUTS
 from ..masks import block_tiles
-from ..merge import acc_dtype, merge_, merge_seen_, merge_sink_, new_accumulator, sink_grad
+from ..merge import acc_dtype, merge_sink_, new_accumulator, sink_grad
 from ..messages import Receive
 from ..messages import kind as message_kind
 from ..program import replayable
@@ -40,6 +39,7 @@ from ..schedules import (
 )
 from .direct import direct
 from .spec import Spec
+from .tensor_ops import Merge, TensorOps, _repeat_heads
 
 __all__ = [
     "Strategy",
@@ -326,10 +326,6 @@ def _span(sl: slice) -> tuple[int, int]:
     return sl.start, sl.stop - sl.start
 
 
-def _repeat_heads(t: torch.Tensor, g: int) -> torch.Tensor:
-    return t.repeat_interleave(g, dim=2)
-
-
 def rows_heads(t, rows: slice, heads: slice, n: int, h: int, heads_dim: int = 2):
     """The view of ``t`` at ``rows`` (dim 1) and ``heads`` (dim ``heads_dim``) of its ``n`` rows and ``h`` heads
     (``t`` itself when they are all)."""
@@ -340,17 +336,7 @@ def rows_heads(t, rows: slice, heads: slice, n: int, h: int, heads_dim: int = 2)
     return t
 
 
-class Merge(Enum):
-    """How a partial joins an accumulator: ``ANY`` rows (some may have seen no key), rows that all ``SEEN`` a key
-    (fewer ops), or a ``COPY`` into rows nothing was merged into yet, every row seen: the merge's result bit for
-    bit."""
-
-    ANY = "any"
-    SEEN = "seen"
-    COPY = "copy"
-
-
-class _OpsBase:
+class _OpsBase(TensorOps):
     """What a schedule's computes and messages mean. The decisions (which rows, which store piece, merge or copy)
     are Python; every tensor operation goes through a method below the decisions (``attend``, ``merge_into``,
     ``add_``, ...), which :mod:`tokenring.program` records once per signature and replays."""
@@ -366,41 +352,11 @@ class _OpsBase:
         _OpsBase.__init__(obj, sh, cfg, device)
         return obj
 
-    # The tensor operations.
-    def expand(self, t, g: int):
-        return _repeat_heads(t, g)
-
-    def zeros(self, shape, dtype):
-        return torch.zeros(shape, dtype=dtype, device=self.device)
-
-    def add_(self, dst, src) -> None:
-        dst.add_(src)
-
-    def cast(self, t, dtype):
-        return t.to(dtype)
-
-    def fold_heads(self, t, g: int):
-        """Gradients of K/V heads repeated ``g`` times, summed back onto each K/V head."""
-        return t.unflatten(2, (-1, g)).sum(3)
-
-    def merge_into(self, how: "Merge", acc_o, acc_lse, o, lse) -> None:
-        """Merge a partial into accumulator views (``how``: :class:`Merge`)."""
-        if how is Merge.COPY:
-            acc_o.copy_(o)
-            acc_lse.copy_(lse)
-        elif how is Merge.SEEN:
-            merge_seen_(acc_o, acc_lse, o, lse)
-        else:
-            merge_(acc_o, acc_lse, o, lse)
-
     def payload(self, m: Message) -> list[torch.Tensor]:
         return self.store.take(m.kind, m.owner, m.part, m.heads)  # views: Comm packs them into one buffer
 
     def empty(self, m: Message) -> list[torch.Tensor]:
         return self.alloc(payload(m.kind, m.part, self.sh, m.heads))
-
-    def alloc(self, specs) -> list[torch.Tensor]:
-        return buffers(specs, self.device)
 
     def release(self, step: int, reads: dict) -> None:
         self.store.release(step, reads)
@@ -420,37 +376,6 @@ class _OpsBase:
         """How many times each K/V head is repeated before the kernel (1: the kernel takes grouped heads)."""
         want = self.cfg.hooks.expand_kv if self.cfg.hooks.expand_kv is not None else needs_equal_heads(q, backend)
         return self.sh.H // self.sh.Hkv if want else 1
-
-    def rows(self, part: str) -> slice:
-        return part_slice(part, self.sh.s)
-
-    # The local kernels, as methods so that a benchmark can swap them out (communication-only runs).
-    def block_forward(self, q, k, v, diag: bool):
-        return block_forward(q, k, v, diag, self.cfg.scale)
-
-    def block_backward(self, dout, q, k, v, lse, delta, diag: bool, out=None):
-        return block_backward(dout, q, k, v, lse, delta, diag, self.cfg.scale, self.cfg.hooks.backward_kernel, out=out)
-
-    def tiles(self, c: Compute):
-        """A masked compute's tiles and the function that builds a tile's mask (:mod:`tokenring.masks`)."""
-        cfg = self.cfg
-        return block_tiles(
-            cfg.mask, cfg.P, cfg.layout, c.q_owner, self.rows(c.q_part), c.kv_owner, self.rows(c.kv_part), self.device
-        )
-
-    def attend(self, c: Compute, q, k, v):
-        """Forward of compute ``c``: the whole block, or its tiles under a mask."""
-        if self.cfg.mask is None:
-            return self.block_forward(q, k, v, c.diag)
-        return tiled_forward(q, k, v, *self.tiles(c), self.cfg.scale)
-
-    def attend_backward(self, c: Compute, dout, q, k, v, lse, delta, out=None):
-        """Backward of compute ``c``; ``out``: the final output of those query rows, if at hand."""
-        if self.cfg.mask is None:
-            return self.block_backward(dout, q, k, v, lse, delta, c.diag, out)
-        return tiled_backward(
-            dout, q, k, v, lse, delta, *self.tiles(c), self.cfg.scale, self.cfg.hooks.backward_kernel, out=out
-        )
 
 
 class ForwardOps(_OpsBase):
