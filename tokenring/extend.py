@@ -191,16 +191,23 @@ class RowsOps:
     def empty(self, m: Message) -> list[torch.Tensor]:
         B, tq, H, d = self.q.shape
         Hkv, sh, j = self.k.shape[2], self.shards, m.owner
-        dt, kdt, acc = self.q.dtype, self.k.dtype, acc_dtype(self.q.dtype)
-        specs = {
-            "q": lambda: [((B, sh.t(j), H, d), dt)],
-            "kv": lambda: [((B, sh.rows[j], Hkv, d), kdt)] * 2,
-            "pos": lambda: [((sh.cached(j),), torch.int64)],
-            "out": lambda: [((B, tq, H, d), acc), ((B, H, tq), acc)],
-            "u_qkv": lambda: [((B, sh.t(j), H // sh.P, d), dt)] + [((B, sh.rows[j], Hkv // sh.P, d), kdt)] * 2,
-            "u_out": lambda: [((B, tq, H // sh.P, d), dt)],
-        }
-        return buffers(specs[m.kind](), self.device)
+        dt, kdt, kind = self.q.dtype, self.k.dtype, m.kind
+        if kind == "out":
+            acc = acc_dtype(dt)
+            specs = [((B, tq, H, d), acc), ((B, H, tq), acc)]
+        elif kind == "q":
+            specs = [((B, sh.t(j), H, d), dt)]
+        elif kind == "kv":
+            specs = [((B, sh.rows[j], Hkv, d), kdt)] * 2
+        elif kind == "pos":
+            specs = [((sh.cached(j),), torch.int64)]
+        elif kind == "u_qkv":
+            specs = [((B, sh.t(j), H // sh.P, d), dt)] + [((B, sh.rows[j], Hkv // sh.P, d), kdt)] * 2
+        elif kind == "u_out":
+            specs = [((B, tq, H // sh.P, d), dt)]
+        else:
+            raise ValueError(f"extend cannot receive a {kind!r} message")
+        return buffers(specs, self.device)
 
     def receive(self, m: Message, tensors: list[torch.Tensor]) -> None:
         if m.kind == "out":
@@ -322,7 +329,7 @@ class RowsOps:
 
 def run_schedule(sched, ops: RowsOps, group, what: str, log: list | None):
     """Run ``sched`` on the executor through :class:`Comm`; log the bytes received and where the buffers were."""
-    comm = Comm(group, what=what)
+    comm = Comm(group, what=what, log=log is not None)  # (a record per message costs host time)
     execute(sched, comm, ops)
     if log is not None:
         got = sum(x["bytes"] for x in comm.log if x["direction"] == "recv")
