@@ -578,7 +578,7 @@ def repeat_case(rank: int, P: int, case: dict) -> bool:
 def bf16_rms_case(rank: int, P: int, case: dict, mutant: bool) -> tuple[float, float]:
     """(sum of squared errors, sum of squared reference values) of this rank's bf16 output against float64.
     ``mutant``: the running accumulator is rounded to bf16 after every merge (what the float32 merge avoids)."""
-    import tokenring.strategies.base as base
+    import tokenring.strategies.tensor_ops as base  # (where the Ops' merges run)
 
     real = base.merge_, base.merge_seen_  # (without a mask the forward merges with merge_seen_)
     if mutant:

@@ -349,6 +349,10 @@ class Packed(list):
 def buffers(specs, device) -> Packed:
     """Receive buffers for a message of tensors ``specs``: views of one buffer (:func:`pack`'s layout)."""
     out = Packed()
+    if len(specs) == 1:  # one tensor travels as itself (what pack sends for one)
+        out.flat = torch.empty(specs[0][0], dtype=specs[0][1], device=device)
+        out.append(out.flat)
+        return out
     uniform, spans, total = _layout(specs if isinstance(specs, tuple) else tuple(tuple(x) for x in specs))
     if uniform:  # tensors of one shape and dtype (K and V): one (n, *shape) buffer
         shape, dtype = specs[0][0], specs[0][1]
