@@ -226,7 +226,33 @@ def _hf_layer(P: int) -> dict:
         with torch.no_grad():
             model(input_ids=ids, position_ids=pos[None])
 
-    return {f"HF Llama forward ({LAYERS} layers, {S_LOCAL} rows per rank)": forward}
+    # decode: a sharded prefill of CACHE rows per rank, then one token per call over the ShardedCache (this
+    # rank's rows grow by about 1/P per call); beside it the same weights in one process (SDPA) over a
+    # DynamicCache cut back to CACHE rows after each call: a layer's glue and gather against none
+    torch.manual_seed(0)
+    single = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    single.load_state_dict(model.state_dict())
+    prompt = torch.randint(3, 100, (1, CACHE * P))
+    with torch.no_grad():
+        sharded = thf.prefill(model, prompt)
+        alone = single(input_ids=prompt[:, :CACHE], use_cache=True).cache
+    last, step = prompt[:, -1:], [0]
+
+    def decode():
+        with torch.no_grad():
+            model(input_ids=last, position_ids=torch.full((1, 1), CACHE * P + step[0]), cache=sharded, use_cache=True)
+        step[0] += 1
+
+    def decode_alone():
+        with torch.no_grad():
+            single(input_ids=last, position_ids=torch.full((1, 1), CACHE), cache=alone, use_cache=True)
+        alone.crop(-1)  # (back to CACHE rows)
+
+    return {
+        f"HF Llama forward ({LAYERS} layers, {S_LOCAL} rows per rank)": forward,
+        f"HF Llama decode step ({LAYERS} layers, {CACHE}+ cached rows per rank)": decode,
+        f"the same decode step in one process (SDPA, {CACHE} cached rows)": decode_alone,
+    }
 
 
 def _timed(variants: dict, rounds: int, calls: int) -> dict:
