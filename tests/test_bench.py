@@ -201,3 +201,23 @@ def test_rounds_interleave_strategies_with_rotating_order(interleave):
     else:
         assert calls == ["a", "a", "a", "b", "b", "b", "c", "c", "c"]
         assert order[0] == ("warm", "a") and order[4] == ("warm", "b")
+
+
+def test_the_way_down_to_the_kernel_enters_no_module_twice():
+    """bench/host_overhead.py's walk of a warm ring call (rank 1 of 4 on the fake group): the call stack when the
+    first kernel call begins passes each of tokenring's modules once (issue 58's straight path), from api.py to
+    the CPU kernel."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, os.pardir, "bench", "host_overhead.py")
+    root = os.path.join(here, os.pardir)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "bench")]))
+    res = subprocess.run([sys.executable, script, "--walk-child"], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    walk = json.loads(res.stdout.strip().splitlines()[-1])
+    down = [frame.split(":")[0] for frame in walk["down"]]
+    assert down[0] == "api.py" and down[-1] == "kernels/cpu.py", walk["down"]
+    assert walk["down_twice"] == [], walk["down"]

@@ -541,3 +541,37 @@ def test_merge_of_seen_rows_equals_the_guarded_merge():
         merge_eager_(*want, o, lse)
         merge_seen_(*got, o, lse)
         assert torch.allclose(got[0], want[0], atol=1e-13, rtol=0) and torch.allclose(got[1], want[1], atol=1e-12)
+
+
+def test_rows_every_query_sees_take_one_kernel_call(monkeypatch):
+    """extend.attend_rows: a decode step's single new token stored on this rank, with cached rows before it, is
+    one kernel call over all the rows (not a call per part and a merge), exact against the float64 softmax;
+    several new tokens still attend the stored ones causally."""
+    import tokenring.kernels as kernels
+    from tokenring.extend import RowMask, attend_rows
+
+    calls = []
+
+    class Counting(kernels.CpuFlash):
+        name = "counting"
+
+        def forward(self, *a, **kw):
+            calls.append(1)
+            return super().forward(*a, **kw)
+
+    monkeypatch.setattr(kernels, "REGISTRY", {"counting": Counting(), **kernels.REGISTRY})
+    monkeypatch.setattr(kernels, "_picked", {})
+    g = torch.Generator().manual_seed(3)
+    for t, (a, b), want in ((1, (0, 1), 1), (3, (0, 1), 1), (3, (1, 3), 2)):  # (the cached rows, the causal square)
+        calls.clear()
+        q = torch.randn(2, t, 6, 12, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(2, 9 + b - a, 2, 12, generator=g, dtype=torch.float64) for _ in "kv")
+        o, lse = attend_rows(q, 0, k, v, None, a, b, 0, RowMask(), 12**-0.5)
+        assert len(calls) == want, (t, a, b, calls)
+        ok = torch.ones(t, k.shape[1], dtype=torch.bool)  # query i sees the cached rows and new tokens j <= i
+        ok[:, 9:] = torch.arange(a, b)[None, :] <= torch.arange(t)[:, None]
+        kk, vv = (x.repeat_interleave(3, 2) for x in (k, v))
+        s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * 12**-0.5
+        ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~ok, float("-inf")), -1), vv)
+        assert (o - ref).abs().max() < 1e-12
+        assert (lse - torch.logsumexp(s.masked_fill(~ok, float("-inf")), -1)).abs().max() < 1e-12
