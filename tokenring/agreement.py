@@ -3,7 +3,8 @@
 Each rank puts what must agree (shapes, options, checksums of values) in one row of numbers; one all-gather
 brings every row to every rank (:func:`exchange`), and :func:`require_same` raises the same ``ValueError`` on
 every rank when a row differs, naming the rank and the fields. A rank that never arrives is named too: each
-marks its arrival in the rendezvous store, so the ones still waiting can say who is missing. attention, decode,
+marks its arrival in the rendezvous store when an exchange does not finish at once (ranks in step skip that
+round trip), so the ones still waiting can say who is missing. attention, decode,
 extend and the Hugging Face checks all agree through here.
 """
 
@@ -67,11 +68,6 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     mine = torch.tensor(list(row), dtype=torch.float64, device=collective_device(group))
     every = mine.new_empty((P, len(mine)))
     n = _exchanges[id(group)] = _exchanges.get(id(group), -1) + 1
-    store = group_store(group)
-    try:  # one key per rank, overwritten: this rank's latest exchange (one store write per exchange)
-        store.set(_ARRIVED + str(rank), str(n))
-    except Exception:
-        store = None
     guard_exit(group)
     mark_process(group, rank)  # this process, for a failure that cannot say which peer is gone
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
@@ -80,9 +76,14 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
         work.wait()
         return None
     t0 = time.monotonic()
+    # This rank's arrival mark (one store key per rank, overwritten: its latest exchange) is what names a rank
+    # that never arrives. Ranks in step finish the exchange within _MARK_AFTER_S, and then nobody reads marks:
+    # the store round trip is spent only on an exchange still waiting by then, or failing.
+    store = group_store(group) if _done_within(work, _MARK_AFTER_S) else _mark(group_store(group), rank, n)
     try:
         work.wait(datetime.timedelta(seconds=get_timeout()))
     except Exception as e:
+        store = _mark(store, rank, n)  # (failed before its mark: the others may be reading marks now)
         missing = _who_never_arrived(store, n, P, who, early=time.monotonic() - t0 < get_timeout())
         raise RuntimeError(
             f"tokenring: rank {rank} failed to compare {what} with the other ranks within {get_timeout():.0f} s "
@@ -91,6 +92,33 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
             f"slow. The process group cannot be used again after this: destroy it and start the ranks again."
         ) from e
     return every.tolist()
+
+
+_MARK_AFTER_S = 0.002  # an exchange not finished by then leaves this rank's arrival mark in the store
+
+
+def _done_within(work, seconds: float) -> bool:
+    """Whether ``work`` completes within ``seconds`` (polled, the CPU left to others meanwhile)."""
+    end = time.monotonic() + seconds
+    try:
+        while not work.is_completed():
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.0001)
+    except Exception:  # a backend whose works cannot say: mark
+        return False
+    return True
+
+
+def _mark(store, rank: int, n: int):
+    """Leave this rank's arrival at exchange ``n`` in ``store``; the store, or ``None`` when it cannot be reached."""
+    if store is None:
+        return None
+    try:
+        store.set(_ARRIVED + str(rank), str(n))
+        return store
+    except Exception:
+        return None
 
 
 def _arrived(store, rank: int, n: int) -> bool:
