@@ -297,9 +297,11 @@ def walk(P: int = 4) -> dict:
     root = os.path.dirname(tokenring.__file__)
     seen: list[str] = []
     down: list[str] = []  # the modules on the call stack when the first kernel call begins, outermost first
+    kdir = os.path.join(root, "kernels")
 
     def hook(frame, event, arg):
-        if event == "call" and not down and frame.f_code.co_name == "forward" and "kernels" in frame.f_code.co_filename:
+        code = frame.f_code
+        if event == "call" and not down and code.co_name == "forward" and code.co_filename.startswith(kdir):
             f = frame
             while f is not None:
                 if f.f_code.co_filename.startswith(root):

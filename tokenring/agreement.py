@@ -16,9 +16,8 @@ import zlib
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from .comm import done_reading, get_timeout, group_store, guard_exit, mark_process, marked
+from .comm import all_gather_into, done_reading, get_timeout, group_store, guard_exit, mark_process, marked
 from .device import collective_device, values_travel
 
 __all__ = [
@@ -70,8 +69,7 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     n = _exchanges[id(group)] = _exchanges.get(id(group), -1) + 1
     guard_exit(group)
     mark_process(group, rank)  # this process, for a failure that cannot say which peer is gone
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
-    work = gather(every, mine.unsqueeze(0), group=group, async_op=True)
+    work = all_gather_into(every, mine.unsqueeze(0), group)
     if not values_travel(group):
         work.wait()
         return None
@@ -79,11 +77,14 @@ def exchange(row: Sequence[float], group, rank: int, P: int, who: str, what: str
     # This rank's arrival mark (one store key per rank, overwritten: its latest exchange) is what names a rank
     # that never arrives. Ranks in step finish the exchange within _MARK_AFTER_S, and then nobody reads marks:
     # the store round trip is spent only on an exchange still waiting by then, or failing.
-    store = group_store(group) if _done_within(work, _MARK_AFTER_S) else _mark(group_store(group), rank, n)
+    store, mark_left = group_store(group), not _done_within(work, _MARK_AFTER_S)
+    if mark_left:
+        store = _mark(store, rank, n)
     try:
         work.wait(datetime.timedelta(seconds=get_timeout()))
     except Exception as e:
-        store = _mark(store, rank, n)  # (failed before its mark: the others may be reading marks now)
+        if not mark_left:  # (failed before its mark: the others may be reading marks now)
+            store = _mark(store, rank, n)
         missing = _who_never_arrived(store, n, P, who, early=time.monotonic() - t0 < get_timeout())
         raise RuntimeError(
             f"tokenring: rank {rank} failed to compare {what} with the other ranks within {get_timeout():.0f} s "

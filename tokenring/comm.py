@@ -340,6 +340,13 @@ def _peer(direction: str, m: Message) -> int:
     return m.dst if direction == "send" else m.src
 
 
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group):
+    """Post one all-gather of ``x`` (1, ...) into ``out`` (P, ...), rank order; the work. Looked up per call
+    (``all_gather_single``; ``all_gather_into_tensor`` before torch 2.13), so that a wrapped ``dist`` sees it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, x, group=group, async_op=True)
+
+
 class Packed(list):
     """Tensors that are views of one flat byte buffer ``flat`` (what one message travels as)."""
 
@@ -529,8 +536,7 @@ class Comm:
         src = (x.to("cpu") if staged else x).contiguous()
         out = src.new_empty((self.world, *src.shape))
         try:
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
-            work = gather(out, src.unsqueeze(0), group=self.group, async_op=True)
+            work = all_gather_into(out, src.unsqueeze(0), self.group)
             if self.bounded:
                 work.wait(datetime.timedelta(seconds=self.timeout))
             else:
