@@ -1039,3 +1039,27 @@ def replay_case(rank: int, P: int, todo: list[dict]) -> int:
             for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, results[2]):
                 assert torch.equal(a, b), f"rank {rank}/{P} {case}: {name} replayed differs from the step loop"
     return len(todo)
+
+
+def refused_then_good(rank: int, P: int, kind: str) -> tuple[str, float]:
+    """Rank 1 alone passes arguments its own checks refuse (``kind``: "decode": heads that do not divide; "extend":
+    a new-token range longer than its queries), then every rank makes a good call of the same kind: (the
+    ValueError this rank got, the good call's error against the float64 reference)."""
+    from tokenring.decode import decode_attention
+    from tokenring.extend import extend_attention
+
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 6, 2 if rank != 1 or kind != "decode" else 3, 8)
+    try:
+        if kind == "decode":
+            decode_attention(q[:, :1], k, k.clone(), state=(6 * P,))
+        else:
+            extend_attention(q, k, k.clone(), new=(2 * rank, 2 * rank + (3 if rank == 1 else 2)), strategy="pass_q")
+    except ValueError as e:
+        msg = str(e)
+    else:
+        raise AssertionError(f"rank {rank}: no ValueError")
+    if kind == "decode":
+        case = dict(B=2, n=5 * P + 2, t=1, H=6, Hkv=2, d=12, dtype="float64", seed=1)
+        return msg, decode_case(rank, P, case)[1]
+    case = dict(B=1, n=4 * P + 1, T=2 * P + 1, H=4, Hkv=2, d=8, dtype="float64", strategy="pass_q", seed=2)
+    return msg, extend_case(rank, P, case)

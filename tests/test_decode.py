@@ -51,3 +51,12 @@ def test_decode_mismatch_raises_on_every_rank(pools):
 
 def test_step_bytes_formula():
     assert step_bytes(B=2, t=1, H=8, d=64, P=4) == 3 * 2 * 8 * 65 * 4
+
+
+@pytest.mark.parametrize("kind", ["decode", "extend"])
+def test_refusal_on_one_rank_raises_everywhere_and_the_next_step_is_exact(pools, kind):
+    """Rank 1 alone refuses its arguments before the step's check: every rank raises a ValueError (the others
+    naming rank 1), and the group stays in step: a good call right after is exact on every rank."""
+    for rank, (msg, err) in enumerate(pools(3).run(cases.refused_then_good, kind)):
+        assert ("rank 1" in msg) and (rank == 1 or "refused its arguments" in msg), (rank, msg)
+        assert err < 1e-9, (rank, err)

@@ -11,13 +11,23 @@ extend and the Hugging Face checks all agree through here.
 from __future__ import annotations
 
 import datetime
+import math
 import time
 import zlib
 from typing import Callable, Sequence
 
 import torch
 
-from .comm import all_gather_into, done_reading, get_timeout, group_store, guard_exit, mark_process, marked
+from .comm import (
+    all_gather_into,
+    done_reading,
+    get_timeout,
+    group_store,
+    guard_exit,
+    mark_process,
+    marked,
+    publish_refusal,
+)
 from .device import collective_device, values_travel
 
 __all__ = [
@@ -27,6 +37,7 @@ __all__ = [
     "ranks_differing",
     "odd_ones",
     "require_same",
+    "refuse_at_exchange",
     "differences",
     "Verified",
     "forget_groups",
@@ -212,10 +223,27 @@ def require_same(
     "``who`` (rank 1): rank 0 ``doing`` with a different dtype (...). ``advice``"."""
     if rows is None:
         return
+    refused = [r for r, row in enumerate(rows) if row and math.isnan(row[0])]  # (refuse_at_exchange's rows)
+    if refused:
+        raise ValueError(
+            f"{who} (rank {rank}): rank {refused[0]} refused its arguments (its own error says why). {advice}"
+        )
     diff = differences(rows, names, rank, show)
     if diff is not None:
         r, bad = diff
         raise ValueError(f"{who} (rank {rank}): rank {r} {doing} with a different {'; '.join(bad)}. {advice}")
+
+
+def refuse_at_exchange(problem: ValueError, n: int, group, rank: int, P: int, who: str, what: str):
+    """Raise ``problem``, this rank's refusal of its arguments, found before an exchange of ``n``-number rows that
+    the other ranks make at this point: its row there is all NaN, so :func:`require_same` raises on every rank
+    (naming this one) and the group stays in step for the next call."""
+    publish_refusal(group, rank, str(problem))
+    try:
+        exchange([math.nan] * n, group, rank, P, who, what)
+    except RuntimeError:  # the others are gone or elsewhere: this rank's own error is the one to raise
+        pass
+    raise problem
 
 
 class Verified:

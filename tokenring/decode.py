@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .agreement import code, exchange, require_same
+from .agreement import code, exchange, refuse_at_exchange, require_same
 from .comm import Comm
 from .extend import RowMask, attend_rows, check_rows
 from .kernels import attention_inputs, fold_scale, softmax_scale_of
@@ -67,10 +67,15 @@ def decode_attention(
             sinks=sinks, window=window, positions=positions, start=start, row_documents=row_documents,
         )[..., :dv]  # fmt: skip
     rank, P = group_info(group)
-    rows = tuple(tuple(int(x) for x in row) for row in row_documents) if row_documents is not None else ()
-    mask = RowMask(-1 if window is None else int(window), rows=rows)
-    a, b = _check_step(q, k, v, new, mask, positions, start, rank)
-    q, scale = fold_scale(q, softmax_scale_of(softmax_scale, q.shape[3]))
+    try:
+        rows = tuple(tuple(int(x) for x in row) for row in row_documents) if row_documents is not None else ()
+        mask = RowMask(-1 if window is None else int(window), rows=rows)
+        a, b = _check_step(q, k, v, new, mask, positions, start, rank)
+        q, scale = fold_scale(q, softmax_scale_of(softmax_scale, q.shape[3]))
+    except ValueError as e:  # the others wait in the step's check: they raise too
+        if check and P > 1 and not torch.compiler.is_compiling():
+            refuse_at_exchange(e, len(_HEADER) + len(state), group, rank, P, _WHO, "the step's shapes")
+        raise
     if P == 1:  # every cached row precedes every new token; queries a..b-1 see new tokens a..b-1 causally
         o, lse = attend_rows(q, 0, k, v, positions, a, b, start or 0, mask, scale)
         if sinks is not None:

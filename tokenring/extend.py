@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .agreement import code, exchange, require_same
+from .agreement import code, exchange, refuse_at_exchange, require_same
 from .comm import Comm, buffers
 from .device import values_travel
 from .executor import execute
@@ -132,6 +132,7 @@ def _attend_groups(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: R
 
 _HEADER = ["batch", "query heads", "key/value heads", "head dim", "dtype", "strategy", "window", "documents", "scale"]
 _WHO = "tokenring extend"
+_HEADER_NUMBERS = 15  # the header's numbers besides ``state``: see _exchange_header
 
 
 def _exchange_header(
@@ -415,13 +416,17 @@ def extend_attention(
             positions=positions, sinks=sinks, group=group, shards=shards, state=state, log=log,
         )[..., :dv]  # fmt: skip
     rank, P = group_info(group)
-    B, t, H, d = q.shape
-    Hkv, n = k.shape[2], k.shape[1]
-    a, b = new
-    mask = RowMask(-1 if window is None else int(window), tuple(int(x) for x in cu_seqlens) if cu_seqlens else ())
-    _check_turn(q, k, v, new, mask, positions, strategy, rank, P)
-    scale = softmax_scale_of(softmax_scale, d)
-    q, scale = fold_scale(q, scale)
+    try:
+        B, t, H, d = q.shape
+        Hkv, n = k.shape[2], k.shape[1]
+        a, b = new
+        mask = RowMask(-1 if window is None else int(window), tuple(int(x) for x in cu_seqlens) if cu_seqlens else ())
+        _check_turn(q, k, v, new, mask, positions, strategy, rank, P)
+        q, scale = fold_scale(q, softmax_scale_of(softmax_scale, d))
+    except ValueError as e:  # ranks that check this step's header wait in that exchange: they raise too
+        if P > 1 and (shards is None or state is not None):
+            refuse_at_exchange(e, _HEADER_NUMBERS + len(state or ()), group, rank, P, _WHO, "the step's shapes")
+        raise
     if P == 1:
         out, lse = attend_rows(q, a, k, v, positions, a, b, n - t, mask, scale)
         if sinks is not None:
