@@ -819,7 +819,7 @@ def any_length_case(rank: int, P: int, cases: list[dict]) -> list[float]:
         k, v = (torch.randn(2, S, Hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
         sinks = torch.linspace(-1.0, 1.5, H, dtype=torch.float64) if case.get("sinks") else None
         lay = layout or ("zigzag" if causal else "contiguous")
-        docs = cu if lay in PLANNED_LAYOUTS else None  # the plan follows the documents
+        docs = cu if lay in (*PLANNED_LAYOUTS, "auto") else None  # the plan follows the documents
         mine = [tokenring.shard(x, 1, lay, cu_seqlens=docs).clone().requires_grad_() for x in (q, k, v)]
         if sinks is not None:
             sinks = sinks.clone().requires_grad_()
@@ -845,6 +845,26 @@ def any_length_case(rank: int, P: int, cases: list[dict]) -> list[float]:
             err = max(err, rel_err(got_sinks, ref_sinks.grad, 1e-3))
         errs.append(max(err, rel_err(tokenring.gather(out.detach(), 1, lay, cu_seqlens=docs), ref.detach())))
     return errs
+
+
+def auto_layout_case(rank: int, P: int, cases: list[dict]) -> list[tuple[float, str]]:
+    """:func:`any_length_case` under ``layout="auto"``; a case's ``pick`` makes the chooser answer that placement
+    (to reach each one on small shapes): ``(error, the placement shard chose)`` per case."""
+    import tokenring.sim.placement as placement
+    from tokenring.layouts import resolve_layout
+
+    real = placement.choose_layout
+    out = []
+    try:
+        for case in cases:
+            pick = case.get("pick")
+            placement.choose_layout = real if pick is None else (lambda S, P, bounds, pick=pick: pick)
+            c = {k: v for k, v in case.items() if k != "pick"}
+            chose = resolve_layout("auto", c["S"], P, c.get("cu_seqlens"))
+            out.append((any_length_case(rank, P, [dict(c, layout="auto")])[0], chose))
+    finally:
+        placement.choose_layout = real
+    return out
 
 
 def settings_on_rank0_case(rank: int, P: int, name: str, value, s: int = 8) -> str:

@@ -167,6 +167,64 @@ def test_whole_docs_layout_is_exact(pools, P):
         assert max(errs) < 1e-10, list(zip(grid, errs))
 
 
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
+def test_auto_layout_is_exact(pools, P):
+    """layout="auto" at shard, attention and gather: every placement it can choose (forced per case, on
+    documents no other case uses, so no cached plan answers), and the cost model's own choice; causal or not,
+    windows, sinks, any length."""
+    S, odd = 36 * P, 36 * P + 5
+    grid = [
+        dict(S=S, H=4, Hkv=2, d=5, causal=True, strategy="token_ring", cu_seqlens=[0, 4 + i, 11, S - 6, S], pick=pick)
+        for i, pick in enumerate(("zigzag", "contiguous", "balanced", "whole_docs"))
+    ] + [
+        dict(S=odd, H=4, Hkv=2, d=3, causal=True, strategy="ring", cu_seqlens=[0, 9, 13, odd], window=(5, 0),
+             pick="whole_docs"),
+        dict(S=odd, H=4, Hkv=4, d=3, causal=False, strategy="token_ring", cu_seqlens=[0, 2, odd - 3, odd],
+             pick="balanced", sinks=True),
+        dict(S=S, H=4, Hkv=2, d=3, causal=True, strategy="auto", cu_seqlens=[0, 5, S // 3, S]),
+        dict(S=S, H=4, Hkv=2, d=3, causal=True, strategy="ring", cu_seqlens=None),
+    ]  # fmt: skip
+    got = pools(P).run(cases.auto_layout_case, grid)
+    for per_rank in got:
+        assert max(e for e, _ in per_rank) < 1e-10, list(zip(grid, per_rank))
+    chosen = [c for _, c in got[0]]
+    assert chosen[:6] == [g["pick"] for g in grid[:6]], chosen
+    assert chosen[7] == "zigzag" and all([c for _, c in r] == chosen for r in got), got
+
+
+def test_auto_layout_choice():
+    """The cost model's choice: the fastest predicted placement, a later candidate only when over TIE faster;
+    zigzag for one document; a change of topology re-decides; a bad packing is a ValueError naming it."""
+    import numpy as np
+
+    from tokenring import configure
+    from tokenring.layouts import resolve_layout
+    from tokenring.sim.placement import CANDIDATES, TIE, placement_times
+
+    def fastest(times):
+        best = CANDIDATES[0]
+        for c in CANDIDATES[1:]:
+            best = c if times[c] < times[best] * (1 - TIE) else best
+        return best
+
+    rng = np.random.default_rng(3)
+    for P in (2, 4, 8):
+        for _ in range(3):
+            S = 4096 * P
+            cu = _packing(S, rng, 600, 1.6)
+            assert resolve_layout("auto", S, P, cu) == fastest(placement_times(S, P, tuple(cu))), (P, cu)
+    assert resolve_layout("auto", 4096, 4, [0, 4096]) == resolve_layout("auto", 4096, 4, None) == "zigzag"
+    assert resolve_layout("contiguous", 64, 4, [0, 3, 64]) == "contiguous"
+    S, cu = 4 * 4096, _packing(4 * 4096, rng, 600, 1.6)
+    try:
+        configure(topology="mesh:200mbit")
+        assert resolve_layout("auto", S, 4, cu) == fastest(placement_times(S, 4, tuple(cu)))
+    finally:
+        configure(topology=None)
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        resolve_layout("auto", 100, 4, [0, 50, 90])
+
+
 def test_whole_docs_plan_keeps_documents_whole():
     """Each rank holds S/P tokens in increasing order, every token once. A document is cut only when it is over
     the split threshold (longer than S/P or over WHOLE_DOC_SHARE of a rank's mean work), or to fill ranks: each

@@ -14,7 +14,17 @@ from .comm import move_rows
 from .device import device_type as device_kind
 from .instrument import current as current_instruments
 from .kernels import attention_inputs, fold_scale
-from .layouts import LAYOUTS, PLANNED_LAYOUTS, default_layout, even_out, group_info, padded_length, shard_positions
+from .layouts import (
+    AUTO_LAYOUT,
+    LAYOUTS,
+    PLANNED_LAYOUTS,
+    default_layout,
+    even_out,
+    group_info,
+    padded_length,
+    resolve_layout,
+    shard_positions,
+)
 from .masks import check_bounds_tensor, whole_numbers
 from .ops import (
     Call,
@@ -65,7 +75,8 @@ def attention(
     """Exact softmax attention over a sequence sharded across the ranks of ``group``.
 
     ``q`` (B, s, H, d), ``k`` (B, s, Hkv, d), ``v`` (B, s, Hkv, dv): this rank's shard, laid out by ``layout``
-    (default ``"zigzag"`` when causal, else ``"contiguous"``: as the caller sharded). Returns (B, s, H, dv) in
+    (default ``"zigzag"`` when causal, else ``"contiguous"``: as the caller sharded; ``"auto"``: the placement
+    the cost model picks for ``cu_seqlens``, as :func:`tokenring.shard` picks it). Returns (B, s, H, dv) in
     ``q.dtype``, the rows of single-device attention over the whole sequence; differentiable in q, k, v, sinks.
     ``strategy``: ``"auto"`` (the cost model's pick, made on rank 0 and shared), a family (``"token_ring"``,
     ``"ring"``, ``"ring_bidir"``, ``"ulysses"``; over nodes of ``inner_size`` ranks ``"usp"``, ``"double_ring"``,
@@ -97,6 +108,14 @@ def attention(
     if rows is not None:
         return _ragged(q, k, v, rows, causal, softmax_scale, strategy, cu_seqlens, window, sinks, group, inner_size,
                        seq_len, rank, P)  # fmt: skip
+    if layout == AUTO_LAYOUT:  # this batch's placement: a pure function of its documents, alike on every rank
+        try:
+            S = int(seq_len) if seq_len is not None else q.shape[1] * P
+            layout = resolve_layout(layout, S, P, cu_seqlens)
+        except (TypeError, ValueError) as e:
+            if P == 1 or torch.compiler.is_compiling():
+                raise _ranked(ValueError(f"tokenring.attention: {e}"), rank) from None
+            _refuse_everywhere(_ranked(ValueError(f"tokenring.attention: {e}"), rank), group, rank, P)
     S = _uneven_length(q, seq_len, layout, causal, P)
     if S is not None:  # shards of a length the layout does not split evenly: pad them, run, cut the padding
         return _uneven(q, k, v, S, causal, softmax_scale, strategy, layout, cu_seqlens, window, sinks, group,
@@ -162,10 +181,18 @@ def _call_key(q, k, v, sinks, causal, softmax_scale, strategy, layout, cu_seqlen
         return (  # the group's name, not its id: a group made after another was destroyed may reuse the id
             _group_name(group), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
             None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), causal, softmax_scale, strategy,
-            layout, docs, None if window is None else tuple(window), inner_size, seq_len, grad, kind,
+            layout, docs, None if window is None else tuple(window), inner_size, seq_len,
+            _auto_inputs() if layout == AUTO_LAYOUT else None, grad, kind,
         )  # fmt: skip
     except (TypeError, AttributeError, ValueError):  # not tensors, or options that are not plain values: no key
         return None
+
+
+def _auto_inputs() -> str:
+    """What ``layout="auto"`` resolves by besides the call's documents: the topology setting."""
+    from . import settings
+
+    return repr(settings.get("topology"))
 
 
 def _uneven_length(q, seq_len, layout, causal: bool, P: int) -> int | None:

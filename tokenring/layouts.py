@@ -15,6 +15,9 @@
   causal work, so that two ranks sharing no document exchange nothing; only a document longer than a rank's
   share of tokens, or with more work than a rank's mean, is split, zigzag-style within it, over as many ranks as
   that takes (:func:`whole_docs_plan`). Takes ``cu_seqlens`` too.
+- ``auto``: one of ``zigzag``, ``contiguous``, ``balanced`` and ``whole_docs`` per batch, the one the cost model
+  predicts fastest for its documents (:func:`resolve_layout`; ``zigzag`` without documents). A pure function of
+  the length, the ranks, the documents and the topology setting, so every entry point resolves it alike.
 
 Within a rank the local tokens are always in increasing global order, so a causal mask on a rank's own
 Q against its own K/V is the plain lower-triangular mask.
@@ -51,11 +54,16 @@ __all__ = [
     "layout_runs",
     "Move",
     "even_out",
+    "AUTO_LAYOUT",
+    "LAYOUT_CHOICES",
+    "resolve_layout",
 ]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_docs", "balanced", "whole_docs")
 DOCUMENT_LAYOUTS = ("zigzag_docs", "balanced", "whole_docs")  # which tokens a rank holds depends on the documents
 PLANNED_LAYOUTS = ("balanced", "whole_docs")  # a planner places documents of any lengths (padding: one more)
+AUTO_LAYOUT = "auto"  # chosen per batch by the cost model: resolve_layout
+LAYOUT_CHOICES = (*LAYOUTS, AUTO_LAYOUT)
 
 
 def default_layout(causal: bool) -> str:
@@ -63,9 +71,29 @@ def default_layout(causal: bool) -> str:
     return "zigzag" if causal else "contiguous"
 
 
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not supported; use one of {LAYOUTS}")
+def check_layout(layout: str, auto: bool = False) -> None:
+    """A ValueError unless ``layout`` names a layout (or, with ``auto``, is ``"auto"``, resolved later)."""
+    if layout not in (LAYOUT_CHOICES if auto else LAYOUTS):
+        raise ValueError(f"layout={layout!r} is not supported; use one of {LAYOUT_CHOICES if auto else LAYOUTS}")
+
+
+def resolve_layout(layout: str, S: int | None, P: int, cu_seqlens=None) -> str:
+    """``layout`` itself, or for ``"auto"`` the placement of this batch: ``zigzag`` without documents (or with
+    one), else the one of ``zigzag``, ``contiguous``, ``balanced`` and ``whole_docs`` that the cost model
+    predicts fastest for the documents (:func:`tokenring.sim.placement.choose_layout`). ``S``: the global
+    length (``None``: the documents' end). The same on every rank that passes the same arguments."""
+    if layout != AUTO_LAYOUT:
+        return layout
+    if cu_seqlens is None:
+        return "zigzag"
+    cu = tuple(int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
+    S = cu[-1] if S is None and cu else S
+    bounds = document_bounds(S, P, cu, "whole_docs")
+    if P == 1 or len(bounds) <= 2 or S < 2 * P:
+        return "zigzag"
+    from .sim.placement import choose_layout
+
+    return choose_layout(S, P, bounds)
 
 
 def group_info(group=None) -> tuple[int, int]:
@@ -111,6 +139,7 @@ def document_bounds(S: int, P: int, cu_seqlens, layout: str = "zigzag_docs") -> 
 def local_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seqlens=None) -> torch.Tensor:
     """Global token positions (int64, length ``S // P``) held by ``rank``, in local order (``cu_seqlens``: the
     documents, for ``zigzag_docs``)."""
+    layout = resolve_layout(layout, S, P, cu_seqlens)
     check_layout(layout)
     _check_divisible(S, P, layout)
     if layout in PLANNED_LAYOUTS:
@@ -294,14 +323,17 @@ def layout_runs(S: int, P: int, layout: str, bounds: tuple[int, ...]) -> tuple[t
 
 
 def _parts(S: int, P: int, layout: str) -> int:
-    """How many equal chunks ``layout`` cuts a sequence of ``S`` tokens into over ``P`` ranks."""
-    if layout == "balanced":
+    """How many equal chunks ``layout`` cuts a sequence of ``S`` tokens into over ``P`` ranks (for ``"auto"``:
+    a number every candidate's divides, so that padding to it leaves the choice as it was)."""
+    if layout in ("balanced", AUTO_LAYOUT):
         return P * (BALANCE_CHUNKS if S > BALANCE_CHUNKS * P * 8 else 2)  # chunks of 8 tokens at least
     return 2 * P if layout.startswith("zigzag") else P
 
 
 def padded_length(S: int, P: int, layout: str) -> int:
-    """``S`` rounded up to a length ``layout`` splits evenly over ``P`` ranks (``2P`` chunks for zigzag)."""
+    """``S`` rounded up to a length ``layout`` splits evenly over ``P`` ranks (``2P`` chunks for zigzag; for
+    ``"auto"``, a length every placement it chooses among splits evenly)."""
+    check_layout(layout, auto=True)
     parts = _parts(S, P, layout)
     return -(-S // parts) * parts
 
@@ -309,6 +341,7 @@ def padded_length(S: int, P: int, layout: str) -> int:
 def shard_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seqlens=None) -> torch.Tensor:
     """Global positions ``rank`` holds of a sequence of any length ``S``: ``layout`` over ``S`` padded at the end
     to :func:`padded_length`, the padding left out (the last ranks, or zigzag's late chunks, hold fewer rows)."""
+    layout = resolve_layout(layout, S, P, cu_seqlens)
     check_layout(layout)
     if layout == "zigzag_docs" or S == padded_length(S, P, layout):
         return local_positions(S, P, rank, layout, device, cu_seqlens)
@@ -321,6 +354,7 @@ def shard_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
 def global_order(S: int, P: int, layout: str, device=None, cu_seqlens=None) -> torch.Tensor:
     """Positions of the concatenation ``[rank 0's shard, rank 1's shard, ...]``: ``cat(...)[i]`` is token
     ``global_order[i]``. ``argsort`` of it reorders a concatenation back to natural order."""
+    layout = resolve_layout(layout, S, P, cu_seqlens)
     return torch.cat([local_positions(S, P, r, layout, device, cu_seqlens) for r in range(P)])
 
 
@@ -332,6 +366,7 @@ def shard(x_full: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=
     """
     rank, P = group_info(group)
     dim = dim % x_full.dim()
+    layout = resolve_layout(layout, x_full.shape[dim], P, cu_seqlens)
     idx = shard_positions(x_full.shape[dim], P, rank, layout, device=x_full.device, cu_seqlens=cu_seqlens)
     if layout == "contiguous":
         return x_full.narrow(dim, int(idx[0]) if len(idx) else 0, idx.numel())
@@ -343,8 +378,9 @@ def gather(
 ) -> torch.Tensor:
     """Inverse of :func:`shard`: the full tensor along ``dim``, on every rank (not differentiable). The ranks'
     lengths are exchanged unless ``seq_len`` (the full length) is given."""
-    check_layout(layout)
     rank, P = group_info(group)
+    layout = resolve_layout(layout, seq_len, P, cu_seqlens)
+    check_layout(layout)
     if P == 1:
         return x_local
     dim = dim % x_local.dim()

@@ -1,0 +1,74 @@
+"""``layout="auto"``: the placement of a packed batch (``zigzag``, ``contiguous``, ``balanced`` or ``whole_docs``)
+that the cost model predicts fastest for its documents.
+
+The choice is a pure function of the global length, the ranks, the documents and the topology setting, so every
+rank and every entry point (``shard``, ``gather``, ``attention``, the HF layers and ``shard_batch``) reaches the
+same answer without a message; ``attention``'s agreement compares the layouts the ranks resolved. It does not
+depend on the device: a batch sharded on the CPU and attended on a GPU must be placed alike. So the topology is
+the one set (``tokenring.set_topology``, ``$TOKENRING_TOPOLOGY``) or else :data:`REFERENCE_TOPOLOGY`, and the
+layer is a reference one (:data:`REFERENCE_HEADS`): the choice weighs placements against each other, which the
+heads scale alike. Each candidate is timed forward+backward under ring and TokenRing, its better time counting.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .. import settings
+from ..layouts import padded_length
+from ..masks import make_mask
+from ..schedules import Shapes
+
+__all__ = ["choose_layout", "placement_times", "CANDIDATES", "REFERENCE_TOPOLOGY", "REFERENCE_HEADS"]
+
+CANDIDATES = ("zigzag", "contiguous", "balanced", "whole_docs")  # in the order ties go
+REFERENCE_TOPOLOGY = "h200-nvswitch-8"  # without a topology set: an 8-GPU NVSwitch node, calibrated H200 kernels
+REFERENCE_HEADS = (32, 8, 128)  # H, Hkv, d of the layer the placements are timed on (an 8B model's), bf16
+STRATEGIES = ("ring", "token_ring:relay")
+TIE = 0.01  # a later candidate must be this much faster to be chosen
+
+
+def choose_layout(S: int, P: int, bounds: tuple[int, ...]) -> str:
+    """The placement of ``S`` tokens in documents ``bounds`` (``cu_seqlens``, from 0 to ``S``) over ``P`` ranks
+    predicted fastest (ties to the earlier of :data:`CANDIDATES`)."""
+    spec = settings.get("topology")
+    return _choose(S, P, tuple(bounds), spec if isinstance(spec, (str, type(None))) else repr(spec))
+
+
+@lru_cache(maxsize=256)
+def _choose(S: int, P: int, bounds: tuple[int, ...], spec) -> str:
+    times = placement_times(S, P, bounds)
+    best = CANDIDATES[0]
+    for lay in CANDIDATES[1:]:
+        if times[lay] < times[best] * (1 - TIE):
+            best = lay
+    return best
+
+
+def placement_times(S: int, P: int, bounds: tuple[int, ...], topology=None) -> dict[str, float]:
+    """Predicted seconds of one causal forward+backward call per candidate placement (the better of ring and
+    TokenRing), on ``topology`` (default: the one set, else :data:`REFERENCE_TOPOLOGY`)."""
+    from .auto import _kernel
+    from .kernel_model import kernel_model
+    from .simulator import simulate
+    from .topology import get_topology
+
+    spec = topology if topology is not None else settings.get("topology")
+    topo = get_topology(spec if spec is not None else REFERENCE_TOPOLOGY, P)
+    if spec is None:
+        km = kernel_model("h200", calibrated=True, dtype=torch.bfloat16)
+    else:
+        km = _kernel(topo, P)
+    H, Hkv, d = REFERENCE_HEADS
+    out = {}
+    for lay in CANDIDATES:
+        Sp = padded_length(S, P, lay)  # as shard cuts any length: padding at the end, a document of its own
+        docs = tuple(bounds) + ((Sp,) if Sp > S else ())
+        mask = make_mask(Sp, list(docs), None, True, force=True)
+        sh = Shapes(1, Sp // P, H, Hkv, d, torch.bfloat16, P)
+        out[lay] = min(
+            simulate(st, sh, topo, km, causal=True, layout=lay, backward=True, mask=mask).time for st in STRATEGIES
+        )
+    return out
