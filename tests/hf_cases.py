@@ -484,13 +484,26 @@ def generate_modes(rank: int, P: int, mode: str) -> dict:
 
 
 def any_length_matches(
-    rank: int, P: int, lengths: list[int], rows: int = 1, pad: str | None = None, layout: str = "zigzag"
+    rank: int, P: int, lengths: list[int], rows: int = 1, pad: str | None = None, layout: str = "zigzag",
+    pick: str | None = None,
 ) -> dict:
     """A batch of any length through shard_batch, vs one process (float32, the small Llama): ``rows`` = 1 packs
     documents of ``lengths`` into one row (position ids restarting, as DataCollatorWithFlattening makes it);
     ``pad`` ("right", "left"): one row per length, padded to the longest with a 2D attention mask (pad labels
-    -100).
+    -100). ``pick``: under ``layout="auto"``, the placement the chooser answers (to reach each on small shapes).
     Returns the max |logits| difference over real tokens, the loss difference and the worst relative gradient."""
+    import tokenring.sim.placement as placement
+
+    real_choice = placement.choose_layout
+    if pick is not None:
+        placement.choose_layout = lambda S, P, bounds: pick
+    try:
+        return _any_length_matches(rank, P, lengths, rows, pad, layout)
+    finally:
+        placement.choose_layout = real_choice
+
+
+def _any_length_matches(rank: int, P: int, lengths: list[int], rows: int, pad, layout: str) -> dict:
     model = build("llama", "tokenring", num_hidden_layers=2)
     ref = build("llama", "sdpa", num_hidden_layers=2)
     ref.load_state_dict(model.state_dict())
@@ -522,7 +535,13 @@ def any_length_matches(
         loss = thf.reduce_loss(out.loss)
         logits = thf.gather_logits(out.logits, length=S, cu_seqlens=batch.get("cu_seq_lens_q"))
     real = mask.bool() if mask is not None else torch.ones(1, S, dtype=torch.bool)
+    cu = batch.get("cu_seq_lens_q")
+    Sp = batch["input_ids"].shape[1] * P
+    placed = tokenring.layouts.resolve_layout(layout, Sp, P, cu)
+    padded = torch.nn.functional.pad(ids, (0, Sp - S))
     return dict(
+        placed=placed,
+        held_as_placed=torch.equal(batch["input_ids"], tokenring.shard(padded, 1, placed, cu_seqlens=cu)),
         logits=(logits - want.logits.detach())[real].abs().max().item(),
         loss=abs(loss.item() - want.loss.item()),
         grad=max(rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),

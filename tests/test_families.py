@@ -167,6 +167,7 @@ def _layouts(P: int) -> list:
         ("balanced" if P % 2 == 0 else "whole_docs", [6 * P + 3, 5 * P - 3, 5 * P], 2, 0),
         ("zigzag_docs", [2 * P * 3, 2 * P * 5], 1, 0),
         ("zigzag", [16 * P], 2, 5),
+        ("auto", [4 * P + 1, 9 * P, 3 * P - 1], 1, 0),
     ]
 
 

@@ -264,6 +264,24 @@ def test_any_length_and_padding(pools, P):
         assert r["logits"] < 1e-4 and r["loss"] < 1e-5 and r["grad"] < 1e-4, (P, lengths, r)
 
 
+@pytest.mark.parametrize("P", [2, 3])
+def test_auto_layout_through_shard_batch(pools, P):
+    """layout="auto": shard_batch places each packed batch as the chooser says, and the layers and gather_logits
+    resolve the same placement from the cu_seq_lens_q it passes (each placement forced once, on its own
+    lengths; the cost model's own pick; a padded batch: its documents are the length padding's, if any). As one process."""
+    for lengths, pad, pick in (
+        ([3, 40, 7, 1, 61, 20], None, "whole_docs"),
+        ([30, 5, 90, 1, 44], None, "balanced"),
+        ([9, 70, 2, 33, 17], None, "contiguous"),
+        ([12, 1, 50, 66, 3], None, "zigzag"),
+        ([25, 3, 81, 14], None, None),
+        ([37, 64, 5], "right", None),
+    ):
+        r = pools(P).run(hf_cases.any_length_matches, lengths, 3 if pad else 1, pad, "auto", pick)[0]
+        assert r["logits"] < 1e-4 and r["loss"] < 1e-5 and r["grad"] < 1e-4, (P, lengths, pick, r)
+        assert r["held_as_placed"] and r["placed"] == (pick or r["placed"]), (P, lengths, pick, r)
+
+
 def test_tiled_loss_puts_back_an_instance_forward(pools):
     assert all(pools(2).run(hf_cases.tiled_loss_keeps_head_hooks))
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import mixer_op, recurrence
-from .layouts import DOCUMENT_LAYOUTS, group_info, local_positions
+from .layouts import AUTO_LAYOUT, DOCUMENT_LAYOUTS, group_info, local_positions, resolve_layout
 
 __all__ = [
     "Mixer",
@@ -194,7 +194,7 @@ class Replicated:
         B, s = hidden.shape[:2]
         key = (s, P, rank, layout)
         if key not in self._plans:
-            if layout in DOCUMENT_LAYOUTS:
+            if layout in (*DOCUMENT_LAYOUTS, AUTO_LAYOUT):
                 raise ValueError(
                     f"{self.description}; these layers run on the whole sequence, which "
                     f"layout={layout!r} does not say how to assemble: use layout='zigzag' or 'contiguous'"
@@ -382,6 +382,9 @@ class StatePassing:
             if P == 1 and cache is None and cu is not None:  # one rank: packed documents only
                 sharded = torch.compiler.is_compiling() or len(cu) > 2
             if sharded:
+                if layout == AUTO_LAYOUT:  # the placement shard_batch chose from these documents
+                    docs = None if cu is None else torch.as_tensor(cu).cpu()
+                    layout = resolve_layout(layout, hidden.shape[1] * P, P, docs)
                 if layout in DOCUMENT_LAYOUTS and cu is None:
                     raise ValueError(
                         f"tokenring: {where} runs under layout={layout!r}, which places tokens by document, but "

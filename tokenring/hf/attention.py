@@ -19,7 +19,7 @@ from ..agreement import exchange
 from ..api import attention
 from ..device import collective_device, values_travel
 from ..instrument import instrument
-from ..layouts import DOCUMENT_LAYOUTS, gather, group_info
+from ..layouts import AUTO_LAYOUT, DOCUMENT_LAYOUTS, gather, group_info, resolve_layout
 from ..ops import IdentityCache, _group_name, _plain_eager, _pretended_meta, resolve_group
 from .cache import forget_steps, step_attention, take_step
 from .config import NAME, _settings
@@ -248,8 +248,9 @@ def attention_forward(
     window = (window - 1, 0 if causal else window - 1) if window is not None else None
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     extra = _settings.config_fn(module) if _settings.config_fn is not None else None
+    layout = layer_layout(s, kwargs.get("cu_seq_lens_q"))
     kw = dict(
-        causal=causal, softmax_scale=scaling, strategy=_settings.strategy, layout=_settings.layout, window=window,
+        causal=causal, softmax_scale=scaling, strategy=_settings.strategy, layout=layout, window=window,
         sinks=sinks, group=group, inner_size=_settings.inner_size,
     )  # fmt: skip
     with instrument(**extra) if extra else contextlib.nullcontext():
@@ -312,10 +313,20 @@ def _cu_seqlens(module, attention_mask, s: int, causal: bool, kwargs: dict):
         raise _refuse(module, _mask_problem(attention_mask))
     if attention_mask is None and pos is None and cu_q is None:
         return None
-    args = (pos, attention_mask, cu_q, cu_k, s, _settings.layout, _group_name(_settings.group), _where(module), causal)
+    layout = layer_layout(s, cu_q)
+    args = (pos, attention_mask, cu_q, cu_k, s, layout, _group_name(_settings.group), _where(module), causal)
     if _plain_eager(pos, attention_mask, cu_q, cu_k):  # the op's body without its dispatch (as tokenring.ops does)
         return hf_documents._init_fn(*args)
     return hf_documents(*args)
+
+
+def layer_layout(s: int, cu_q) -> str:
+    """The layout a layer's shard was cut with: the setting, or for ``"auto"`` the placement
+    :func:`tokenring.hf.shard_batch` chose from the documents it passes as ``cu_seq_lens_q`` (none: zigzag)."""
+    if _settings.layout != AUTO_LAYOUT:
+        return _settings.layout
+    P = group_info(_settings.group)[1]
+    return resolve_layout(AUTO_LAYOUT, s * P, P, None if cu_q is None else _as_tensor(cu_q).cpu())
 
 
 def _as_tensor(x):

@@ -9,7 +9,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..layouts import DOCUMENT_LAYOUTS, gather, group_info, padded_length, shard
+from ..layouts import AUTO_LAYOUT, DOCUMENT_LAYOUTS, gather, group_info, padded_length, resolve_layout, shard
 from ..loss import chunked_cross_entropy
 from .attention import _padding_problem
 from .config import IGNORE_INDEX, _settings, active, same_batch
@@ -78,6 +78,8 @@ def shard_batch(
     )
     docs = packing(position_ids) if not position_ids.is_meta else None  # (meta: tokenring.testing's CUDA tier)
     docs = docs if docs is not None and (len(docs) > 2 or layout in DOCUMENT_LAYOUTS) else None
+    if layout == AUTO_LAYOUT:  # the layers resolve it alike, from the cu_seq_lens_q passed below
+        layout = resolve_layout(layout, input_ids.shape[1], group_info(group)[1], docs)
 
     def cut(t):
         return shard(t, dim=1, layout=layout, group=group, cu_seqlens=docs if layout in DOCUMENT_LAYOUTS else None)

@@ -53,7 +53,7 @@ def configure(
     if strategy is not None and strategy != "auto":
         get_strategy(strategy)  # unknown names and malformed variants fail here, with what is accepted
     if layout is not None:
-        check_layout(layout)
+        check_layout(layout, auto=True)
     if strategy is not None:
         _settings.strategy = strategy
     if layout is not None:

@@ -10,7 +10,7 @@ import torch
 
 from .. import mixers
 from ..agreement import checksum, ranks_differing
-from ..layouts import DOCUMENT_LAYOUTS, group_info, local_positions, shard
+from ..layouts import DOCUMENT_LAYOUTS, group_info, local_positions, resolve_layout, shard
 from ..strategies.extend import STRATEGIES, split_new
 from .batch import shard_batch
 from .cache import ShardedCache
@@ -43,7 +43,7 @@ def prefill(
             f"(batch, seq) tensor of ones and (left) zeros"
         )
     _same_everywhere(input_ids, group, rank, P, "prefill", "prompt", attention_mask)  # the same prompt everywhere
-    layout = layout or _settings.layout
+    layout = resolve_layout(layout or _settings.layout, None, P, None)  # "auto": prompts are not packed: zigzag
     pads = _left_pads(input_ids, attention_mask, layout)
     cache = ShardedCache(group, model.config if hybrid else None)
     cache.pads = pads

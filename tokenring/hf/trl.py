@@ -23,7 +23,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("tokenring.hf.trl needs TRL: pip install 'tokenring-attn[trl]'") from e
 
 from ..device import collective_device
-from ..layouts import DOCUMENT_LAYOUTS, group_info, local_positions
+from ..layouts import AUTO_LAYOUT, DOCUMENT_LAYOUTS, group_info, local_positions
 from ..mixers import _Gather, prepare
 from .attention import _context
 from .config import NAME
@@ -178,7 +178,7 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer, trl.DPOTrainer):
                 f"{who}: a PEFT model without ref_model is not supported (TRL computes the reference by disabling "
                 f"the adapter inside its own forward, which is not sharded here); pass ref_model explicitly"
             )
-        if sp.layout in DOCUMENT_LAYOUTS:
+        if sp.layout in (*DOCUMENT_LAYOUTS, AUTO_LAYOUT):
             raise ValueError(
                 f"{who}: layout={sp.layout!r} does not take the padding of DPO's chosen/rejected rows; use "
                 f"SequenceParallel(mesh, layout='zigzag') or 'contiguous'"
@@ -232,7 +232,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, trl.GRPOTrainer):
             raise ValueError(f"{who}: pass args=GRPOConfig(...): the generation batch is set from it per dp rank")
         if config is not None:
             _check_grpo_config(config, sp, who)
-        if sp.layout in DOCUMENT_LAYOUTS:
+        if sp.layout in (*DOCUMENT_LAYOUTS, AUTO_LAYOUT):
             raise ValueError(
                 f"{who}: layout={sp.layout!r} does not take the padding of GRPO's prompt/completion rows; use "
                 f"SequenceParallel(mesh, layout='zigzag') or 'contiguous'"

@@ -50,17 +50,18 @@ def _choose(S: int, P: int, bounds: tuple[int, ...], spec) -> str:
 def placement_times(S: int, P: int, bounds: tuple[int, ...], topology=None) -> dict[str, float]:
     """Predicted seconds of one causal forward+backward call per candidate placement (the better of ring and
     TokenRing), on ``topology`` (default: the one set, else :data:`REFERENCE_TOPOLOGY`)."""
-    from .auto import _kernel
     from .kernel_model import kernel_model
     from .simulator import simulate
     from .topology import get_topology
 
     spec = topology if topology is not None else settings.get("topology")
     topo = get_topology(spec if spec is not None else REFERENCE_TOPOLOGY, P)
-    if spec is None:
-        km = kernel_model("h200", calibrated=True, dtype=torch.bfloat16)
-    else:
-        km = _kernel(topo, P)
+    if topo.kernel is not None:  # a calibration profile's measured kernels
+        km = topo.kernel
+    elif spec is None or topo.device != "cpu":
+        km = kernel_model("h200" if spec is None else topo.device, calibrated=spec is None, dtype=torch.bfloat16)
+    else:  # CPU ranks: one thread each, whatever this process runs with (the ranks must agree)
+        km = kernel_model("cpu", 1)
     H, Hkv, d = REFERENCE_HEADS
     out = {}
     for lay in CANDIDATES:
