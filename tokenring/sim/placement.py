@@ -7,7 +7,8 @@ same answer without a message; ``attention``'s agreement compares the layouts th
 depend on the device: a batch sharded on the CPU and attended on a GPU must be placed alike. So the topology is
 the one set (``tokenring.set_topology``, ``$TOKENRING_TOPOLOGY``) or else :data:`REFERENCE_TOPOLOGY`, and the
 layer is a reference one (:data:`REFERENCE_HEADS`): the choice weighs placements against each other, which the
-heads scale alike. Each candidate is timed forward+backward under ring and TokenRing, its better time counting.
+heads scale alike. Each candidate is timed forward+backward under ring and TokenRing (:func:`strategies`), its
+best time counting.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ __all__ = ["choose_layout", "placement_times", "CANDIDATES", "REFERENCE_TOPOLOGY
 CANDIDATES = ("zigzag", "contiguous", "balanced", "whole_docs")  # in the order ties go
 REFERENCE_TOPOLOGY = "h200-nvswitch-8"  # without a topology set: an 8-GPU NVSwitch node, calibrated H200 kernels
 REFERENCE_HEADS = (32, 8, 128)  # H, Hkv, d of the layer the placements are timed on (an 8B model's), bf16
-STRATEGIES = ("ring", "token_ring:relay")
+
+
+def strategies(P: int) -> tuple[str, ...]:
+    """The schedules a placement is timed under: ring, TokenRing's relay and its direct sends with every peer
+    at once (the variants ``auto`` most often picks on packed batches)."""
+    return ("ring", "token_ring:relay") + ((f"token_ring:direct,c=1,k={P - 1}",) if P > 2 else ())
+
+
 TIE = 0.01  # a later candidate must be this much faster to be chosen
 
 
@@ -48,8 +56,8 @@ def _choose(S: int, P: int, bounds: tuple[int, ...], spec) -> str:
 
 
 def placement_times(S: int, P: int, bounds: tuple[int, ...], topology=None) -> dict[str, float]:
-    """Predicted seconds of one causal forward+backward call per candidate placement (the better of ring and
-    TokenRing), on ``topology`` (default: the one set, else :data:`REFERENCE_TOPOLOGY`)."""
+    """Predicted seconds of one causal forward+backward call per candidate placement (the best of
+    :func:`strategies`), on ``topology`` (default: the one set, else :data:`REFERENCE_TOPOLOGY`)."""
     from .kernel_model import kernel_model
     from .simulator import simulate
     from .topology import get_topology
@@ -70,6 +78,6 @@ def placement_times(S: int, P: int, bounds: tuple[int, ...], topology=None) -> d
         mask = make_mask(Sp, list(docs), None, True, force=True)
         sh = Shapes(1, Sp // P, H, Hkv, d, torch.bfloat16, P)
         out[lay] = min(
-            simulate(st, sh, topo, km, causal=True, layout=lay, backward=True, mask=mask).time for st in STRATEGIES
+            simulate(st, sh, topo, km, causal=True, layout=lay, backward=True, mask=mask).time for st in strategies(P)
         )
     return out

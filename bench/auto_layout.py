@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""``layout="auto"``: how close its per-batch placement comes to the best one, what it gains over zigzag, and what
+choosing costs per step.
+
+    .venv/bin/python bench/auto_layout.py [--batches 8] [--long-batches 3] [--ranks 4 8 16]
+
+The chooser (``tokenring.sim.placement``) times each placement on a reference layer (H=32, Hkv=8, d=128, bf16)
+under ring and TokenRing's relay. It is judged here on what it did not look at: three other layers (a 70B-class
+GQA layer, H=64 Hkv=8 d=128; a small MHA one, H=16 Hkv=16 d=64; an MQA one, H=32 Hkv=1 d=128), each placement
+at the fastest of every strategy variant ``strategy="auto"`` picks among (``variant_candidates``), forward and
+backward, on the same topology (h200-nvswitch-8, calibrated H200 kernels). Per batch and layer: auto's placement's
+time over the best placement's (1.00 = it chose the best). Batches: ``bench/balance.py``'s two mixes (log-normal
+lengths, median 600, sigma 1.6, 8192 tokens per rank; and one to three 32K-128K documents among them, 32768 per
+rank). Choice cost: the wall time of ``resolve_layout`` on a batch not seen before (the answer is then cached per
+documents), on this machine. Writes ``bench/results/auto_layout.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from statistics import median
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import _results  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from balance import documents, long_mix  # noqa: E402
+
+from tokenring.layouts import padded_length, resolve_layout  # noqa: E402
+from tokenring.masks import make_mask  # noqa: E402
+from tokenring.schedules import Shapes  # noqa: E402
+from tokenring.sim import get_topology, kernel_model, simulate  # noqa: E402
+from tokenring.sim.placement import CANDIDATES  # noqa: E402
+from tokenring.sim.simulator import variant_candidates  # noqa: E402
+
+LAYERS = {"70B GQA (64/8, d=128)": (64, 8, 128), "MHA (16/16, d=64)": (16, 16, 64), "MQA (32/1, d=128)": (32, 1, 128)}
+WITHIN = 1.05
+
+
+def layer_time(S: int, P: int, cu: list[int], layout: str, heads: tuple[int, int, int], topo, km) -> float:
+    """The fastest forward+backward of any ``auto`` strategy variant for this placement and layer."""
+    H, Hkv, d = heads
+    Sp = padded_length(S, P, layout)
+    docs = list(cu) + ([Sp] if Sp > S else [])
+    mask = make_mask(Sp, docs, None, True, force=True)
+    sh = Shapes(1, Sp // P, H, Hkv, d, torch.bfloat16, P)
+    names = variant_candidates("auto", sh, True, layout)
+    return min(simulate(n, sh, topo, km, causal=True, layout=layout, backward=True, mask=mask).time for n in names)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--long-batches", type=int, default=3)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--per-rank", type=int, default=8192)
+    a = ap.parse_args(argv)
+    rng = np.random.default_rng(11)
+    km = kernel_model("h200", calibrated=True, dtype=torch.bfloat16)
+    rows, data = [], []
+    for mix, make, scale, n in (
+        ("log-normal", documents, 1, a.batches),
+        ("long documents", long_mix, 4, a.long_batches),
+    ):
+        for P in a.ranks:
+            topo = get_topology("h200-nvswitch-8", P)
+            S = a.per_rank * scale * P
+            per = {name: [] for name in LAYERS}
+            gain = {name: [] for name in LAYERS}
+            costs, picks = [], []
+            for _ in range(n):
+                cu = make(S, rng)
+                t0 = time.perf_counter()
+                chose = resolve_layout("auto", S, P, cu)
+                costs.append(time.perf_counter() - t0)
+                picks.append(chose)
+                for name, heads in LAYERS.items():
+                    t = {lay: layer_time(S, P, cu, lay, heads, topo, km) for lay in CANDIDATES}
+                    per[name].append(t[chose] / min(t.values()))
+                    gain[name].append(t["zigzag"] / t[chose])
+                    data.append(dict(mix=mix, P=P, S=S, layer=name, cu_seqlens=cu, auto=chose, times_s=t))
+            for name in LAYERS:
+                r, g = per[name], gain[name]
+                ok = sum(x <= WITHIN for x in r)
+                rows.append(
+                    f"| {mix} | {P} | {name} | {ok}/{len(r)} | {median(r):.3f} | {max(r):.3f} | "
+                    f"{median(g):.2f}x ({min(g):.2f}-{max(g):.2f}) | "
+                    f"{', '.join(f'{c} {picks.count(c)}' for c in CANDIDATES if c in picks)} | "
+                    f"{median(costs) * 1e3:.0f} ({min(costs) * 1e3:.0f}-{max(costs) * 1e3:.0f}) |"
+                )
+                print(rows[-1], flush=True)
+    cases = [x for x in data]
+    within = sum(x["times_s"][x["auto"]] <= WITHIN * min(x["times_s"].values()) for x in cases)
+    lines = [
+        "# layout='auto': its placement against the best one, per batch",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. "
+        f"Command: `{' '.join(['.venv/bin/python bench/auto_layout.py', *(argv or sys.argv[1:])])}`.",
+        "",
+        "The chooser times each placement on a reference layer (H=32, Hkv=8, d=128) under ring and TokenRing's "
+        "relay; it is judged on three other layers, each placement at the fastest of every strategy variant "
+        "`auto` picks among, forward+backward, causal, h200-nvswitch-8 (calibrated H200 kernels, bf16). "
+        f"Within 5%: batches where auto's placement is at most {WITHIN:.2f}x the best placement's time. Ratio: "
+        "auto's time over the best (1.000: the best). Vs zigzag: zigzag's time over auto's, median (min-max). "
+        "Choice cost: resolve_layout on a new batch, on this machine, median (min-max) ms (then cached).",
+        "",
+        f"**Over the whole grid: {within}/{len(cases)} batch-layer cases within 5% of the best placement "
+        f"({100 * within / len(cases):.0f}%).**",
+        "",
+        "| mix | P | layer | within 5% | ratio median | ratio worst | vs zigzag | auto chose | choice cost ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+    _results.write(os.path.join(HERE, "results", "auto_layout"), {"within": WITHIN, "cases": data}, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
