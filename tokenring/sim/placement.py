@@ -27,15 +27,19 @@ __all__ = ["choose_layout", "placement_times", "CANDIDATES", "REFERENCE_TOPOLOGY
 CANDIDATES = ("zigzag", "contiguous", "balanced", "whole_docs")  # in the order ties go
 REFERENCE_TOPOLOGY = "h200-nvswitch-8"  # without a topology set: an 8-GPU NVSwitch node, calibrated H200 kernels
 REFERENCE_HEADS = (32, 8, 128)  # H, Hkv, d of the layer the placements are timed on (an 8B model's), bf16
-
-
-def strategies(P: int) -> tuple[str, ...]:
-    """The schedules a placement is timed under: ring, TokenRing's relay and its direct sends with every peer
-    at once (the variants ``auto`` most often picks on packed batches)."""
-    return ("ring", "token_ring:relay") + ((f"token_ring:direct,c=1,k={P - 1}",) if P > 2 else ())
-
-
 TIE = 0.01  # a later candidate must be this much faster to be chosen
+
+
+def strategies(sh: Shapes, layout: str) -> list[str]:
+    """The schedules a placement is timed under: ring, Ulysses, TokenRing's relay and its direct sends to two
+    peers and to every peer at once (the variants ``auto`` picks most often on packed batches), those that can
+    run this placement."""
+    from .simulator import variant_candidates
+
+    P = sh.P
+    short = ("ring", "ulysses", "token_ring:relay", "token_ring:direct,c=1,k=2", f"token_ring:direct,c=1,k={P - 1}")
+    can = set(variant_candidates("auto", sh, True, layout))
+    return [n for n in dict.fromkeys(short) if n in can] or ["ring"]
 
 
 def choose_layout(S: int, P: int, bounds: tuple[int, ...]) -> str:
@@ -78,6 +82,7 @@ def placement_times(S: int, P: int, bounds: tuple[int, ...], topology=None) -> d
         mask = make_mask(Sp, list(docs), None, True, force=True)
         sh = Shapes(1, Sp // P, H, Hkv, d, torch.bfloat16, P)
         out[lay] = min(
-            simulate(st, sh, topo, km, causal=True, layout=lay, backward=True, mask=mask).time for st in strategies(P)
+            simulate(st, sh, topo, km, causal=True, layout=lay, backward=True, mask=mask).time
+            for st in strategies(sh, lay)
         )
     return out
