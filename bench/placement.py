@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Packed batches placed four ways (``zigzag``, ``contiguous``, ``balanced``, ``whole_docs``): the time of a
-forward+backward call, on unshaped local ranks and on the emulated mesh at its comm-bound rate, with the bytes
-every call moves and the causal work of the busiest rank.
+"""Packed batches placed four ways (``zigzag``, ``contiguous``, ``balanced``, ``whole_docs``) and as ``auto``
+chooses per batch (for the topology each part runs on, ``$TOKENRING_TOPOLOGY``: ``loopback`` for the unshaped
+ranks, the testbed's own for the mesh): the time of a forward+backward call, on unshaped local ranks and on the
+emulated mesh at its comm-bound rate, with the bytes every call moves and the causal work of the busiest rank.
 
     sudo .venv/bin/python bench/placement.py [--ranks 4] [--per-rank 2048] [--batches 3] [--rounds 5]
 
@@ -31,11 +32,14 @@ sys.path.insert(0, HERE)
 import _results  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from balance import LAYOUTS, documents  # noqa: E402
+from balance import LAYOUTS as PLACED  # noqa: E402
+from balance import documents  # noqa: E402
 
 from tokenring.layouts import PLANNED_LAYOUTS  # noqa: E402
 
 STRATEGIES = ("token_ring", "ring")
+LAYOUTS = (*PLACED, "auto")
+BY_DOCS = (*PLANNED_LAYOUTS, "auto")  # the layouts that take the documents to place the tokens
 H, HKV, D = 8, 8, 64
 
 
@@ -46,7 +50,7 @@ def busiest(S: int, P: int, cu: list[int], layout: str) -> float:
     b = torch.tensor(cu)
     work = []
     for r in range(P):
-        pos = local_positions(S, P, r, layout, cu_seqlens=cu if layout in PLANNED_LAYOUTS else None)
+        pos = local_positions(S, P, r, layout, cu_seqlens=cu if layout in BY_DOCS else None)
         work.append(float((pos - b[torch.searchsorted(b, pos, right=True) - 1] + 1).sum()))
     return max(work) / (sum(work) / P)
 
@@ -58,7 +62,7 @@ def _call(tokenring, full, cu, layout, strategy):
 
     from tokenring.instrument import instrument
 
-    docs = cu if layout in PLANNED_LAYOUTS else None
+    docs = cu if layout in BY_DOCS else None
     local = [tokenring.shard(t, 1, layout, cu_seqlens=docs) for t in full]
     q, k, v = (t.clone().requires_grad_() for t in local[:3])
     log: list = []
@@ -97,6 +101,9 @@ def _worker(spec_path: str, rank: int) -> int:
             slow = torch.tensor(ts, dtype=torch.float64)
             dist.all_reduce(slow, op=dist.ReduceOp.MAX)
             out["block_s"] = median(slow.tolist()[1:])
+        from tokenring.layouts import resolve_layout
+
+        out["auto"] = [resolve_layout("auto", cu[-1], P, cu) for cu in spec["batches"]]
         for b, cu in enumerate(spec["batches"]):
             S = cu[-1]
             g = torch.Generator().manual_seed(b)
@@ -157,11 +164,13 @@ def _table(res: dict, batches: list, P: int, title: str) -> list[str]:
             calls = [c for c in res["calls"] if c["batch"] == b and c["strategy"] == st]
             t = {lay: {c["round"]: c["seconds"] for c in calls if c["layout"] == lay} for lay in LAYOUTS}
             for lay in LAYOUTS:
+                placed = res["auto"][b] if lay == "auto" else lay
                 xs = list(t[lay].values())
                 pairs = [t["zigzag"][r] / t[lay][r] for r in t[lay]]
                 mb = median(c["bytes"] for c in calls if c["layout"] == lay) / 1e6
                 lines.append(
-                    f"| {b} | {len(cu) - 1} | {st} | {lay} | {busiest(S, P, cu, lay):.2f} | "
+                    f"| {b} | {len(cu) - 1} | {st} | {lay if lay != 'auto' else f'auto: {placed}'} | "
+                    f"{busiest(S, P, cu, placed):.2f} | "
                     f"{median(xs) * 1e3:.0f} [{min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f}] | "
                     f"{median(pairs):.2f}x ({sum(p > 1 for p in pairs)}/{len(pairs)} faster) | {mb:.2f} |"
                 )
@@ -187,7 +196,7 @@ def main(argv=None) -> int:
     batches = [documents(a.per_rank * P, rng) for _ in range(a.batches)]
     spec = dict(P=P, per_rank=a.per_rank, batches=batches, rounds=a.rounds, strategies=list(STRATEGIES),
                 timeout=a.timeout, calibrate=True)  # fmt: skip
-    free = _run(spec)
+    free = _run(spec, env=lambda r: {"TOKENRING_TOPOLOGY": "loopback"})
     block = free["block_s"]
     kv = 2 * a.per_rank * HKV * D * 4
     rate = max(10, round(kv * 8 / (2 * block) / 1e6 / 10) * 10)
@@ -195,12 +204,12 @@ def main(argv=None) -> int:
     why = testbed.available()
     if why is None:
         with testbed.Testbed(P, "mesh", rate) as tb:
-            data["mesh"] = _run(dict(spec, calibrate=False), **tb.launch_kwargs())
+            data["mesh"] = _run(dict(spec, calibrate=False), **tb.launch_kwargs())  # (its topology for auto)
             data["testbed"] = dict(tb.describe(), dropped=tb.dropped())
     worst = max((e["err"] for e in free["errors"] + data.get("mesh", {}).get("errors", [])), default=0.0)
     cmd = " ".join(["sudo .venv/bin/python bench/placement.py", *(argv if argv is not None else sys.argv[1:])])
     lines = [
-        "# Packed batches: four placements on unshaped ranks and on the emulated mesh",
+        "# Packed batches: four placements and auto's on unshaped ranks and on the emulated mesh",
         "",
         f"Command: `{cmd}`. Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {P} gloo ranks of 1 thread (sharing the cores). Shapes: {a.per_rank} tokens "

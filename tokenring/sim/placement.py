@@ -31,13 +31,15 @@ TIE = 0.01  # a later candidate must be this much faster to be chosen
 
 
 def strategies(sh: Shapes, layout: str) -> list[str]:
-    """The schedules a placement is timed under: ring, Ulysses, TokenRing's relay and its direct sends to two
-    peers and to every peer at once (the variants ``auto`` picks most often on packed batches), those that can
-    run this placement."""
+    """The schedules a placement is timed under, those of them that can run it: Ulysses, and ring and TokenRing
+    sending to their next peer, to half of them and to all at once (the variants ``auto`` picks most often on
+    packed batches: bench/results/auto_layout.md)."""
     from .simulator import variant_candidates
 
-    P = sh.P
-    short = ("ring", "ulysses", "token_ring:relay", "token_ring:direct,c=1,k=2", f"token_ring:direct,c=1,k={P - 1}")
+    P, half = sh.P, max(1, sh.P // 2)
+    short = ["ulysses"]
+    for family, first in (("ring", "ring"), ("token_ring", "token_ring:relay")):
+        short += [first, f"{family}:direct,c=1,k={half}", f"{family}:direct,c=1,k={P - 1}"]
     can = set(variant_candidates("auto", sh, True, layout))
     return [n for n in dict.fromkeys(short) if n in can] or ["ring"]
 
