@@ -189,10 +189,10 @@ def _call_key(q, k, v, sinks, causal, softmax_scale, strategy, layout, cu_seqlen
 
 
 def _auto_inputs() -> str:
-    """What ``layout="auto"`` resolves by besides the call's documents: the topology setting."""
+    """What ``layout="auto"`` resolves by besides the call's documents: the topology and layer settings."""
     from . import settings
 
-    return repr(settings.get("topology"))
+    return repr((settings.get("topology"), settings.get("layer")))
 
 
 def _uneven_length(q, seq_len, layout, causal: bool, P: int) -> int | None:

@@ -39,6 +39,13 @@ def _ranks(x) -> int:
     return v
 
 
+def _layer(x) -> tuple[int, int, int]:
+    parts = [int(v) for v in (x.split(",") if isinstance(x, str) else x)]
+    if len(parts) != 3 or min(parts) < 1 or parts[0] % parts[1]:
+        raise ValueError(f"layer must be (query heads, key/value heads dividing them, head dim), got {x!r}")
+    return tuple(parts)
+
+
 def _topology(x):
     for check in _checks.get("topology", ()):  # validate now, not at the first attention call
         check(x)
@@ -60,6 +67,13 @@ SETTINGS = {
     for s in (
         Setting("timeout", "TOKENRING_TIMEOUT", 300.0, _positive_seconds, "longest wait for a peer on gloo, seconds"),
         Setting("topology", "TOKENRING_TOPOLOGY", None, _topology, "the interconnect auto models"),
+        Setting(
+            "layer",
+            "TOKENRING_LAYER",
+            None,
+            _layer,
+            "the attention layer (heads, key/value heads, head dim) layout='auto' places packed batches for",
+        ),
         Setting(
             "compile_merge",
             "TOKENRING_COMPILE_MERGE",

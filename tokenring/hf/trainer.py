@@ -18,6 +18,24 @@ from .training import SequenceParallel
 __all__ = ["SequenceParallelTrainer"]
 
 
+def place_for(model) -> None:
+    """Under ``layout="auto"``: place packed batches for ``model``'s attention layer (its config's heads, key/value
+    heads and head dim), unless the ``layer`` setting was given (``tokenring.configure(layer=...)``)."""
+    from .. import settings
+
+    if settings.source("layer")[1] != "default":
+        return
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    H = getattr(cfg, "num_attention_heads", None)
+    if not isinstance(H, int) or H < 1:
+        return
+    Hkv = getattr(cfg, "num_key_value_heads", None) or H
+    d = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 0) // H
+    if isinstance(Hkv, int) and isinstance(d, int) and d > 0 and H % Hkv == 0:
+        settings.configure(layer=(H, Hkv, d))
+
+
 class SequenceParallelTrainer(Trainer):
     """A :class:`transformers.Trainer` whose steps run over ``sp`` (``tiled_loss``: a chunk size for the loss)."""
 
@@ -27,6 +45,8 @@ class SequenceParallelTrainer(Trainer):
         self.sp, self.tiled_loss = sp, tiled_loss
         super().__init__(*args, **kwargs)
         mixers.prepare(self.model, _context, sp.cp_size, "SequenceParallelTrainer")  # before the first step
+        if sp.layout == "auto":  # place packed batches for this model's attention layer
+            place_for(self.model)
         if self._scales_its_loss:  # (GRPO) the loss and its normalisation are the trainer's own, not the Trainer's
             return
         if not self.args.average_tokens_across_devices:

@@ -1,14 +1,14 @@
 """``layout="auto"``: the placement of a packed batch (``zigzag``, ``contiguous``, ``balanced`` or ``whole_docs``)
 that the cost model predicts fastest for its documents.
 
-The choice is a pure function of the global length, the ranks, the documents and the topology setting, so every
-rank and every entry point (``shard``, ``gather``, ``attention``, the HF layers and ``shard_batch``) reaches the
-same answer without a message; ``attention``'s agreement compares the layouts the ranks resolved. It does not
-depend on the device: a batch sharded on the CPU and attended on a GPU must be placed alike. So the topology is
-the one set (``tokenring.set_topology``, ``$TOKENRING_TOPOLOGY``) or else :data:`REFERENCE_TOPOLOGY`, and the
-layer is a reference one (:data:`REFERENCE_HEADS`): the choice weighs placements against each other, which the
-heads scale alike. Each candidate is timed forward+backward under ring and TokenRing (:func:`strategies`), its
-best time counting.
+The choice is a pure function of the global length, the ranks, the documents and two settings, so every rank and
+every entry point (``shard``, ``gather``, ``attention``, the HF layers and ``shard_batch``) reaches the same
+answer without a message; ``attention``'s agreement compares the layouts the ranks resolved. It does not depend
+on the device: a batch sharded on the CPU and attended on a GPU must be placed alike. So the topology is the one
+set (``tokenring.set_topology``, ``$TOKENRING_TOPOLOGY``) or else :data:`REFERENCE_TOPOLOGY`, and the layer is
+the one set (``tokenring.configure(layer=(H, Hkv, d))``, ``$TOKENRING_LAYER``; the HF Trainer sets it from the
+model's config) or else a reference one (:data:`REFERENCE_HEADS`). Each candidate is timed forward+backward
+under ring, Ulysses and TokenRing variants (:func:`strategies`), its best time counting.
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ from ..layouts import padded_length
 from ..masks import make_mask
 from ..schedules import Shapes
 
-__all__ = ["choose_layout", "placement_times", "CANDIDATES", "REFERENCE_TOPOLOGY", "REFERENCE_HEADS"]
+__all__ = [
+    "choose_layout",
+    "placement_times",
+    "layer",
+    "strategies",
+    "CANDIDATES",
+    "REFERENCE_TOPOLOGY",
+    "REFERENCE_HEADS",
+]
 
 CANDIDATES = ("zigzag", "contiguous", "balanced", "whole_docs")  # in the order ties go
 REFERENCE_TOPOLOGY = "h200-nvswitch-8"  # without a topology set: an 8-GPU NVSwitch node, calibrated H200 kernels
@@ -48,11 +56,16 @@ def choose_layout(S: int, P: int, bounds: tuple[int, ...]) -> str:
     """The placement of ``S`` tokens in documents ``bounds`` (``cu_seqlens``, from 0 to ``S``) over ``P`` ranks
     predicted fastest (ties to the earlier of :data:`CANDIDATES`)."""
     spec = settings.get("topology")
-    return _choose(S, P, tuple(bounds), spec if isinstance(spec, (str, type(None))) else repr(spec))
+    return _choose(S, P, tuple(bounds), spec if isinstance(spec, (str, type(None))) else repr(spec), layer())
+
+
+def layer() -> tuple[int, int, int]:
+    """(H, Hkv, d) of the layer placements are timed on: the ``layer`` setting, else :data:`REFERENCE_HEADS`."""
+    return settings.get("layer") or REFERENCE_HEADS
 
 
 @lru_cache(maxsize=256)
-def _choose(S: int, P: int, bounds: tuple[int, ...], spec) -> str:
+def _choose(S: int, P: int, bounds: tuple[int, ...], spec, heads) -> str:
     times = placement_times(S, P, bounds)
     best = CANDIDATES[0]
     for lay in CANDIDATES[1:]:
@@ -76,7 +89,7 @@ def placement_times(S: int, P: int, bounds: tuple[int, ...], topology=None) -> d
         km = kernel_model("h200" if spec is None else topo.device, calibrated=spec is None, dtype=torch.bfloat16)
     else:  # CPU ranks: one thread each, whatever this process runs with (the ranks must agree)
         km = kernel_model("cpu", 1)
-    H, Hkv, d = REFERENCE_HEADS
+    H, Hkv, d = layer()
     out = {}
     for lay in CANDIDATES:
         Sp = padded_length(S, P, lay)  # as shard cuts any length: padding at the end, a document of its own
