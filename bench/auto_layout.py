@@ -124,12 +124,14 @@ def main(argv=None) -> int:
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. "
         f"Command: `{' '.join(['.venv/bin/python bench/auto_layout.py', *(argv or sys.argv[1:])])}`.",
         "",
-        "The chooser times each placement on a reference layer (H=32, Hkv=8, d=128) under ring and TokenRing's "
-        "relay, Ulysses and TokenRing's direct sends; it is judged with each placement at the fastest of every "
-        "strategy variant `auto` picks among, on its own layer and three others, forward+backward, causal, "
+        "The chooser times each placement on a reference layer (H=32, Hkv=8, d=128) under seven schedules (ring "
+        "and TokenRing relayed, direct to half the peers and to all, Ulysses); it is judged with each placement "
+        "at the fastest of every strategy variant `auto` picks among, on its own layer and three others, "
+        "forward+backward, causal, "
         "h200-nvswitch-8 (calibrated H200 kernels, bf16). "
         f"Within 5%: batches where auto's placement is at most {WITHIN:.2f}x the best placement's time. Ratio: "
-        "auto's time over the best (1.000: the best). Vs zigzag: zigzag's time over auto's, median (min-max). "
+        "auto's time over the best (1.000: the best). Vs zigzag: zigzag's time over auto's (told the layer), "
+        "median (min-max). "
         "Choice cost: resolve_layout on a new batch, on this machine, median (min-max) ms (then cached).",
         "",
         "Batches within 5% of the best placement, over the whole grid: "

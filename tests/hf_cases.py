@@ -484,7 +484,12 @@ def generate_modes(rank: int, P: int, mode: str) -> dict:
 
 
 def any_length_matches(
-    rank: int, P: int, lengths: list[int], rows: int = 1, pad: str | None = None, layout: str = "zigzag",
+    rank: int,
+    P: int,
+    lengths: list[int],
+    rows: int = 1,
+    pad: str | None = None,
+    layout: str = "zigzag",
     pick: str | None = None,
 ) -> dict:
     """A batch of any length through shard_batch, vs one process (float32, the small Llama): ``rows`` = 1 packs

@@ -268,7 +268,8 @@ def test_any_length_and_padding(pools, P):
 def test_auto_layout_through_shard_batch(pools, P):
     """layout="auto": shard_batch places each packed batch as the chooser says, and the layers and gather_logits
     resolve the same placement from the cu_seq_lens_q it passes (each placement forced once, on its own
-    lengths; the cost model's own pick; a padded batch: its documents are the length padding's, if any). As one process."""
+    lengths; the cost model's own pick; a padded batch: its documents are the length padding's, if any). As one
+    process."""
     for lengths, pad, pick in (
         ([3, 40, 7, 1, 61, 20], None, "whole_docs"),
         ([30, 5, 90, 1, 44], None, "balanced"),
@@ -306,3 +307,23 @@ def test_bidirectional_padding_is_unpacked(pools, P):
     (float64: 1e-10)."""
     r = pools(P).run(hf_cases.bidirectional_padding)[0]
     assert r["out"] < 1e-10 and r["grad"] < 1e-10, r
+
+
+def test_trainer_places_auto_batches_for_the_models_layer():
+    """Under layout="auto" SequenceParallelTrainer tells the chooser the model's attention layer (heads, key/value
+    heads, head dim from its config), unless the layer setting was given; tokenring.configure(layer=None) undoes."""
+    import tokenring
+    from tokenring import settings
+    from tokenring.hf.trainer import place_for
+
+    model = hf_cases.build("llama", "sdpa", num_hidden_layers=1)
+    c = model.config
+    try:
+        place_for(model)
+        assert settings.get("layer") == (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        tokenring.configure(layer=(4, 2, 16))
+        place_for(model)  # a layer given by the user stays
+        assert settings.get("layer") == (4, 2, 16)
+    finally:
+        tokenring.configure(layer=None)
+    assert settings.get("layer") is None

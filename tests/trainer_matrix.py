@@ -26,7 +26,7 @@ SMALL = dict(
 #   data: "fixed" (32 tokens, default_data_collator), "pad" (DataCollatorForLanguageModeling, right padding) or
 #   "flatten" (DataCollatorWithFlattening: padding-free packing), both over lengths that split over no 2P;
 #   resume: stop after step 1's checkpoint and resume from it; sp: SequenceParallelTrainer's own keywords;
-#   tol: relative tolerance (float32 1e-4).
+#   tol: relative tolerance (float32 1e-4); layout: SequenceParallel's (default zigzag).
 FEATURES = {
     "plain": {},
     "label_smoothing": {"args": dict(label_smoothing_factor=0.1)},
@@ -37,6 +37,7 @@ FEATURES = {
     "scheduler": {"args": dict(lr_scheduler_type="cosine", warmup_steps=2)},
     "padding": {"data": "pad", "args": dict(include_num_input_tokens_seen="non_padding")},
     "packing": {"data": "flatten"},
+    "packing_auto": {"data": "flatten", "layout": "auto"},  # layout="auto": each packed batch placed by the cost model
     "resume": {"resume": True},
     "tiled_loss": {"sp": dict(tiled_loss=16)},  # SequenceParallelTrainer's own option (the stock run: none)
     # packed batches of a different length every step: traced once more for dynamic shapes, not per length
@@ -178,11 +179,13 @@ def sequence_parallel(rank: int, P: int, dp: int, feature: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    import tokenring
     import tokenring.hf as thf
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(P), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(P))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
-    sp = thf.SequenceParallel(init_device_mesh("cpu", (dp, P // dp), mesh_dim_names=("dp", "cp")))
+    mesh = init_device_mesh("cpu", (dp, P // dp), mesh_dim_names=("dp", "cp"))
+    sp = thf.SequenceParallel(mesh, layout=FEATURES.get(feature, {}).get("layout", "zigzag"))
     shared = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     try:
@@ -193,6 +196,7 @@ def sequence_parallel(rank: int, P: int, dp: int, feature: str) -> dict:
             shutil.rmtree(shared[0], ignore_errors=True)
         sp.close()
         thf.configure(group=dist.group.WORLD)
+        tokenring.configure(layer=None)  # (SequenceParallelTrainer sets it under layout="auto")
 
 
 def differences(got: dict, want: dict, padded: bool = False) -> dict:
