@@ -37,7 +37,7 @@ from balance import documents  # noqa: E402
 
 from tokenring.layouts import PLANNED_LAYOUTS  # noqa: E402
 
-STRATEGIES = ("token_ring", "ring")
+STRATEGIES = ("token_ring", "ring", "auto")
 LAYOUTS = (*PLACED, "auto")
 BY_DOCS = (*PLANNED_LAYOUTS, "auto")  # the layouts that take the documents to place the tokens
 H, HKV, D = 8, 8, 64
@@ -144,7 +144,8 @@ def _run(spec: dict, **launch_kw) -> dict:
     from tokenring.tools.bench import launch
 
     extra = launch_kw.pop("env", None)
-    env = lambda r: {**(extra(r) if extra else {}), "PYTHONPATH": HERE}  # noqa: E731
+    # the chooser of layout="auto" told this bench's layer, as SequenceParallelTrainer tells it a model's
+    env = lambda r: {**(extra(r) if extra else {}), "PYTHONPATH": HERE, "TOKENRING_LAYER": f"{H},{HKV},{D}"}  # noqa: E731
     spec = dict(spec, threads=1)
     return launch(spec, env=env, module="placement", timeout=spec["timeout"] * 4, **launch_kw)
 

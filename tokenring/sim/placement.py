@@ -35,7 +35,7 @@ __all__ = [
 CANDIDATES = ("zigzag", "contiguous", "balanced", "whole_docs")  # in the order ties go
 REFERENCE_TOPOLOGY = "h200-nvswitch-8"  # without a topology set: an 8-GPU NVSwitch node, calibrated H200 kernels
 REFERENCE_HEADS = (32, 8, 128)  # H, Hkv, d of the layer the placements are timed on (an 8B model's), bf16
-TIE = 0.01  # a later candidate must be this much faster to be chosen
+TIE = 0.04  # a later candidate must be predicted this much faster to be chosen (the default, zigzag, first)
 
 
 def strategies(sh: Shapes, layout: str) -> list[str]:
@@ -85,10 +85,12 @@ def placement_times(S: int, P: int, bounds: tuple[int, ...], topology=None) -> d
     topo = get_topology(spec if spec is not None else REFERENCE_TOPOLOGY, P)
     if topo.kernel is not None:  # a calibration profile's measured kernels
         km = topo.kernel
-    elif spec is None or topo.device != "cpu":
-        km = kernel_model("h200" if spec is None else topo.device, calibrated=spec is None, dtype=torch.bfloat16)
-    else:  # CPU ranks: one thread each, whatever this process runs with (the ranks must agree)
-        km = kernel_model("cpu", 1)
+    elif spec is None:
+        km = kernel_model("h200", calibrated=True, dtype=torch.bfloat16)
+    else:  # as strategy="auto" models it (CPU ranks: this process's threads, sharing the host's cores)
+        from .auto import _kernel
+
+        km = _kernel(topo, P)
     H, Hkv, d = layer()
     out = {}
     for lay in CANDIDATES:
