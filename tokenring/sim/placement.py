@@ -7,8 +7,10 @@ answer without a message; ``attention``'s agreement compares the layouts the ran
 on the device: a batch sharded on the CPU and attended on a GPU must be placed alike. So the topology is the one
 set (``tokenring.set_topology``, ``$TOKENRING_TOPOLOGY``) or else :data:`REFERENCE_TOPOLOGY`, and the layer is
 the one set (``tokenring.configure(layer=(H, Hkv, d))``, ``$TOKENRING_LAYER``; the HF Trainer sets it from the
-model's config) or else a reference one (:data:`REFERENCE_HEADS`). Each candidate is timed forward+backward
-under ring, Ulysses and TokenRing variants (:func:`strategies`), its best time counting.
+model's config) or else a reference one (:data:`REFERENCE_HEADS`); a CPU topology's kernels are modelled as
+``strategy="auto"`` models them, for this process's thread count (the same on every rank, as a rule). Each
+candidate is timed forward+backward under ring, Ulysses and TokenRing variants (:func:`strategies`), its best
+time counting; a later candidate must be predicted :data:`TIE` faster than the best before it.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def choose_layout(S: int, P: int, bounds: tuple[int, ...]) -> str:
     """The placement of ``S`` tokens in documents ``bounds`` (``cu_seqlens``, from 0 to ``S``) over ``P`` ranks
     predicted fastest (ties to the earlier of :data:`CANDIDATES`)."""
     spec = settings.get("topology")
-    return _choose(S, P, tuple(bounds), spec if isinstance(spec, (str, type(None))) else repr(spec), layer())
+    key = spec if isinstance(spec, (str, type(None))) else repr(spec)
+    return _choose(S, P, tuple(bounds), key, layer(), torch.get_num_threads())
 
 
 def layer() -> tuple[int, int, int]:
@@ -65,7 +68,7 @@ def layer() -> tuple[int, int, int]:
 
 
 @lru_cache(maxsize=256)
-def _choose(S: int, P: int, bounds: tuple[int, ...], spec, heads) -> str:
+def _choose(S: int, P: int, bounds: tuple[int, ...], spec, heads, threads: int) -> str:
     times = placement_times(S, P, bounds)
     best = CANDIDATES[0]
     for lay in CANDIDATES[1:]:
