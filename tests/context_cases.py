@@ -298,3 +298,44 @@ def vit_step(rank: int, P: int, family: str, image: int, patch: int) -> dict:
             (t.abs().max() / scale).item() for n, g in grads.items() if "k_proj.bias" in n for t in (g, got[n].grad)
         ),
     )
+
+
+def packed_auto_step(rank: int, P: int, S: int, cu: list[int], pick: str | None) -> dict:
+    """A causal SDPA layer over packed documents under ``context_parallel(layout="auto", cu_seqlens=...)``
+    (``pick``: the placement the chooser answers, else the cost model's) vs one process with the documents'
+    block-causal mask (float64): the output gathered with ``layout="auto"``, the weights' gradient, and the
+    placement the buffer was cut with."""
+    import tokenring.sim.placement as placement
+
+    real = placement.choose_layout
+    if pick is not None:
+        placement.choose_layout = lambda S, P, bounds: pick
+    try:
+        torch.manual_seed(0)
+        proj = nn.Linear(16, 48).double()
+        x = torch.randn(1, S, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+        def layer(h, mask=None):
+            q, k, v = (t.transpose(1, 2) for t in proj(h).view(1, h.shape[1], 3, 2, 8).unbind(2))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            return y.transpose(1, 2).flatten(2)
+
+        doc = torch.searchsorted(torch.tensor(cu), torch.arange(S), right=True)
+        mask = (doc[:, None] == doc[None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
+        want = layer(x, mask)
+        want.pow(2).sum().backward()
+        ref = proj.weight.grad.clone()
+        proj.zero_grad()
+        xs = x.clone()
+        placed = tokenring.layouts.resolve_layout("auto", S, P, cu)
+        with tokenring.context_parallel(buffers=[xs], seq_dims=[1], layout="auto", cu_seqlens=cu):
+            held = torch.equal(xs, tokenring.shard(x, 1, placed, cu_seqlens=cu))
+            out = layer(xs)
+            out.pow(2).sum().backward()
+        got = tokenring.gather(out.detach(), 1, "auto", cu_seqlens=cu)
+        grad = proj.weight.grad.clone()
+        if P > 1:
+            dist.all_reduce(grad)
+        return dict(out=rel(got, want.detach()), grad=rel(grad, ref), placed=placed, held=held)
+    finally:
+        placement.choose_layout = real

@@ -49,3 +49,16 @@ def test_compiled_without_graph_breaks(pools):
 def test_mask_is_refused_on_every_rank(pools):
     msgs = pools(3).run(context_cases.refused_mask)
     assert all("attn_mask" in m and "is_causal" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_packed_documents_under_auto_layout(pools, P):
+    """context_parallel(layout="auto", cu_seqlens=...): the buffer is cut with the placement the chooser picks
+    for these documents (each forced once, and the cost model's own), the SDPA calls run under it, and gather
+    with layout="auto" puts the output back: as one process with the documents' block-causal mask."""
+    S = 24 * P
+    for i, pick in enumerate(("whole_docs", "balanced", "contiguous", None)):
+        cu = [0, 3 + i, 11, S - 5, S]
+        for r in pools(P).run(context_cases.packed_auto_step, S, cu, pick):
+            assert r["out"] < TOL and r["grad"] < TOL and r["held"], (pick, r)
+            assert r["placed"] == (pick or r["placed"]), (pick, r)

@@ -6,7 +6,8 @@
     # the buffers hold the whole sequence again
 
 The shape of PyTorch's ``context_parallel`` (TorchTitan): on entry each buffer is replaced, in place, by this
-rank's shard along its sequence dim (``layout``: zigzag by default, which balances causal work); inside, every
+rank's shard along its sequence dim (``layout``: zigzag by default, which balances causal work; ``"auto"``, with
+``cu_seqlens``: the cost model's placement of those documents, :func:`tokenring.layouts.resolve_layout`); inside, every
 SDPA call with ``attn_mask=None`` becomes :func:`tokenring.attention` over the group (``is_causal``, ``scale``
 and ``enable_gqa`` as SDPA reads them; packed documents and windows through ``cu_seqlens=`` / ``window=``,
 over the global sequence); on exit the buffers are gathered back (except ``no_restore_buffers``). Buffers of
@@ -30,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from .agreement import exchange
 from .api import attention
-from .layouts import check_layout, gather, group_info, padded_length, shard, shard_positions
+from .layouts import check_layout, gather, group_info, padded_length, resolve_layout, shard, shard_positions
 
 __all__ = ["context_parallel"]
 
@@ -166,11 +167,12 @@ def context_parallel(
         raise ValueError(
             f"tokenring.context_parallel: {len(buffers)} buffers but {len(seq_dims)} seq_dims; give one dim per buffer"
         )
-    check_layout(layout)
+    check_layout(layout, auto=True)
     group = _group_of(group_or_mesh)
     keep = {id(b) for b in no_restore_buffers}
     lengths = [b.shape[d] for b, d in zip(buffers, seq_dims)]
     seq_len = lengths[0] if len(set(lengths)) == 1 else None  # any length: the SDPA calls' rows are its shards
+    layout = resolve_layout(layout, seq_len, group_info(group)[1], cu_seqlens)  # "auto": this batch's placement
     for b, d in zip(buffers, seq_dims):
         b.data = shard(b.data, dim=d, layout=layout, group=group, cu_seqlens=cu_seqlens).contiguous()
     mode = _SDPA(group, strategy, layout, cu_seqlens, window, seq_len, sorted(set(lengths)))
