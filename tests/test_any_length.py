@@ -182,14 +182,14 @@ def test_auto_layout_is_exact(pools, P):
         dict(S=odd, H=4, Hkv=4, d=3, causal=False, strategy="token_ring", cu_seqlens=[0, 2, odd - 3, odd],
              pick="balanced", sinks=True),
         dict(S=S, H=4, Hkv=2, d=3, causal=True, strategy="auto", cu_seqlens=[0, 5, S // 3, S]),
-        dict(S=S, H=4, Hkv=2, d=3, causal=True, strategy="ring", cu_seqlens=None),
+        dict(S=odd, H=4, Hkv=2, d=3, causal=True, strategy="ring", cu_seqlens=[0, odd]),
     ]  # fmt: skip
     got = pools(P).run(cases.auto_layout_case, grid)
     for per_rank in got:
         assert max(e for e, _ in per_rank) < 1e-10, list(zip(grid, per_rank))
     chosen = [c for _, c in got[0]]
     assert chosen[:6] == [g["pick"] for g in grid[:6]], chosen
-    assert chosen[7] == "zigzag" and all([c for _, c in r] == chosen for r in got), got
+    assert chosen[7] == "zigzag" and all([c for _, c in r] == chosen for r in got), got  # one document: zigzag
 
 
 def test_auto_layout_choice():
@@ -223,6 +223,28 @@ def test_auto_layout_choice():
         configure(topology=None)
     with pytest.raises(ValueError, match="cu_seqlens must rise"):
         resolve_layout("auto", 100, 4, [0, 50, 90])
+    assert resolve_layout("auto", 100, 4, None) == "zigzag"  # (internal callers: a batch with no packing)
+
+
+def test_auto_layout_needs_the_documents_at_every_entry_point():
+    """shard, gather, the position maps and attention refuse layout="auto" without cu_seqlens: a batch sharded
+    with its documents and gathered without them would come back in the wrong order."""
+    import tokenring
+    from tokenring.layouts import global_order, local_positions, shard_positions
+
+    x = torch.randn(1, 12, 2, 4)
+    for call in (
+        lambda: tokenring.shard(x, 1, "auto"),
+        lambda: tokenring.gather(x, 1, "auto"),
+        lambda: local_positions(12, 2, 0, "auto"),
+        lambda: shard_positions(13, 2, 1, "auto"),
+        lambda: global_order(12, 2, "auto"),
+        lambda: tokenring.attention(x, x, x, causal=True, layout="auto"),
+    ):
+        with pytest.raises(ValueError, match="needs cu_seqlens"):
+            call()
+    assert torch.equal(tokenring.shard(x, 1, "auto", cu_seqlens=[0, 12]), x)  # one process: the whole tensor
+    assert torch.equal(local_positions(12, 2, 1, "auto", cu_seqlens=[0, 12]), local_positions(12, 2, 1, "zigzag"))
 
 
 def test_whole_docs_plan_keeps_documents_whole():

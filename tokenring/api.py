@@ -111,7 +111,7 @@ def attention(
     if layout == AUTO_LAYOUT:  # this batch's placement: a pure function of its documents, alike on every rank
         try:
             S = int(seq_len) if seq_len is not None else q.shape[1] * P
-            layout = resolve_layout(layout, S, P, cu_seqlens)
+            layout = resolve_layout(layout, S, P, cu_seqlens, need_documents=True)
         except (TypeError, ValueError) as e:
             if P == 1 or torch.compiler.is_compiling():
                 raise _ranked(ValueError(f"tokenring.attention: {e}"), rank) from None

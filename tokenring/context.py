@@ -172,7 +172,7 @@ def context_parallel(
     keep = {id(b) for b in no_restore_buffers}
     lengths = [b.shape[d] for b, d in zip(buffers, seq_dims)]
     seq_len = lengths[0] if len(set(lengths)) == 1 else None  # any length: the SDPA calls' rows are its shards
-    layout = resolve_layout(layout, seq_len, group_info(group)[1], cu_seqlens)  # "auto": this batch's placement
+    layout = resolve_layout(layout, seq_len, group_info(group)[1], cu_seqlens, need_documents=True)  # "auto"
     for b, d in zip(buffers, seq_dims):
         b.data = shard(b.data, dim=d, layout=layout, group=group, cu_seqlens=cu_seqlens).contiguous()
     mode = _SDPA(group, strategy, layout, cu_seqlens, window, seq_len, sorted(set(lengths)))

@@ -77,14 +77,21 @@ def check_layout(layout: str, auto: bool = False) -> None:
         raise ValueError(f"layout={layout!r} is not supported; use one of {LAYOUT_CHOICES if auto else LAYOUTS}")
 
 
-def resolve_layout(layout: str, S: int | None, P: int, cu_seqlens=None) -> str:
-    """``layout`` itself, or for ``"auto"`` the placement of this batch: ``zigzag`` without documents (or with
-    one), else the one of ``zigzag``, ``contiguous``, ``balanced`` and ``whole_docs`` that the cost model
-    predicts fastest for the documents (:func:`tokenring.sim.placement.choose_layout`). ``S``: the global
-    length (``None``: the documents' end). The same on every rank that passes the same arguments."""
+def resolve_layout(layout: str, S: int | None, P: int, cu_seqlens=None, need_documents: bool = False) -> str:
+    """``layout`` itself, or for ``"auto"`` the placement of this batch: ``zigzag`` for one document, else the
+    one of ``zigzag``, ``contiguous``, ``balanced`` and ``whole_docs`` that the cost model predicts fastest for
+    the documents (:func:`tokenring.sim.placement.choose_layout`). ``S``: the global length (``None``: the
+    documents' end). The same on every rank that passes the same arguments. Without ``cu_seqlens``: zigzag, or
+    with ``need_documents`` (the public entry points) a ValueError: a batch sharded with its documents and
+    gathered without them would be put back in the wrong order."""
     if layout != AUTO_LAYOUT:
         return layout
     if cu_seqlens is None:
+        if need_documents:
+            raise ValueError(
+                "layout='auto' places tokens by the packed documents and needs cu_seqlens (the same ones at shard, "
+                "attention and gather; for one document of S tokens, cu_seqlens=[0, S], or layout='zigzag')"
+            )
         return "zigzag"
     cu = tuple(int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
     S = cu[-1] if S is None and cu else S
@@ -139,7 +146,7 @@ def document_bounds(S: int, P: int, cu_seqlens, layout: str = "zigzag_docs") -> 
 def local_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seqlens=None) -> torch.Tensor:
     """Global token positions (int64, length ``S // P``) held by ``rank``, in local order (``cu_seqlens``: the
     documents, for ``zigzag_docs``)."""
-    layout = resolve_layout(layout, S, P, cu_seqlens)
+    layout = resolve_layout(layout, S, P, cu_seqlens, need_documents=True)
     check_layout(layout)
     _check_divisible(S, P, layout)
     if layout in PLANNED_LAYOUTS:
@@ -341,7 +348,7 @@ def padded_length(S: int, P: int, layout: str) -> int:
 def shard_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seqlens=None) -> torch.Tensor:
     """Global positions ``rank`` holds of a sequence of any length ``S``: ``layout`` over ``S`` padded at the end
     to :func:`padded_length`, the padding left out (the last ranks, or zigzag's late chunks, hold fewer rows)."""
-    layout = resolve_layout(layout, S, P, cu_seqlens)
+    layout = resolve_layout(layout, S, P, cu_seqlens, need_documents=True)
     check_layout(layout)
     if layout == "zigzag_docs" or S == padded_length(S, P, layout):
         return local_positions(S, P, rank, layout, device, cu_seqlens)
@@ -354,7 +361,7 @@ def shard_positions(S: int, P: int, rank: int, layout: str, device=None, cu_seql
 def global_order(S: int, P: int, layout: str, device=None, cu_seqlens=None) -> torch.Tensor:
     """Positions of the concatenation ``[rank 0's shard, rank 1's shard, ...]``: ``cat(...)[i]`` is token
     ``global_order[i]``. ``argsort`` of it reorders a concatenation back to natural order."""
-    layout = resolve_layout(layout, S, P, cu_seqlens)
+    layout = resolve_layout(layout, S, P, cu_seqlens, need_documents=True)
     return torch.cat([local_positions(S, P, r, layout, device, cu_seqlens) for r in range(P)])
 
 
@@ -366,7 +373,7 @@ def shard(x_full: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=
     """
     rank, P = group_info(group)
     dim = dim % x_full.dim()
-    layout = resolve_layout(layout, x_full.shape[dim], P, cu_seqlens)
+    layout = resolve_layout(layout, x_full.shape[dim], P, cu_seqlens, need_documents=True)
     idx = shard_positions(x_full.shape[dim], P, rank, layout, device=x_full.device, cu_seqlens=cu_seqlens)
     if layout == "contiguous":
         return x_full.narrow(dim, int(idx[0]) if len(idx) else 0, idx.numel())
@@ -379,7 +386,7 @@ def gather(
     """Inverse of :func:`shard`: the full tensor along ``dim``, on every rank (not differentiable). The ranks'
     lengths are exchanged unless ``seq_len`` (the full length) is given."""
     rank, P = group_info(group)
-    layout = resolve_layout(layout, seq_len, P, cu_seqlens)
+    layout = resolve_layout(layout, seq_len, P, cu_seqlens, need_documents=True)
     check_layout(layout)
     if P == 1:
         return x_local

@@ -136,7 +136,8 @@ def gather_logits(
     """The full ``(B, S, V)`` logits on every rank (``length``: drop :func:`shard_batch`'s pad rows;
     ``cu_seqlens``: the batch's ``cu_seq_lens_q``, for a layout that places tokens by document)."""
     group = group if group is not None else _settings.group
-    full = gather(logits.detach(), 1, layout or _settings.layout, group, cu_seqlens=cu_seqlens)
+    layout = resolve_layout(layout or _settings.layout, None, group_info(group)[1], cu_seqlens)  # (auto: as placed)
+    full = gather(logits.detach(), 1, layout, group, cu_seqlens=cu_seqlens)
     return full if length is None else full[:, :length]
 
 
