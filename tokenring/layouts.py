@@ -16,8 +16,9 @@
   share of tokens, or with more work than a rank's mean, is split, zigzag-style within it, over as many ranks as
   that takes (:func:`whole_docs_plan`). Takes ``cu_seqlens`` too.
 - ``auto``: one of ``zigzag``, ``contiguous``, ``balanced`` and ``whole_docs`` per batch, the one the cost model
-  predicts fastest for its documents (:func:`resolve_layout`; ``zigzag`` without documents). A pure function of
-  the length, the ranks, the documents and the topology setting, so every entry point resolves it alike.
+  predicts fastest for its documents (:func:`resolve_layout`; ``zigzag`` for one). A pure function of the
+  length, the ranks, the documents and two settings, so every entry point resolves it alike. Takes
+  ``cu_seqlens`` too.
 
 Within a rank the local tokens are always in increasing global order, so a causal mask on a rank's own
 Q against its own K/V is the plain lower-triangular mask.
