@@ -11,7 +11,7 @@
 The cost model behind ``strategy="auto"`` (``tokenring.sim``) is imported on first use only.
 """
 
-from . import ops, settings
+from . import layouts, ops, settings
 from .api import STRATEGY_NAMES, attention, choose_strategy, forget_choices
 from .comm import get_timeout, set_timeout
 from .context import context_parallel
@@ -56,6 +56,15 @@ def _calibrate_group(group, q, k) -> None:
 
 
 ops.set_calibrator(_calibrate_group)
+
+
+def _choose_layout(S: int, P: int, bounds: tuple[int, ...]) -> str:
+    from .sim.placement import choose_layout  # layout="auto": the cost model loads on first use
+
+    return choose_layout(S, P, bounds)
+
+
+layouts.set_placement_chooser(_choose_layout)
 
 
 def configure(**values) -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "AUTO_LAYOUT",
     "LAYOUT_CHOICES",
     "resolve_layout",
+    "set_placement_chooser",
 ]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_docs", "balanced", "whole_docs")
@@ -99,9 +100,20 @@ def resolve_layout(layout: str, S: int | None, P: int, cu_seqlens=None, need_doc
     bounds = document_bounds(S, P, cu, "whole_docs")
     if P == 1 or len(bounds) <= 2 or S < 2 * P:
         return "zigzag"
-    from .sim.placement import choose_layout
+    return _placement_chooser(S, P, bounds)
 
-    return choose_layout(S, P, bounds)
+
+def _no_chooser(S: int, P: int, bounds: tuple[int, ...]) -> str:
+    raise RuntimeError("tokenring: no placement chooser registered (tokenring/__init__.py registers the cost model's)")
+
+
+_placement_chooser = _no_chooser  # (S, P, bounds) -> layout: tokenring.sim.placement.choose_layout, loaded on use
+
+
+def set_placement_chooser(fn) -> None:
+    """Register what picks ``layout="auto"``'s placement (the cost model sits in a higher layer)."""
+    global _placement_chooser
+    _placement_chooser = fn
 
 
 def group_info(group=None) -> tuple[int, int]:
