@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import mixers as _mixers
+from .. import settings
 from ..agreement import exchange
 from ..api import attention
 from ..device import collective_device, values_travel
@@ -322,11 +323,23 @@ def _cu_seqlens(module, attention_mask, s: int, causal: bool, kwargs: dict):
 
 def layer_layout(s: int, cu_q) -> str:
     """The layout a layer's shard was cut with: the setting, or for ``"auto"`` the placement
-    :func:`tokenring.hf.shard_batch` chose from the documents it passes as ``cu_seq_lens_q`` (none: zigzag)."""
+    :func:`tokenring.hf.shard_batch` chose from the documents it passes as ``cu_seq_lens_q`` (none: zigzag).
+    Once per documents tensor and settings: the layers of a forward share it."""
     if _settings.layout != AUTO_LAYOUT:
         return _settings.layout
     P = group_info(_settings.group)[1]
-    return resolve_layout(AUTO_LAYOUT, s * P, P, None if cu_q is None else _as_tensor(cu_q).cpu())
+    cu = None if cu_q is None else _as_tensor(cu_q)
+    how = (s, P, repr((settings.get("topology"), settings.get("layer"))))
+    hit = _layer_layouts.get([cu]) if cu is not None else None
+    if hit is not None and hit[0] == how:
+        return hit[1]
+    layout = resolve_layout(AUTO_LAYOUT, s * P, P, None if cu is None else cu.cpu())
+    if cu is not None:
+        _layer_layouts.put([cu], (how, layout))
+    return layout
+
+
+_layer_layouts = IdentityCache()
 
 
 def _as_tensor(x):
