@@ -847,23 +847,32 @@ def any_length_case(rank: int, P: int, cases: list[dict]) -> list[float]:
     return errs
 
 
-def auto_layout_case(rank: int, P: int, cases: list[dict]) -> list[tuple[float, str]]:
-    """:func:`any_length_case` under ``layout="auto"``; a case's ``pick`` makes the chooser answer that placement
-    (to reach each one on small shapes): ``(error, the placement shard chose)`` per case."""
+@contextlib.contextmanager
+def forced_placement(pick: str | None):
+    """Inside: ``layout="auto"``'s chooser answers ``pick`` for every batch (to reach each placement on small
+    shapes); ``None``: the cost model's own choice."""
     import tokenring.sim.placement as placement
-    from tokenring.layouts import resolve_layout
 
     real = placement.choose_layout
-    out = []
+    if pick is not None:
+        placement.choose_layout = lambda S, P, bounds: pick
     try:
-        for case in cases:
-            pick = case.get("pick")
-            placement.choose_layout = real if pick is None else (lambda S, P, bounds, pick=pick: pick)
-            c = {k: v for k, v in case.items() if k != "pick"}
-            chose = resolve_layout("auto", c["S"], P, c.get("cu_seqlens"))
-            out.append((any_length_case(rank, P, [dict(c, layout="auto")])[0], chose))
+        yield
     finally:
         placement.choose_layout = real
+
+
+def auto_layout_case(rank: int, P: int, cases: list[dict]) -> list[tuple[float, str]]:
+    """:func:`any_length_case` under ``layout="auto"``; a case's ``pick`` makes the chooser answer that placement
+    (:func:`forced_placement`): ``(error, the placement shard chose)`` per case."""
+    from tokenring.layouts import resolve_layout
+
+    out = []
+    for case in cases:
+        c = {k: v for k, v in case.items() if k != "pick"}
+        with forced_placement(case.get("pick")):
+            chose = resolve_layout("auto", c["S"], P, c.get("cu_seqlens"))
+            out.append((any_length_case(rank, P, [dict(c, layout="auto")])[0], chose))
     return out
 
 

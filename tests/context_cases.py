@@ -305,12 +305,9 @@ def packed_auto_step(rank: int, P: int, S: int, cu: list[int], pick: str | None)
     (``pick``: the placement the chooser answers, else the cost model's) vs one process with the documents'
     block-causal mask (float64): the output gathered with ``layout="auto"``, the weights' gradient, and the
     placement the buffer was cut with."""
-    import tokenring.sim.placement as placement
+    from cases import forced_placement
 
-    real = placement.choose_layout
-    if pick is not None:
-        placement.choose_layout = lambda S, P, bounds: pick
-    try:
+    with forced_placement(pick):
         torch.manual_seed(0)
         proj = nn.Linear(16, 48).double()
         x = torch.randn(1, S, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -337,5 +334,3 @@ def packed_auto_step(rank: int, P: int, S: int, cu: list[int], pick: str | None)
         if P > 1:
             dist.all_reduce(grad)
         return dict(out=rel(got, want.detach()), grad=rel(grad, ref), placed=placed, held=held)
-    finally:
-        placement.choose_layout = real

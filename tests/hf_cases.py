@@ -497,15 +497,10 @@ def any_length_matches(
     ``pad`` ("right", "left"): one row per length, padded to the longest with a 2D attention mask (pad labels
     -100). ``pick``: under ``layout="auto"``, the placement the chooser answers (to reach each on small shapes).
     Returns the max |logits| difference over real tokens, the loss difference and the worst relative gradient."""
-    import tokenring.sim.placement as placement
+    from cases import forced_placement
 
-    real_choice = placement.choose_layout
-    if pick is not None:
-        placement.choose_layout = lambda S, P, bounds: pick
-    try:
+    with forced_placement(pick):
         return _any_length_matches(rank, P, lengths, rows, pad, layout)
-    finally:
-        placement.choose_layout = real_choice
 
 
 def _any_length_matches(rank: int, P: int, lengths: list[int], rows: int, pad, layout: str) -> dict:

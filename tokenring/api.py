@@ -18,6 +18,7 @@ from .layouts import (
     AUTO_LAYOUT,
     LAYOUTS,
     PLANNED_LAYOUTS,
+    auto_inputs,
     default_layout,
     even_out,
     group_info,
@@ -182,17 +183,10 @@ def _call_key(q, k, v, sinks, causal, softmax_scale, strategy, layout, cu_seqlen
             _group_name(group), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
             None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), causal, softmax_scale, strategy,
             layout, docs, None if window is None else tuple(window), inner_size, seq_len,
-            _auto_inputs() if layout == AUTO_LAYOUT else None, grad, kind,
+            auto_inputs() if layout == AUTO_LAYOUT else None, grad, kind,
         )  # fmt: skip
     except (TypeError, AttributeError, ValueError):  # not tensors, or options that are not plain values: no key
         return None
-
-
-def _auto_inputs() -> str:
-    """What ``layout="auto"`` resolves by besides the call's documents: the topology and layer settings."""
-    from . import settings
-
-    return repr((settings.get("topology"), settings.get("layer")))
 
 
 def _uneven_length(q, seq_len, layout, causal: bool, P: int) -> int | None:

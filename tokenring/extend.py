@@ -132,7 +132,7 @@ def _attend_groups(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: R
 
 _HEADER = ["batch", "query heads", "key/value heads", "head dim", "dtype", "strategy", "window", "documents", "scale"]
 _WHO = "tokenring extend"
-_HEADER_NUMBERS = 15  # the header's numbers besides ``state``: see _exchange_header
+_HEADER_NUMBERS = len(_HEADER) + 6  # besides ``state``: then t, n, new (2), the position range (2)
 
 
 def _exchange_header(

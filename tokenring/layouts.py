@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import settings
 from .device import collective_device, values_travel
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "LAYOUT_CHOICES",
     "resolve_layout",
     "set_placement_chooser",
+    "auto_inputs",
 ]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_docs", "balanced", "whole_docs")
@@ -101,6 +103,13 @@ def resolve_layout(layout: str, S: int | None, P: int, cu_seqlens=None, need_doc
     if P == 1 or len(bounds) <= 2 or S < 2 * P:
         return "zigzag"
     return _placement_chooser(S, P, bounds)
+
+
+def auto_inputs() -> tuple:
+    """What ``layout="auto"`` resolves by besides the batch (length, ranks, documents), as a cache key: the topology
+    and layer settings, and this process's thread count (a CPU topology's kernel model reads it)."""
+    spec = settings.get("topology")
+    return spec if isinstance(spec, (str, type(None))) else repr(spec), settings.get("layer"), torch.get_num_threads()
 
 
 def _no_chooser(S: int, P: int, bounds: tuple[int, ...]) -> str:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from . import mixer_op, recurrence
-from .layouts import AUTO_LAYOUT, DOCUMENT_LAYOUTS, group_info, local_positions, resolve_layout
+from .layouts import AUTO_LAYOUT, DOCUMENT_LAYOUTS, group_info, local_positions
+from .ops import placed_layout
 
 __all__ = [
     "Mixer",
@@ -382,9 +383,7 @@ class StatePassing:
             if P == 1 and cache is None and cu is not None:  # one rank: packed documents only
                 sharded = torch.compiler.is_compiling() or len(cu) > 2
             if sharded:
-                if layout == AUTO_LAYOUT:  # the placement shard_batch chose from these documents
-                    docs = None if cu is None else torch.as_tensor(cu).cpu()
-                    layout = resolve_layout(layout, hidden.shape[1] * P, P, docs)
+                layout = placed_layout(layout, hidden.shape[1] * P, P, cu)  # ("auto": as shard_batch placed)
                 if layout in DOCUMENT_LAYOUTS and cu is None:
                     raise ValueError(
                         f"tokenring: {where} runs under layout={layout!r}, which places tokens by document, but "

@@ -39,13 +39,16 @@ from .device import no_autocast, pretended
 from .instrument import NONE as NO_HOOKS
 from .kernels import fold_scale, softmax_scale_of
 from .layouts import (
+    AUTO_LAYOUT,
     DOCUMENT_LAYOUTS,
     LAYOUTS,
     PLANNED_LAYOUTS,
+    auto_inputs,
     check_layout,
     default_layout,
     document_bounds,
     group_info,
+    resolve_layout,
 )
 from .masks import make_mask, whole_numbers, window_pair
 from .single import SINGLE
@@ -54,7 +57,16 @@ from .strategies import code as strategy_code
 from .strategies import get as get_strategy
 from .strategies.base import Config
 
-__all__ = ["attention_op", "Call", "plan", "register_extras", "IdentityCache", "forget_choices", "set_calibrator"]
+__all__ = [
+    "attention_op",
+    "Call",
+    "plan",
+    "register_extras",
+    "IdentityCache",
+    "forget_choices",
+    "set_calibrator",
+    "placed_layout",
+]
 
 # A call's tokenring.instrument() fields travel into the op as an id (ops take no Python objects); eager only.
 # The forward's ctx holds the object, so an entry lives as long as the autograd graph that may still run its
@@ -118,6 +130,26 @@ class IdentityCache:
         if len(self.entries) >= self.size:
             self.entries.pop(next(iter(self.entries)))
         self.entries[key] = ([weakref.ref(t) if t is not None else None for t in tensors], value)
+
+
+def placed_layout(layout: str, S: int, P: int, cu_seqlens) -> str:
+    """:func:`tokenring.layouts.resolve_layout` for a model's layers (``cu_seqlens``: the batch's documents,
+    ``None`` for an unpacked one: zigzag), once per documents tensor and settings: the layers of a forward share
+    that tensor."""
+    if layout != AUTO_LAYOUT:
+        return layout
+    cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens)
+    how = (S, P, auto_inputs())
+    hit = _placed.get([cu]) if cu is not None else None
+    if hit is not None and hit[0] == how:
+        return hit[1]
+    placed = resolve_layout(layout, S, P, None if cu is None else cu.cpu())
+    if cu is not None:
+        _placed.put([cu], (how, placed))
+    return placed
+
+
+_placed = IdentityCache()
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,12 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import mixers as _mixers
-from .. import settings
 from ..agreement import exchange
 from ..api import attention
 from ..device import collective_device, values_travel
 from ..instrument import instrument
-from ..layouts import AUTO_LAYOUT, DOCUMENT_LAYOUTS, gather, group_info, resolve_layout
-from ..ops import IdentityCache, _group_name, _plain_eager, _pretended_meta, resolve_group
+from ..layouts import DOCUMENT_LAYOUTS, gather, group_info
+from ..ops import IdentityCache, _group_name, _plain_eager, _pretended_meta, placed_layout, resolve_group
 from .cache import forget_steps, step_attention, take_step
 from .config import NAME, _settings
 from .ddp import check_ddp
@@ -243,13 +242,13 @@ def attention_forward(
     group = _settings.group
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    cu = _cu_seqlens(module, attention_mask, s, causal, kwargs)
+    layout = layer_layout(s, kwargs.get("cu_seq_lens_q"))
+    cu = _cu_seqlens(module, attention_mask, s, causal, kwargs, layout)
     window = kwargs.get("sliding_window")
     # transformers' sliding layers: key j is visible from query i when i - W < j (and j <= i when causal)
     window = (window - 1, 0 if causal else window - 1) if window is not None else None
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     extra = _settings.config_fn(module) if _settings.config_fn is not None else None
-    layout = layer_layout(s, kwargs.get("cu_seq_lens_q"))
     kw = dict(
         causal=causal, softmax_scale=scaling, strategy=_settings.strategy, layout=layout, window=window,
         sinks=sinks, group=group, inner_size=_settings.inner_size,
@@ -305,7 +304,7 @@ def _sinks_or_refuse(module, dropout: float, kwargs: dict):
     return sinks
 
 
-def _cu_seqlens(module, attention_mask, s: int, causal: bool, kwargs: dict):
+def _cu_seqlens(module, attention_mask, s: int, causal: bool, kwargs: dict, layout: str):
     """The global ``cu_seqlens`` of the documents in this batch (positions, mask or HF's own), or ``None``."""
     pos = kwargs.get("position_ids")
     pos = pos if isinstance(pos, torch.Tensor) and pos.shape[-1] == s and _settings.check_positions else None
@@ -314,7 +313,6 @@ def _cu_seqlens(module, attention_mask, s: int, causal: bool, kwargs: dict):
         raise _refuse(module, _mask_problem(attention_mask))
     if attention_mask is None and pos is None and cu_q is None:
         return None
-    layout = layer_layout(s, cu_q)
     args = (pos, attention_mask, cu_q, cu_k, s, layout, _group_name(_settings.group), _where(module), causal)
     if _plain_eager(pos, attention_mask, cu_q, cu_k):  # the op's body without its dispatch (as tokenring.ops does)
         return hf_documents._init_fn(*args)
@@ -323,23 +321,9 @@ def _cu_seqlens(module, attention_mask, s: int, causal: bool, kwargs: dict):
 
 def layer_layout(s: int, cu_q) -> str:
     """The layout a layer's shard was cut with: the setting, or for ``"auto"`` the placement
-    :func:`tokenring.hf.shard_batch` chose from the documents it passes as ``cu_seq_lens_q`` (none: zigzag).
-    Once per documents tensor and settings: the layers of a forward share it."""
-    if _settings.layout != AUTO_LAYOUT:
-        return _settings.layout
+    :func:`tokenring.hf.shard_batch` chose from the documents it passes as ``cu_seq_lens_q`` (none: zigzag)."""
     P = group_info(_settings.group)[1]
-    cu = None if cu_q is None else _as_tensor(cu_q)
-    how = (s, P, repr((settings.get("topology"), settings.get("layer"))))
-    hit = _layer_layouts.get([cu]) if cu is not None else None
-    if hit is not None and hit[0] == how:
-        return hit[1]
-    layout = resolve_layout(AUTO_LAYOUT, s * P, P, None if cu is None else cu.cpu())
-    if cu is not None:
-        _layer_layouts.put([cu], (how, layout))
-    return layout
-
-
-_layer_layouts = IdentityCache()
+    return placed_layout(_settings.layout, s * P, P, cu_q)
 
 
 def _as_tensor(x):

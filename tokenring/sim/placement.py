@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 
 from .. import settings
-from ..layouts import padded_length
+from ..layouts import auto_inputs, padded_length
 from ..masks import make_mask
 from ..schedules import Shapes
 
@@ -57,9 +57,7 @@ def strategies(sh: Shapes, layout: str) -> list[str]:
 def choose_layout(S: int, P: int, bounds: tuple[int, ...]) -> str:
     """The placement of ``S`` tokens in documents ``bounds`` (``cu_seqlens``, from 0 to ``S``) over ``P`` ranks
     predicted fastest (ties to the earlier of :data:`CANDIDATES`)."""
-    spec = settings.get("topology")
-    key = spec if isinstance(spec, (str, type(None))) else repr(spec)
-    return _choose(S, P, tuple(bounds), key, layer(), torch.get_num_threads())
+    return _choose(S, P, tuple(bounds), auto_inputs())
 
 
 def layer() -> tuple[int, int, int]:
@@ -68,7 +66,7 @@ def layer() -> tuple[int, int, int]:
 
 
 @lru_cache(maxsize=256)
-def _choose(S: int, P: int, bounds: tuple[int, ...], spec, heads, threads: int) -> str:
+def _choose(S: int, P: int, bounds: tuple[int, ...], inputs: tuple) -> str:
     times = placement_times(S, P, bounds)
     best = CANDIDATES[0]
     for lay in CANDIDATES[1:]:
