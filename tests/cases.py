@@ -727,21 +727,29 @@ def extend_case(rank: int, P: int, case: dict) -> float:
     import tokenring.strategies.extend as ext
 
     old_rows, ext.BATCH_ROWS = ext.BATCH_ROWS, case.get("batch_rows", ext.BATCH_ROWS)  # groups of query rows
-    try:
-        out = extend_attention(
-            q_all[:, a:b],
-            k_all[:, rows],
-            v_all[:, rows],
-            new=(a, b),
-            strategy=case["strategy"],
-            softmax_scale=case.get("scale"),
-            window=window,
-            cu_seqlens=cu,
-            positions=mine if (window is not None or cu) else None,
-            sinks=sinks,
-        )
+    runs = []
+    try:  # with "replay": replayed twice (lowered, then cached), then by the step loop: the same bits
+        for loop in (False, False, True) if case.get("replay") else (False,):
+            with tokenring.instrument(step_loop=loop):
+                runs.append(
+                    extend_attention(
+                        q_all[:, a:b],
+                        k_all[:, rows],
+                        v_all[:, rows],
+                        new=(a, b),
+                        strategy=case["strategy"],
+                        softmax_scale=case.get("scale"),
+                        window=window,
+                        cu_seqlens=cu,
+                        positions=mine if (window is not None or cu) else None,
+                        sinks=sinks,
+                    )  # fmt: skip
+                )
     finally:
         ext.BATCH_ROWS = old_rows
+    out = runs[0]
+    for got in runs[1:]:
+        assert torch.equal(got, out), f"rank {rank}/{P} {case}: extend replayed differs from the step loop"
     ok = allowed(n + T, True, cu, None if window is None else (window, 0))[n:]
     kk, vv = (x.double().repeat_interleave(H // Hkv, 2) for x in (k_all, v_all))
     s = torch.einsum("bqhd,bkhd->bhqk", q_all.double(), kk) * case.get("scale", d**-0.5)
@@ -750,6 +758,20 @@ def extend_case(rank: int, P: int, case: dict) -> float:
         s = torch.cat([s, sinks.double()[None, :, None, None].expand(B, H, T, 1)], dim=-1)
     ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1)[..., : n + T], vv)
     return rel_err(out, ref[:, a:b]) if b > a else 0.0
+
+
+def extend_programs(rank: int, P: int, window: bool) -> int:
+    """How many extend programs one new kind of call records on this rank (``window``: a masked step)."""
+    from tokenring import program
+    from tokenring.extend import RowsOps
+
+    def count() -> int:
+        return sum(key[0] is RowsOps for key in program._programs)
+
+    before = count()
+    case = dict(B=1, n=13 + 2 * P, T=P + 4, H=6, Hkv=3, d=7, dtype="float64", strategy="pass_q", seed=11)
+    extend_case(rank, P, dict(case, window=5) if window else case)
+    return count() - before
 
 
 def extend_mismatch(rank: int, P: int, what: str) -> str:

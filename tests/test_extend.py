@@ -57,6 +57,24 @@ def test_extend_matches_reference(pools, P):
                 assert err < TOL[case["dtype"]], (strategy, case, err)
 
 
+@pytest.mark.parametrize("P", [3, 4])
+def test_extend_replay_equals_step_loop(pools, P):
+    """Without a window or documents, an extend schedule runs as a recorded program (lowered at the first call,
+    replayed after): the step loop's bits, for every strategy, uneven shards, batched visitors, B=2, sinks."""
+    for strategy in STRATEGIES:
+        for case in (CASES[0], CASES[1], CASES[4], CASES[5], CASES[7], CASES[8]):
+            if strategy == "ulysses" and (case["H"] % P or case["Hkv"] % P):
+                continue
+            for err in pools(P).run(cases.extend_case, dict(case, strategy=strategy, replay=True)):
+                assert err < TOL[case["dtype"]], (strategy, case, err)
+
+
+def test_extend_runs_as_a_program(pools):
+    """The replay above is not vacuous: a plain extend records a program on every rank; a window does not."""
+    assert pools(3).run(cases.extend_programs, False) == [1] * 3
+    assert pools(3).run(cases.extend_programs, True) == [0] * 3
+
+
 def test_extend_auto_is_exact_and_agreed(pools):
     for err in pools(3).run(cases.extend_case, dict(CASES[1], strategy="auto")):
         assert err < 1e-5

@@ -8,21 +8,26 @@ from dataclasses import dataclass
 
 import torch
 
+from . import program
 from .agreement import code, exchange, refuse_at_exchange, require_same
 from .comm import Comm, buffers
 from .device import values_travel
 from .executor import execute
+from .instrument import NONE as NO_HOOKS
+from .instrument import current as current_instruments
 from .kernels import attention_inputs, block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .masks import TILE_ROWS
-from .merge import acc_dtype, merge_, merge_seen_, merge_sink_, merge_stacked, new_accumulator
+from .merge import acc_dtype, merge_, merge_sink_, merge_stacked, new_accumulator
 from .schedules import Message
 from .strategies.extend import STRATEGIES, Shards, extend_bytes, schedule, sees, split_new  # noqa: F401
+from .strategies.tensor_ops import Merge, merge_into
 
 __all__ = [
     "STRATEGIES",
     "Shards",
     "RowMask",
+    "RowsTensors",
     "RowsOps",
     "split_new",
     "attend_rows",
@@ -76,24 +81,68 @@ class RowMask:
         return ok
 
 
-def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowMask, scale: float):
+class RowsTensors:
+    """The tensor operations of attention to rows (:func:`attend_rows`, :class:`RowsOps`), as methods over a
+    call's ``scale`` and ``device``: what :mod:`tokenring.program` records once per signature and replays."""
+
+    def __init__(self, scale: float, device):
+        self.scale, self.device = scale, device
+
+    def block(self, q, k, v, causal: bool):
+        return block_forward(q, k, v, causal, self.scale)
+
+    def rows_accumulator(self, B: int, n: int, H: int, d: int, dtype):
+        return new_accumulator(B, n, H, d, dtype, self.device)
+
+    merge_into = staticmethod(merge_into)
+
+    def cast(self, t, dtype):
+        return t.to(dtype)
+
+    def cat(self, dim: int, *ts):
+        return torch.cat(ts, dim)
+
+    def joined(self, B: int, n: int, H: int, d: int, dtype, filled: bool = True):
+        """An accumulator of ``n`` rows as one (B, n, H, d + 1) tensor (:func:`split`); ``filled``: empty (0 and
+        -inf), else left for copies to fill."""
+        acc = acc_dtype(dtype)
+        if not filled:
+            return torch.empty(B, n, H, d + 1, dtype=acc, device=self.device)
+        j = torch.full((B, n, H, d + 1), float("-inf"), dtype=acc, device=self.device)
+        j.narrow(3, 0, d).zero_()
+        return j
+
+    def join(self, o, lse):
+        """A partial ``(o, lse)`` as one (B, n, H, d + 1) tensor (what travels home)."""
+        return torch.cat([o, lse.transpose(1, 2).unsqueeze(-1)], 3)
+
+    def merged(self, *joined):
+        """The merge of joined partials (in rank order: the same bits on every rank), as ``(o, lse)``."""
+        return merge_stacked(*split(torch.stack(joined)))
+
+    def alloc(self, specs) -> list[torch.Tensor]:
+        return buffers(specs, self.device)
+
+
+def split(j):
+    """A joined partial (..., n, H, d + 1) as its ``(o (..., n, H, d), lse (..., H, n))`` views."""
+    d = j.shape[-1] - 1
+    return j.narrow(-1, 0, d), j.select(-1, d).transpose(-1, -2)
+
+
+def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowMask, scale: float, ops=None):
     """The partial ``(out, lse)`` of new tokens ``qa..`` against one rank's rows (cached at ``kpos``, then new
-    tokens ``ka..kb-1``), in the accumulator dtype."""
+    tokens ``ka..kb-1``), in the accumulator dtype; ``ops``: the tensor operations (:class:`RowsTensors`)."""
     if any(mask.rows):  # rows with documents of their own: one pass per group of rows that share them
         return _attend_groups(q, qa, k, v, kpos, ka, kb, start, mask, scale)
+    ops = ops or RowsTensors(scale, q.device)
     B, tq, H, d = q.shape
     old, qb = k.shape[1] - (kb - ka), qa + tq
     if mask.plain and k.shape[1] and (kb == ka or kb - 1 <= qa):  # every query sees every row here: one block
-        o, lse = block_forward(q, k, v, False, scale)
+        o, lse = ops.block(q, k, v, False)
         acc = acc_dtype(q.dtype)
-        return o.to(acc), lse.to(acc)
-    o, lse = new_accumulator(B, tq, H, d, q.dtype, q.device)
-
-    def add(rows: slice, keys: slice, causal: bool = False, vis=None):
-        part = block_forward(q[:, rows], k[:, keys], v[:, keys], causal, scale, mask=vis)
-        # without a mask every row of a block sees a key (full blocks, causal squares): the shorter merge
-        (merge_ if vis is not None else merge_seen_)(o[:, rows], lse[:, :, rows], *part)
-
+        return ops.cast(o, acc), ops.cast(lse, acc)
+    o, lse = ops.rows_accumulator(B, tq, H, d, q.dtype)
     if not mask.plain:  # explicit masks from global positions, TILE_ROWS query rows at a time
         qpos = torch.arange(start + qa, start + qb, device=q.device)
         newpos = torch.arange(start + ka, start + kb, device=q.device)
@@ -104,17 +153,29 @@ def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowM
             cols = vis.any(0).nonzero().flatten()
             if len(cols):  # only the span of keys some row of the tile sees
                 c0, c1 = int(cols[0]), int(cols[-1]) + 1
-                add(slice(r0, r1), slice(c0, c1), vis=vis[:, c0:c1])
+                part = block_forward(q[:, r0:r1], k[:, c0:c1], v[:, c0:c1], False, scale, mask=vis[:, c0:c1])
+                merge_(o[:, r0:r1], lse[:, :, r0:r1], *part)
         return o, lse
+
+    touched: list[tuple[int, int]] = []
+
+    def add(r0: int, r1: int, c0: int, c1: int, causal: bool = False):
+        """Query rows r0..r1-1 against keys c0..c1-1; every row sees a key: the shorter merge, or a copy into
+        rows nothing was merged into yet."""
+        part = ops.block(q.narrow(1, r0, r1 - r0), k.narrow(1, c0, c1 - c0), v.narrow(1, c0, c1 - c0), causal)
+        how = Merge.SEEN if any(a < r1 and r0 < b for a, b in touched) else Merge.COPY
+        ops.merge_into(how, o.narrow(1, r0, r1 - r0), lse.narrow(2, r0, r1 - r0), *part)
+        touched.append((r0, r1))
+
     if old:  # every cached row precedes every new token
-        add(slice(0, tq), slice(0, old))
+        add(0, tq, 0, old)
     lo, hi = max(qa, ka), min(qb, kb)
     if lo < hi:  # queries among these new keys: keys ka..lo-1 in full, then the causal square lo..hi-1
         if lo > ka:
-            add(slice(lo - qa, hi - qa), slice(old, old + lo - ka))
-        add(slice(lo - qa, hi - qa), slice(old + lo - ka, old + hi - ka), causal=True)
+            add(lo - qa, hi - qa, old, old + lo - ka)
+        add(lo - qa, hi - qa, old + lo - ka, old + hi - ka, causal=True)
     if kb > ka and qb > max(qa, kb):  # queries after every new key here
-        add(slice(max(qa, kb) - qa, tq), slice(old, old + kb - ka))
+        add(max(qa, kb) - qa, tq, old, old + kb - ka)
     return o, lse
 
 
@@ -160,20 +221,29 @@ def _exchange_header(
     return shards, [(x[k + 4], x[k + 5]) for x in rows]
 
 
-class RowsOps:
-    """The executor's ``Ops`` for inference: what the computes and messages of an extend or decode schedule
-    (:mod:`tokenring.strategies.extend`) mean on rank ``rank``. ``own = (qa, ka, kb, start)`` overrides this
-    rank's query and new-row indices and the step's first position (decode, where ``shards`` is ``None``)."""
+class RowsOps(RowsTensors):
+    """The executor's ``Ops`` for inference: what the computes and messages of an extend schedule
+    (:mod:`tokenring.strategies.extend`) mean on rank ``rank``; every tensor operation goes through
+    :class:`RowsTensors`' methods, so that without a window or documents (decisions from shapes alone) a
+    schedule runs as a recorded program (:func:`run_schedule`)."""
 
-    def __init__(self, strategy, q, k, v, kpos, shards, mask: RowMask, scale, rank: int, sinks=None, own=None):
+    @classmethod
+    def runner(cls, scale: float, device) -> "RowsOps":
+        """An instance for a program's replay: the tensor operations with this call's ``scale``, no state."""
+        obj = cls.__new__(cls)
+        RowsTensors.__init__(obj, scale, device)
+        return obj
+
+    def __init__(self, strategy, q, k, v, kpos, shards, mask: RowMask, scale, rank: int, sinks=None):
+        RowsTensors.__init__(self, scale, q.device)
         self.strategy, self.q, self.k, self.v, self.shards = strategy, q, k, v, shards
-        self.mask, self.scale, self.rank, self.sinks, self.device = mask, scale, rank, sinks, q.device
-        self.qa, ka, kb, self.start = own or (shards.new[rank][0], *shards.new[rank], shards.start)
-        self.own_new = (ka, kb)
+        self.mask, self.rank, self.sinks = mask, rank, sinks
+        self.start = shards.start
         self.store = {("q", rank): [q], ("kv", rank): [k, v]}
         if not mask.plain:
             self.store["pos", rank] = [kpos]
-        self.made: dict = {}  # q owner -> the partial (o, lse) this rank computed for it
+        # partials as (o, lse, joined): their joined tensor where they are views of one, else None
+        self.made: dict = {}  # q owner -> the partial this rank computed for it
         self.partials: dict = {}  # kv owner -> a partial of this rank's queries (its own, or come home)
         self.acc = None  # pass_kv: this rank's running output
         self.pieces: dict = {}  # ulysses: rank -> its rows of my head group (q, k, v), then of my output
@@ -182,7 +252,7 @@ class RowsOps:
     # the executor's interface
     def payload(self, m: Message) -> list[torch.Tensor]:
         if m.kind == "out":
-            return list(self.made[m.owner] if m.owner != self.rank else self.partials[self.rank])
+            return [self._joined(self.made[m.owner] if m.owner != self.rank else self.partials[self.rank])]
         if m.kind == "u_qkv":
             return [self._group(x, m.dst) for x in (self.q, self.k, self.v)]
         if m.kind == "u_out":
@@ -193,9 +263,8 @@ class RowsOps:
         B, tq, H, d = self.q.shape
         Hkv, sh, j = self.k.shape[2], self.shards, m.owner
         dt, kdt, kind = self.q.dtype, self.k.dtype, m.kind
-        if kind == "out":
-            acc = acc_dtype(dt)
-            specs = [((B, tq, H, d), acc), ((B, H, tq), acc)]
+        if kind == "out":  # (a partial travels joined)
+            specs = [((B, tq, H, d + 1), acc_dtype(dt))]
         elif kind == "q":
             specs = [((B, sh.t(j), H, d), dt)]
         elif kind == "kv":
@@ -208,11 +277,11 @@ class RowsOps:
             specs = [((B, tq, H // sh.P, d), dt)]
         else:
             raise ValueError(f"extend cannot receive a {kind!r} message")
-        return buffers(specs, self.device)
+        return self.alloc(specs)
 
     def receive(self, m: Message, tensors: list[torch.Tensor]) -> None:
         if m.kind == "out":
-            self.partials[m.src] = tensors
+            self.partials[m.src] = (*split(tensors[0]), tensors[0])
         elif m.kind in ("u_qkv", "u_out"):
             self.pieces[m.src] = tensors
         else:
@@ -225,7 +294,7 @@ class RowsOps:
         if len(cs) > 1 and self.mask.plain and all(c.kv_owner == r for c in cs):
             parts = self._attend_many([self.store["q", c.q_owner][0] for c in cs], [self._qa(c.q_owner) for c in cs])
         else:
-            parts = [self._attend(self.store["q", c.q_owner][0], self._qa(c.q_owner), c.kv_owner) for c in cs]
+            parts = [(*self._attend(self.store["q", c.q_owner][0], self._qa(c.q_owner), c.kv_owner), None) for c in cs]
         for c, part in zip(cs, parts):
             if c.q_owner != r:
                 self.made[c.q_owner] = part
@@ -233,8 +302,8 @@ class RowsOps:
                 self.partials[c.kv_owner] = part
             else:
                 if self.acc is None:
-                    self.acc = new_accumulator(*self.q.shape, self.q.dtype, self.device)
-                merge_(*self.acc, *part)
+                    self.acc = self.rows_accumulator(*self.q.shape, self.q.dtype)
+                self.merge_into(Merge.ANY, *self.acc, *part[:2])
 
     def release(self, step: int, reads: dict) -> None:
         """Drop other ranks' queries, rows and positions that no later step reads."""
@@ -249,23 +318,25 @@ class RowsOps:
         if self.strategy == "ulysses":
             return torch.cat([self.pieces[j][0] for j in range(self.shards.P)], dim=2), None
         if self.acc is not None or self.strategy == "pass_kv":
-            return self.acc or new_accumulator(*self.q.shape, self.q.dtype, self.device)
+            return self.acc or self.rows_accumulator(*self.q.shape, self.q.dtype)
         order = sorted(self.partials)  # rank order: the same bits wherever the partials were made
         if not order:
-            return new_accumulator(*self.q.shape, self.q.dtype, self.device)
+            return self.rows_accumulator(*self.q.shape, self.q.dtype)
         if len(order) == 1:
-            o, lse = self.partials[order[0]]
-            return o.to(acc_dtype(o.dtype)), lse
-        acc = acc_dtype(self.q.dtype)
-        o = torch.stack([self.partials[j][0].to(acc) for j in order])
-        return merge_stacked(o, torch.stack([self.partials[j][1].to(acc) for j in order]))
+            o, lse, _ = self.partials[order[0]]
+            return self.cast(o, acc_dtype(o.dtype)), lse
+        return self.merged(*(self._joined(self.partials[j]) for j in order))
+
+    def _joined(self, part: tuple):
+        o, lse, joined = part
+        return joined if joined is not None else self.join(o, lse)
 
     # the attention of queries to rows
     def _qa(self, j: int) -> int:
-        return self.qa if j == self.rank else self.shards.new[j][0]
+        return self.shards.new[j][0]
 
     def _new(self, j: int) -> tuple[int, int]:
-        return self.own_new if j == self.rank else self.shards.new[j]
+        return self.shards.new[j]
 
     def _attend(self, q, qa: int, kj: int, k=None, v=None):
         """``q`` (queries ``qa..``) against rank ``kj``'s rows (held here, or ``k``, ``v`` given)."""
@@ -274,7 +345,7 @@ class RowsOps:
         kpos = self.store.get(("pos", kj), [None])[0]
         if kpos is None and not self.mask.plain:  # no cached rows: no positions travelled
             kpos = torch.empty(0, dtype=torch.int64, device=self.device)
-        return attend_rows(q, qa, k, v, kpos, *self._new(kj), self.start, self.mask, self.scale)
+        return attend_rows(q, qa, k, v, kpos, *self._new(kj), self.start, self.mask, self.scale, self)
 
     def _attend_many(self, qs: list, qas: list[int]) -> list[tuple]:
         """This rank's rows attended by several ranks' queries, the cached block in one kernel call for all."""
@@ -282,27 +353,27 @@ class RowsOps:
         old = self.k.shape[1] - (kb - ka)
         B, _, H, d = qs[0].shape
         rows = [q.shape[1] for q in qs]
-        o, lse = new_accumulator(B, sum(rows), H, d, qs[0].dtype, self.device)
+        joined = self.joined(B, sum(rows), H, d, qs[0].dtype, filled=not old)
+        o, lse = split(joined)
         if old:  # (a merge into the empty accumulator of rows that all see keys: their partial itself)
-            o1, lse1 = block_forward(torch.cat(qs, 1), self.k[:, :old], self.v[:, :old], False, self.scale)
-            o.copy_(o1)
-            lse.copy_(lse1)
+            part = self.block(self.cat(1, *qs), self.k.narrow(1, 0, old), self.v.narrow(1, 0, old), False)
+            self.merge_into(Merge.COPY, o, lse, *part)
         out, at, after = [], 0, []
-        kn, vn = self.k[:, old:], self.v[:, old:]
+        kn, vn = self.k.narrow(1, old, kb - ka), self.v.narrow(1, old, kb - ka)
         for q, qa, n in zip(qs, qas, rows):
-            part = (o[:, at : at + n], lse[:, :, at : at + n])
+            part = (o.narrow(1, at, n), lse.narrow(2, at, n), joined.narrow(1, at, n))
             if kb > ka and qa >= kb:  # after every new row here: one full block for all such ranks, below
-                after.append((q, part))
+                after.append((q, at))
             elif kb > ka and qa + n > ka:  # some of these queries see new rows here, as a shard of no cached rows
-                merge_(*part, *attend_rows(q, qa, kn, vn, None, ka, kb, 0, self.mask, self.scale))
+                seen = attend_rows(q, qa, kn, vn, None, ka, kb, 0, self.mask, self.scale, self)
+                self.merge_into(Merge.ANY, *part[:2], *seen)
             out.append(part)
             at += n
-        if after:
-            o2, lse2 = block_forward(torch.cat([q for q, _ in after], 1), kn, vn, False, self.scale)
-            at = 0
-            for q, part in after:
-                n = q.shape[1]
-                merge_seen_(*part, o2[:, at : at + n], lse2[:, :, at : at + n])  # (a full block: every row sees)
+        if after:  # (a full block: every row sees a key; rows no cached block reached take it as it is)
+            o2, lse2 = self.block(self.cat(1, *(q for q, _ in after)), kn, vn, False)
+            how, at = Merge.SEEN if old else Merge.COPY, 0
+            for a, n in _runs([(a, q.shape[1]) for q, a in after]):  # ranks side by side: one merge
+                self.merge_into(how, o.narrow(1, a, n), lse.narrow(2, a, n), o2.narrow(1, at, n), lse2.narrow(2, at, n))
                 at += n
         return out
 
@@ -328,9 +399,33 @@ class RowsOps:
         self.pieces = {r: [self.u_out[:, slice(*sh.new[r])]]}
 
 
-def run_schedule(sched, ops: RowsOps, group, what: str, log: list | None):
-    """Run ``sched`` on the executor through :class:`Comm`; log the bytes received and where the buffers were."""
+def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, length)`` spans with each run of adjacent ones joined."""
+    out: list[tuple[int, int]] = []
+    for a, n in spans:
+        if out and out[-1][0] + out[-1][1] == a:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((a, n))
+    return out
+
+
+def run_schedule(sched, args: tuple, group, what: str, log: list | None):
+    """Run ``sched`` with ``RowsOps(*args)`` through :class:`Comm`: replayed from its recorded program
+    (:mod:`tokenring.program`) where its decisions follow from shapes alone (no window or documents, not
+    Ulysses, no log or instruments), else on the executor; log the bytes received and where the buffers were.
+    Returns this rank's ``(out, lse)``."""
+    strategy, q, k, v, kpos, shards, mask, scale, rank, sinks = args
     comm = Comm(group, what=what, log=log is not None)  # (a record per message costs host time)
+    if log is None and mask.plain and strategy != "ulysses" and program.replayable(current_instruments() or NO_HOOKS):
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, q.device)
+        o, lse = program.run(
+            key, sched, comm, RowsOps.runner(scale, q.device), [q, k, v],
+            lambda make, refs: make(strategy, *refs, None, shards, mask, scale, rank),
+            lambda ops: list(ops.result()),
+        )  # fmt: skip
+        return o, lse
+    ops = RowsOps(*args)
     execute(sched, comm, ops)
     if log is not None:
         got = sum(x["bytes"] for x in comm.log if x["direction"] == "recv")
@@ -440,9 +535,10 @@ def extend_attention(
     shards, ranges = _agreed_shards(header, shards, checked, rank, P, group)
     if strategy == "auto":
         strategy = _choose(shards, B, H, Hkv, d, q, rank, P, group, agree=checked)
-    sched = schedule(strategy, shards, sees(shards, ranges, mask.left), not mask.plain)
-    ops = RowsOps(strategy, q, k, v, positions, shards, mask, scale, rank, sinks)
-    out, lse = run_schedule(sched, ops, group, "extend", log)
+    see = sees(shards, tuple(map(tuple, ranges)) if mask.left >= 0 else None, mask.left)
+    sched = schedule(strategy, shards, see, not mask.plain)
+    args = (strategy, q, k, v, positions, shards, mask, scale, rank, sinks)
+    out, lse = run_schedule(sched, args, group, "extend", log)
     if lse is not None and sinks is not None:
         merge_sink_(out, lse, sinks)
     return out.to(q.dtype)

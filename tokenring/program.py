@@ -27,7 +27,8 @@ __all__ = ["Ref", "Program", "replayable", "run"]
 
 class Ref:
     """A tensor the program holds at run time: slot ``slot`` (its item ``item`` where the slot holds a list),
-    viewed through ``views`` (``narrow`` arguments). Carries what the decisions read: shape, dtype, device."""
+    viewed through ``views`` (``(method, arguments)``: narrow, select, transpose, unsqueeze). Carries what the
+    decisions read: shape, dtype, device."""
 
     __slots__ = ("slot", "item", "views", "shape", "dtype", "device")
 
@@ -35,10 +36,28 @@ class Ref:
         self.slot, self.item, self.views = slot, item, views
         self.shape, self.dtype, self.device = torch.Size(shape), dtype, device
 
+    def _view(self, shape, method: str, *args) -> "Ref":
+        return Ref(self.slot, shape, self.dtype, self.device, self.item, (*self.views, (method, args)))
+
     def narrow(self, dim: int, start: int, length: int) -> "Ref":
         shape = list(self.shape)
         shape[dim] = length
-        return Ref(self.slot, shape, self.dtype, self.device, self.item, (*self.views, (dim, start, length)))
+        return self._view(shape, "narrow", dim, start, length)
+
+    def select(self, dim: int, index: int) -> "Ref":
+        shape = list(self.shape)
+        del shape[dim]
+        return self._view(shape, "select", dim, index)
+
+    def transpose(self, a: int, b: int) -> "Ref":
+        shape = list(self.shape)
+        shape[a], shape[b] = shape[b], shape[a]
+        return self._view(shape, "transpose", a, b)
+
+    def unsqueeze(self, dim: int) -> "Ref":
+        shape = list(self.shape)
+        shape.insert(dim if dim >= 0 else len(shape) + dim + 1, 1)
+        return self._view(shape, "unsqueeze", dim)
 
 
 class _Refs(list):
@@ -69,7 +88,7 @@ class _Recorder:
             return f"K[{len(self.consts) - 1}]"
         reads.add(x.slot)
         out = f"v{x.slot}" if x.item is None else f"v{x.slot}[{x.item}]"
-        return out + "".join(f".narrow({d}, {a}, {n})" for d, a, n in x.views)
+        return out + "".join(f".{method}({', '.join(map(str, args))})" for method, args in x.views)
 
     def line(self, code: str, reads: set) -> None:
         self.lines.append((code, reads))
@@ -143,6 +162,39 @@ class _Lowering:
             ((B, H, n), acc_dtype(q.dtype), q.device),
         )
 
+    # inference's attention to rows (tokenring.extend.RowsTensors)
+    def block(self, q, k, v, causal: bool):
+        B, n, H, _ = q.shape
+        return self.rec.new(
+            "block",
+            (q, k, v, causal),
+            ((B, n, H, v.shape[3]), q.dtype, q.device),
+            ((B, H, n), acc_dtype(q.dtype), q.device),
+        )
+
+    def rows_accumulator(self, B: int, n: int, H: int, d: int, dtype):
+        acc = acc_dtype(dtype)
+        return self.rec.new(
+            "rows_accumulator", (B, n, H, d, dtype), ((B, n, H, d), acc, self.device), ((B, H, n), acc, self.device)
+        )
+
+    def cat(self, dim: int, *ts):
+        shape = list(ts[0].shape)
+        shape[dim] = sum(t.shape[dim] for t in ts)
+        return self.rec.new("cat", (dim, *ts), (shape, ts[0].dtype, ts[0].device))
+
+    def joined(self, B: int, n: int, H: int, d: int, dtype, filled: bool = True):
+        return self.rec.new("joined", (B, n, H, d, dtype, filled), ((B, n, H, d + 1), acc_dtype(dtype), self.device))
+
+    def join(self, o, lse):
+        B, n, H, d = o.shape
+        return self.rec.new("join", (o, lse), ((B, n, H, d + 1), o.dtype, o.device))
+
+    def merged(self, *joined):
+        B, n, H, d1 = joined[0].shape
+        dt, dev = joined[0].dtype, joined[0].device
+        return self.rec.new("merged", joined, ((B, n, H, d1 - 1), dt, dev), ((B, H, n), dt, dev))
+
     def attend_backward(self, c, dout, q, k, v, lse, delta, out=None):
         return self.rec.new(
             "attend_backward",
@@ -170,6 +222,8 @@ class _Comm:
         self.rank, self.early_receives, self.trace, self.rec = comm.rank, comm.early_receives, None, rec
 
     def start(self, step: int, sends: list, recvs: list) -> list[_Pending]:
+        if not sends and not recvs:  # (the real comm posts nothing either)
+            return []
         rec, slot, reads = self.rec, self.rec.slot(), set()
         sent = ", ".join(
             f"({rec.text(m, reads)}, [{', '.join(rec.text(t, reads) for t in ts)}], {rec.text(at, reads)})"

@@ -123,7 +123,8 @@ def batches(order: list[int], sh: Shards, per: int | None = None) -> list[list[i
     return groups + [cur] if cur else groups
 
 
-def sees(shards: Shards, ranges=None, left: int = -1) -> tuple[tuple[bool, ...], ...]:
+@lru_cache(maxsize=256)
+def sees(shards: Shards, ranges: tuple | None = None, left: int = -1) -> tuple[tuple[bool, ...], ...]:
     """``sees[qj][kj]``: whether rank ``qj``'s queries see any row of rank ``kj`` (``ranges[j]``: rank j's cached
     positions' (min, max), needed with a window of ``left`` tokens)."""
 

@@ -16,7 +16,7 @@ from ..masks import block_tiles
 from ..merge import merge_, merge_seen_
 from ..schedules import Compute, part_slice
 
-__all__ = ["Merge", "TensorOps"]
+__all__ = ["Merge", "TensorOps", "merge_into"]
 
 
 def _repeat_heads(t: torch.Tensor, g: int) -> torch.Tensor:
@@ -31,6 +31,17 @@ class Merge(Enum):
     ANY = "any"
     SEEN = "seen"
     COPY = "copy"
+
+
+def merge_into(how: Merge, acc_o, acc_lse, o, lse) -> None:
+    """Merge a partial into accumulator views (``how``: :class:`Merge`)."""
+    if how is Merge.COPY:
+        acc_o.copy_(o)
+        acc_lse.copy_(lse)
+    elif how is Merge.SEEN:
+        merge_seen_(acc_o, acc_lse, o, lse)
+    else:
+        merge_(acc_o, acc_lse, o, lse)
 
 
 class TensorOps:
@@ -53,15 +64,7 @@ class TensorOps:
         """Gradients of K/V heads repeated ``g`` times, summed back onto each K/V head."""
         return t.unflatten(2, (-1, g)).sum(3)
 
-    def merge_into(self, how: "Merge", acc_o, acc_lse, o, lse) -> None:
-        """Merge a partial into accumulator views (``how``: :class:`Merge`)."""
-        if how is Merge.COPY:
-            acc_o.copy_(o)
-            acc_lse.copy_(lse)
-        elif how is Merge.SEEN:
-            merge_seen_(acc_o, acc_lse, o, lse)
-        else:
-            merge_(acc_o, acc_lse, o, lse)
+    merge_into = staticmethod(merge_into)
 
     def alloc(self, specs) -> list[torch.Tensor]:
         return buffers(specs, self.device)
