@@ -40,6 +40,8 @@ class Ref:
         return Ref(self.slot, shape, self.dtype, self.device, self.item, (*self.views, (method, args)))
 
     def narrow(self, dim: int, start: int, length: int) -> "Ref":
+        if start == 0 and length == self.shape[dim]:  # the whole dimension: the tensor itself
+            return self
         shape = list(self.shape)
         shape[dim] = length
         return self._view(shape, "narrow", dim, start, length)
@@ -68,12 +70,14 @@ class _Refs(list):
 
 class _Recorder:
     """The operations of one lowering, in order, each as a line of Python over slot variables ``v<n>``, with
-    the slots it reads; constants (schedule messages, dtypes, shapes) in ``consts`` (``K[i]`` in the lines)."""
+    the slots it reads; constants (schedule messages, dtypes, shapes) in ``consts`` (``K[i]`` in the lines).
+    Each view a line reads is made once, into a slot of its own, by a line before the first that reads it."""
 
     def __init__(self, n_inputs: int):
         self.lines: list[tuple[str, set]] = []
         self.consts: list = []
         self.slots = n_inputs
+        self.viewed: dict[str, int] = {}  # a view's expression -> its slot
 
     def slot(self) -> int:
         self.slots += 1
@@ -86,9 +90,16 @@ class _Recorder:
         if not isinstance(x, Ref):
             self.consts.append(x)
             return f"K[{len(self.consts) - 1}]"
-        reads.add(x.slot)
-        out = f"v{x.slot}" if x.item is None else f"v{x.slot}[{x.item}]"
-        return out + "".join(f".{method}({', '.join(map(str, args))})" for method, args in x.views)
+        expr, slot = f"v{x.slot}" if x.item is None else f"v{x.slot}[{x.item}]", x.slot
+        for method, args in x.views:  # (a view costs a few microseconds per call: one per view and program)
+            view = f"{expr}.{method}({', '.join(map(str, args))})"
+            if view not in self.viewed:
+                self.viewed[view] = self.slot()
+                self.lines.append((f"v{self.viewed[view]} = {view}", {slot}))
+            slot = self.viewed[view]
+            expr = f"v{slot}"
+        reads.add(slot)
+        return expr
 
     def line(self, code: str, reads: set) -> None:
         self.lines.append((code, reads))
@@ -265,7 +276,9 @@ def _lower(ops_cls, build: Callable, outputs: Callable, sched, comm, inputs: lis
     ops = build(make, refs)
     execute(sched, _Comm(comm, rec), ops)
     outs = outputs(ops)
-    keep = {r.slot for r in outs} | set(range(len(inputs)))
+    returned: set = set()
+    ret = f"return [{', '.join(rec.text(r, returned) for r in outs)}]"
+    keep = returned | set(range(len(inputs)))
     last: dict[int, int] = {}
     for i, (_, reads) in enumerate(rec.lines):
         for slot in reads:
@@ -278,8 +291,7 @@ def _lower(ops_cls, build: Callable, outputs: Callable, sched, comm, inputs: lis
     for (line, _), gone in zip(rec.lines, dead):
         body.append(line)
         body += [f"v{slot} = None" for slot in sorted(gone)]  # no later line reads it: free it now
-    returned: set = set()
-    body.append(f"return [{', '.join(rec.text(r, returned) for r in outs)}]")
+    body.append(ret)
     source = "def program(inputs, ops, comm):\n" + "".join(f"    {line}\n" for line in body)
     return Program(source, rec.consts)
 
