@@ -325,6 +325,13 @@ def test_packed_message_buffers():
         assert a.data_ptr() % 16 == 0
     one = torch.randn(4, 4)
     assert pack([one]) is one
+    # One dtype (a partial's output and lse in float32): end to end in a buffer of that dtype, no padding.
+    ts = [torch.randn(2, 3, 4, 5).transpose(1, 2), torch.randn(2, 4, 3)]
+    flat = pack(ts)
+    got = buffers([(t.shape, t.dtype) for t in ts], "cpu")
+    assert flat.dtype == torch.float32 and flat.numel() == got.flat.numel() == 120 + 24
+    got.flat.copy_(flat)
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, ts))
     # Receiving into caller tensors that are not one packed buffer: a flat buffer, copied out after the wait.
     dst = [torch.empty(2, 3), torch.empty(5, dtype=torch.float64)]
     buf, copies = _flat(dst)

@@ -10,6 +10,7 @@ import math
 import os
 import socket
 import time
+from enum import Enum
 from functools import lru_cache
 from multiprocessing.util import Finalize
 
@@ -360,14 +361,17 @@ def buffers(specs, device) -> Packed:
         out.flat = torch.empty(specs[0][0], dtype=specs[0][1], device=device)
         out.append(out.flat)
         return out
-    uniform, spans, total = _layout(specs if isinstance(specs, tuple) else tuple(tuple(x) for x in specs))
-    if uniform:  # tensors of one shape and dtype (K and V): one (n, *shape) buffer
+    how, spans, total = _layout(specs if isinstance(specs, tuple) else tuple(tuple(x) for x in specs))
+    if how is _Lay.STACKED:  # tensors of one shape and dtype (K and V): one (n, *shape) buffer
         shape, dtype = specs[0][0], specs[0][1]
         out.flat = torch.empty((len(specs), *shape), dtype=dtype, device=device)
         out.extend(out.flat.unbind(0))
-        return out
-    out.flat = torch.empty(total, dtype=torch.uint8, device=device)
-    out.extend(out.flat[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in spans)
+    elif how is _Lay.ONE_DTYPE:  # (an output and its lse in float32): end to end in one buffer of that dtype
+        out.flat = torch.empty(total, dtype=specs[0][1], device=device)
+        out.extend(p.view(spec[0]) for p, spec in zip(out.flat.split_with_sizes(spans), specs))
+    else:
+        out.flat = torch.empty(total, dtype=torch.uint8, device=device)
+        out.extend(out.flat[off : off + n].view(dtype).view(shape) for off, n, dtype, shape in spans)
     return out
 
 
@@ -376,17 +380,30 @@ def _stacked(shapes_dtypes: list) -> bool:
     return len(shapes_dtypes) > 1 and all(x == shapes_dtypes[0] for x in shapes_dtypes)
 
 
+class _Lay(Enum):
+    """How a message's tensors lie in its one buffer (:func:`_layout`)."""
+
+    STACKED = "stacked"  # one shape and dtype: a (n, *shape) buffer
+    ONE_DTYPE = "one dtype"  # one dtype: end to end in a buffer of it
+    BYTES = "bytes"  # else: each at an _ALIGN-aligned byte offset
+
+
 @lru_cache(maxsize=1024)
-def _layout(specs: tuple) -> tuple[bool, list, int]:
-    """How a message of ``specs`` ``(shape, dtype, ...)`` lies in its buffer: stacked where every tensor has one
-    shape and dtype, else each at an ``_ALIGN``-aligned byte offset: ``(stacked, spans, total bytes)``."""
-    uniform = _stacked([(tuple(shape), dtype) for shape, dtype, *_ in specs])
+def _layout(specs: tuple) -> tuple[_Lay, list, int]:
+    """How a message of ``specs`` ``(shape, dtype, ...)`` lies in its buffer: ``(how, spans, total)``; for
+    ``ONE_DTYPE`` the spans are element counts and the total is in elements, for ``BYTES`` the spans are
+    ``(offset, bytes, dtype, shape)`` and the total is in bytes."""
+    if _stacked([(tuple(shape), dtype) for shape, dtype, *_ in specs]):
+        return _Lay.STACKED, [], 0
+    if all(dtype == specs[0][1] for _, dtype, *_ in specs):
+        counts = [math.prod(shape) for shape, *_ in specs]
+        return _Lay.ONE_DTYPE, counts, sum(counts)
     spans, total = [], 0
     for shape, dtype, *_ in specs:
         nbytes = math.prod(shape) * dtype.itemsize
         spans.append((total, nbytes, dtype, shape))
         total += -(-nbytes // _ALIGN) * _ALIGN
-    return uniform, spans, total
+    return _Lay.BYTES, spans, total
 
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
