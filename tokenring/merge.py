@@ -81,9 +81,9 @@ def merge_seen_(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse
         lse = lse.to(acc_lse.dtype)
     if o.dtype != acc_o.dtype:
         o = o.to(acc_o.dtype)
-    w = torch.sigmoid(lse - acc_lse)  # 1 while the accumulator is empty (acc_lse = -inf)
+    w = (lse - acc_lse).sigmoid_()  # 1 while the accumulator is empty (acc_lse = -inf)
     acc_o.lerp_(o, w.transpose(1, 2).unsqueeze(-1))
-    acc_lse.copy_(torch.logaddexp(acc_lse, lse))
+    torch.logaddexp(acc_lse, lse, out=acc_lse)
 
 
 def merge_stacked(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
