@@ -138,6 +138,12 @@ def _node_rows(S: int, P: int, node: int, n: int, layout: str, docs, device) -> 
     return order.to(device), torch.argsort(order).to(device)
 
 
+@lru_cache(maxsize=256)
+def _a2a_payload(kind: str, part: str, sh, n: int) -> tuple:
+    """The tensors of an all-to-all message among the ``n`` ranks of a node (read per message per call)."""
+    return flat_payload(kind, part, replace(sh, P=n))
+
+
 class _UspOps:
     """The all-to-alls; the ring between them is :class:`ForwardOps` / :class:`BackwardOps` (``self.ring``)."""
 
@@ -155,19 +161,19 @@ class _UspOps:
 
     def _group(self, t: torch.Tensor, j: int) -> torch.Tensor:
         h = t.shape[2] // self.n
-        return t[:, :, j * h : (j + 1) * h].contiguous()
+        return t.narrow(2, j * h, h).contiguous()
 
     def payload(self, m: Message) -> list[torch.Tensor]:
         if m.kind in ("u_qkv", "u_dout"):
             return [self._group(t, m.dst % self.n) for t in self.local[m.kind]]
         if m.kind in ("u_out", "u_grad"):
             s, j = self.sh.s, m.dst % self.n
-            return [t[:, j * s : (j + 1) * s].contiguous() for t in self._result()]
+            return [t.narrow(1, j * s, s).contiguous() for t in self._result()]
         return self._ring().payload(m)
 
     def empty(self, m: Message) -> list[torch.Tensor]:
         if m.kind in _A2A:
-            return buffers(flat_payload(m.kind, m.part, replace(self.sh, P=self.n)), self.device)
+            return buffers(_a2a_payload(m.kind, m.part, self.sh, self.n), self.device)
         return self._ring().empty(m)
 
     def receive(self, m: Message, tensors) -> None:
