@@ -412,6 +412,8 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[0].contiguous()
     if _stacked([(t.shape, t.dtype) for t in tensors]):
         return torch.stack(tensors)
+    if all(t.dtype == tensors[0].dtype for t in tensors):  # (_Lay.ONE_DTYPE: end to end)
+        return torch.cat([t.reshape(-1) for t in tensors])
     views = buffers([(t.shape, t.dtype) for t in tensors], tensors[0].device)
     for dst, src in zip(views, tensors):
         dst.copy_(src)
