@@ -157,20 +157,20 @@ def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowM
                 merge_(o[:, r0:r1], lse[:, :, r0:r1], *part)
         return o, lse
 
-    acc: list = []  # (o, lse): a first block over every row itself, else an accumulator
+    total: list = []  # (o, lse): a first block over every row itself, else an accumulator
     touched: list[tuple[int, int]] = []
 
     def add(r0: int, r1: int, c0: int, c1: int, causal: bool = False):
         """Query rows r0..r1-1 against keys c0..c1-1; every row sees a key: the shorter merge, or a copy into
         rows nothing was merged into yet."""
         part = ops.block(q.narrow(1, r0, r1 - r0), k.narrow(1, c0, c1 - c0), v.narrow(1, c0, c1 - c0), causal)
-        if not acc and (r0, r1) == (0, tq):  # (the copy it would be merged as)
-            acc.extend(ops.cast(x, acc_dtype(q.dtype)) for x in part)
+        if not total and (r0, r1) == (0, tq):  # (the copy it would be merged as)
+            total.extend(ops.cast(x, acc_dtype(q.dtype)) for x in part)
         else:
-            if not acc:
-                acc.extend(ops.rows_accumulator(B, tq, H, d, q.dtype))
+            if not total:
+                total.extend(ops.rows_accumulator(B, tq, H, d, q.dtype))
             how = Merge.SEEN if any(a < r1 and r0 < b for a, b in touched) else Merge.COPY
-            ops.merge_into(how, acc[0].narrow(1, r0, r1 - r0), acc[1].narrow(2, r0, r1 - r0), *part)
+            ops.merge_into(how, total[0].narrow(1, r0, r1 - r0), total[1].narrow(2, r0, r1 - r0), *part)
         touched.append((r0, r1))
 
     if old:  # every cached row precedes every new token
@@ -182,7 +182,7 @@ def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowM
         add(lo - qa, hi - qa, old + lo - ka, old + hi - ka, causal=True)
     if kb > ka and qb > max(qa, kb):  # queries after every new key here
         add(max(qa, kb) - qa, tq, old, old + kb - ka)
-    return tuple(acc) if acc else ops.rows_accumulator(B, tq, H, d, q.dtype)
+    return tuple(total) if total else ops.rows_accumulator(B, tq, H, d, q.dtype)
 
 
 def _attend_groups(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowMask, scale: float):
