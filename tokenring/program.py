@@ -123,6 +123,12 @@ class _Recorder:
         return refs[0] if len(refs) == 1 else refs
 
 
+def _partial(q, v) -> tuple:
+    """What a kernel call of ``q``'s rows against ``v``'s makes: ``(out, lse)`` as ``(shape, dtype, device)``."""
+    B, n, H, _ = q.shape
+    return ((B, n, H, v.shape[3]), q.dtype, q.device), ((B, H, n), acc_dtype(q.dtype), q.device)
+
+
 class _Lowering:
     """The ``Ops``' tensor operations, recorded instead of run (mixed in ahead of an ``Ops`` class)."""
 
@@ -165,23 +171,11 @@ class _Lowering:
         )
 
     def attend(self, c, q, k, v):
-        B, n, H, _ = q.shape
-        return self.rec.new(
-            "attend",
-            (c, q, k, v),
-            ((B, n, H, v.shape[3]), q.dtype, q.device),
-            ((B, H, n), acc_dtype(q.dtype), q.device),
-        )
+        return self.rec.new("attend", (c, q, k, v), *_partial(q, v))
 
     # inference's attention to rows (tokenring.extend.RowsTensors)
     def block(self, q, k, v, causal: bool):
-        B, n, H, _ = q.shape
-        return self.rec.new(
-            "block",
-            (q, k, v, causal),
-            ((B, n, H, v.shape[3]), q.dtype, q.device),
-            ((B, H, n), acc_dtype(q.dtype), q.device),
-        )
+        return self.rec.new("block", (q, k, v, causal), *_partial(q, v))
 
     def rows_accumulator(self, B: int, n: int, H: int, d: int, dtype):
         acc = acc_dtype(dtype)
