@@ -410,11 +410,13 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One contiguous buffer holding ``tensors`` as :func:`buffers` lays them out."""
     if len(tensors) == 1:
         return tensors[0].contiguous()
-    if _stacked([(t.shape, t.dtype) for t in tensors]):
+    specs = tuple((tuple(t.shape), t.dtype) for t in tensors)
+    how = _layout(specs)[0]  # (the one rule buffers() lays a message out by)
+    if how is _Lay.STACKED:
         return torch.stack(tensors)
-    if all(t.dtype == tensors[0].dtype for t in tensors):  # (_Lay.ONE_DTYPE: end to end)
+    if how is _Lay.ONE_DTYPE:  # end to end
         return torch.cat([t.reshape(-1) for t in tensors])
-    views = buffers([(t.shape, t.dtype) for t in tensors], tensors[0].device)
+    views = buffers(specs, tensors[0].device)
     for dst, src in zip(views, tensors):
         dst.copy_(src)
     return views.flat

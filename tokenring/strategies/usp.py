@@ -139,9 +139,9 @@ def _node_rows(S: int, P: int, node: int, n: int, layout: str, docs, device) -> 
 
 
 @lru_cache(maxsize=256)
-def _a2a_payload(kind: str, part: str, sh, n: int) -> tuple:
+def _a2a_payload(kind: str, part: str, sh, n: int, heads: str = "all") -> tuple:
     """The tensors of an all-to-all message among the ``n`` ranks of a node (read per message per call)."""
-    return flat_payload(kind, part, replace(sh, P=n))
+    return flat_payload(kind, part, replace(sh, P=n), heads)
 
 
 class _UspOps:
@@ -266,7 +266,7 @@ class Usp(Strategy):
         """All-to-all messages are Ulysses' over the node; ring messages carry node rows of a head group."""
         n = self.node_size(sh.P)
         if kind in _A2A:
-            return flat_payload(kind, part, replace(sh, P=n), heads)
+            return _a2a_payload(kind, part, sh, n, heads)
         return flat_payload(kind, part, node_shapes(sh, n), heads)
 
     def block_dims(self, c: Compute, sh: Shapes, mask=None, layout: str = "contiguous") -> BlockDims:
