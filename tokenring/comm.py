@@ -28,6 +28,7 @@ __all__ = [
     "Packed",
     "buffers",
     "pack",
+    "Posting",
     "get_timeout",
     "set_timeout",
     "collective_device",
@@ -331,6 +332,12 @@ def _kind_tag(kind: str, heads: str) -> int:
     return message_kind(kind).tag * len(HEADS) + HEADS.index(heads)
 
 
+def _tag(m: Message, posted: int, nth: int) -> int:
+    """Message ``m``'s tag: the step its sender posted it at, its place among that step's messages between the
+    pair, its kind and heads (a pair's operations match by tag)."""
+    return (posted * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + _kind_tag(m.kind, m.heads)
+
+
 def due_step(m: Message, posted: int) -> int:
     """The step at whose end message ``m``, posted at step ``posted``, is waited for."""
     return posted if m.due < 0 else m.due
@@ -406,17 +413,18 @@ def _layout(specs: tuple) -> tuple[_Lay, list, int]:
     return _Lay.BYTES, spans, total
 
 
-def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One contiguous buffer holding ``tensors`` as :func:`buffers` lays them out."""
+def pack(tensors: list[torch.Tensor], how: _Lay | None = None) -> torch.Tensor:
+    """One contiguous buffer holding ``tensors`` as :func:`buffers` lays them out; ``how``: their layout, where
+    the caller knows it (:class:`Posting`)."""
     if len(tensors) == 1:
         return tensors[0].contiguous()
-    specs = tuple((tuple(t.shape), t.dtype) for t in tensors)
-    how = _layout(specs)[0]  # (the one rule buffers() lays a message out by)
+    if how is None:  # (the one rule buffers() lays a message out by)
+        how = _layout(tuple((tuple(t.shape), t.dtype) for t in tensors))[0]
     if how is _Lay.STACKED:
         return torch.stack(tensors)
     if how is _Lay.ONE_DTYPE:  # end to end
         return torch.cat([t.reshape(-1) for t in tensors])
-    views = buffers(specs, tensors[0].device)
+    views = buffers(tuple((tuple(t.shape), t.dtype) for t in tensors), tensors[0].device)
     for dst, src in zip(views, tensors):
         dst.copy_(src)
     return views.flat
@@ -584,8 +592,7 @@ class Comm:
         """The point-to-point operation of one message as ``(direction, peer, buffer, tag)``, and whether it is
         staged through the host; a receive adds itself to ``got`` and the copies to make after its wait to
         ``copies``."""
-        tag = (posted * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + _kind_tag(m.kind, m.heads)
-        staged = False
+        tag, staged = _tag(m, posted, nth), False
         if direction == "send":
             buf = pack(tensors)
             if self._host(buf):
@@ -638,6 +645,27 @@ class Comm:
                     )  # fmt: skip
         if not ops:
             return []
+        return self._launch(step, ops, meta, [(due, *groups[due]) for due in sorted(groups)], now)
+
+    def post(self, p: "Posting", sends: list[list[torch.Tensor]], recvs: list[Packed]) -> dict[int, _Pending]:
+        """A recorded step's :meth:`start` (``p``: its messages; ``sends``: each message's tensors, ``recvs``:
+        each receive's buffers from :func:`buffers`), by due step, without what start() works out per call:
+        tags, peers, layouts and the due steps come from ``p``. Records and host staging take start()."""
+        if self.records or (self.stage and (self.stage == "always" or not p.cpu)):
+            got = self.start(
+                p.step,
+                [(m, ts, at) for (m, at), ts in zip(p.sends, sends)],
+                [(m, bufs, at) for (m, at), bufs in zip(p.recvs, recvs)],
+            )
+            return {x.due: x for x in got}
+        bufs = [b.flat for b in recvs] + [pack(ts, how) for ts, how in zip(sends, p.packs)]
+        ops = [(d, peer, buf, tag) for (d, peer, tag, _), buf in zip(p.ops, bufs)]
+        meta = [(d, m, buf) for (d, _, _, m), buf in zip(p.ops, bufs)]
+        return {x.due: x for x in self._launch(p.step, ops, meta, p.dues, None)}
+
+    def _launch(self, step: int, ops: list, meta: list, dues: list, now) -> list[_Pending]:
+        """Post ``ops`` ``(direction, peer, buffer, tag)`` (``meta``: ``(direction, message, buffer)`` each);
+        one handle per ``(due, op indices, records, received, copies)`` of ``dues``."""
         t0 = time.monotonic()
         try:
             handles = self._post(ops)
@@ -653,12 +681,35 @@ class Comm:
         else:
             handles = [_Once(h) for h in handles]
         out = []
-        for due in sorted(groups):
-            idx, records, got, copies = groups[due]
+        for due, idx, records, got, copies in dues:
             self.log.extend(records)
             works = [(*meta[i][:2], handles[i], meta[i][2]) for i in idx]
             out.append(_Pending(self, step, due, works, records, got, copies, t0, now))
         return out
+
+
+class Posting:
+    """One step's messages as a program posts them (:meth:`Comm.post`): what :meth:`Comm.start` would work out
+    per call, worked out once. ``sends``, ``recvs``: ``(message, (posted, nth))``; ``ops``: ``(direction, peer,
+    tag, message)`` per operation, receives first; ``packs``: each send's layout; ``dues``: ``(due, op indices,
+    no records, no received, no copies)`` in due order; ``cpu``: every buffer in host memory (never staged)."""
+
+    __slots__ = ("step", "sends", "recvs", "ops", "packs", "dues", "cpu")
+
+    def __init__(self, step: int, sends: list, recvs: list, specs: list, cpu: bool):
+        """``specs``: each send's tensors as ``(shape, dtype)``."""
+        self.step, self.sends, self.recvs, self.cpu = step, tuple(sends), tuple(recvs), cpu
+        self.ops = tuple(
+            (d, _peer(d, m), _tag(m, posted, nth), m)
+            for d, items in (("recv", recvs), ("send", sends))
+            for m, (posted, nth) in items
+        )
+        self.packs = tuple(None if len(sp) == 1 else _layout(tuple(sp))[0] for sp in specs)
+        by_due: dict[int, list] = {}
+        for i, (_, _, _, m) in enumerate(self.ops):
+            posted = (self.recvs + self.sends)[i][1][0]
+            by_due.setdefault(due_step(m, posted), []).append(i)
+        self.dues = [(due, by_due[due], (), (), ()) for due in sorted(by_due)]
 
 
 def _moved(x: torch.Tensor, moves, out_rows: int, group, backward: bool) -> torch.Tensor:

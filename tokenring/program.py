@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .comm import due_step
+from .comm import Posting, due_step
 from .executor import execute
 from .merge import acc_dtype
 
@@ -230,13 +230,13 @@ class _Comm:
         if not sends and not recvs:  # (the real comm posts nothing either)
             return []
         rec, slot, reads = self.rec, self.rec.slot(), set()
-        sent = ", ".join(
-            f"({rec.text(m, reads)}, [{', '.join(rec.text(t, reads) for t in ts)}], {rec.text(at, reads)})"
-            for m, ts, at in sends
-        )
-        got = ", ".join(f"({rec.text(m, reads)}, v{bufs.slot}, {rec.text(at, reads)})" for m, bufs, at in recvs)
+        sent = ", ".join(f"[{', '.join(rec.text(t, reads) for t in ts)}]" for _, ts, _ in sends)
+        got = ", ".join(f"v{bufs.slot}" for _, bufs, _ in recvs)
         reads |= {bufs.slot for _, bufs, _ in recvs}
-        rec.line(f"v{slot} = {{p.due: p for p in comm.start({step}, [{sent}], [{got}])}}", reads)
+        specs = [[(tuple(t.shape), t.dtype) for t in ts] for _, ts, _ in sends]
+        cpu = all(t.device.type == "cpu" for x in (sends, recvs) for _, ts, _ in x for t in ts)
+        posting = Posting(step, [(m, at) for m, _, at in sends], [(m, at) for m, _, at in recvs], specs, cpu)
+        rec.line(f"v{slot} = comm.post({rec.text(posting, reads)}, [{sent}], [{got}])", reads)
         by_due: dict[int, list] = {}
         for m, bufs, (posted, _) in recvs:
             by_due.setdefault(due_step(m, posted), []).append((m, bufs))

@@ -248,21 +248,26 @@ def exit_at_step(phase: str, step: int, code: int = 1, stall: float = 0.0) -> No
 
     from .. import comm
 
-    real = comm.Comm.start
+    real_start, real_post, real_gather = comm.Comm.start, comm.Comm.post, comm.Comm.gather
     left = [1]
 
-    def start(self, t, sends, recvs):
+    def at(self, t):
         if self.what.endswith(phase) and t == step and left[0]:
             if not stall:
                 os._exit(code)
             left[0] = 0
             time.sleep(stall)
-        return real(self, t, sends, recvs)
+
+    def start(self, t, sends, recvs):  # a step of the executor's loop
+        at(self, t)
+        return real_start(self, t, sends, recvs)
+
+    def post(self, p, sends, recvs):  # a step of a program's replay
+        at(self, p.step)
+        return real_post(self, p, sends, recvs)
 
     def gather(self, t, x):  # decode's one step (the partials of every rank in one all-gather)
-        start(self, t, [], [])
+        at(self, t)
         return real_gather(self, t, x)
 
-    real_gather = comm.Comm.gather
-    comm.Comm.start = start
-    comm.Comm.gather = gather
+    comm.Comm.start, comm.Comm.post, comm.Comm.gather = start, post, gather
