@@ -18,7 +18,7 @@ from .instrument import current as current_instruments
 from .kernels import attention_inputs, block_forward, fold_scale, softmax_scale_of
 from .layouts import group_info
 from .masks import TILE_ROWS
-from .merge import acc_dtype, merge_, merge_sink_, merge_stacked, new_accumulator
+from .merge import acc_dtype, join, merge_, merge_sink_, merge_stacked, new_accumulator, split
 from .schedules import Message
 from .strategies.extend import STRATEGIES, Shards, extend_bytes, schedule, sees, split_new  # noqa: F401
 from .strategies.tensor_ops import Merge, merge_into
@@ -112,9 +112,7 @@ class RowsTensors:
         j.narrow(3, 0, d).zero_()
         return j
 
-    def join(self, o, lse):
-        """A partial ``(o, lse)`` as one (B, n, H, d + 1) tensor (what travels home)."""
-        return torch.cat([o, lse.transpose(1, 2).unsqueeze(-1)], 3)
+    join = staticmethod(join)  # (what travels home)
 
     def merged(self, *joined):
         """The merge of joined partials (in rank order: the same bits on every rank), as ``(o, lse)``."""
@@ -122,12 +120,6 @@ class RowsTensors:
 
     def alloc(self, specs) -> list[torch.Tensor]:
         return buffers(specs, self.device)
-
-
-def split(j):
-    """A joined partial (..., n, H, d + 1) as its ``(o (..., n, H, d), lse (..., H, n))`` views."""
-    d = j.shape[-1] - 1
-    return j.narrow(-1, 0, d), j.select(-1, d).transpose(-1, -2)
 
 
 def attend_rows(q, qa: int, k, v, kpos, ka: int, kb: int, start: int, mask: RowMask, scale: float, ops=None):

@@ -13,7 +13,7 @@ from .device import is_cuda, pretended
 
 __all__ = [
     "acc_dtype", "new_accumulator", "merge_", "merge_eager_", "merge_seen_", "merge_stacked", "merge_sink_",
-    "sink_grad",
+    "sink_grad", "join", "split",
 ]  # fmt: skip
 
 # on CUDA the merge is one compiled kernel unless compile_merge is off or compiling fails (docs/internals.md)
@@ -32,6 +32,18 @@ def new_accumulator(B: int, n: int, H: int, d: int, dtype: torch.dtype, device) 
     o = torch.zeros(B, n, H, d, dtype=acc, device=device)
     lse = torch.full((B, H, n), float("-inf"), dtype=acc, device=device)
     return o, lse
+
+
+def join(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """A partial ``(o, lse)`` as one (B, n, H, d + 1) tensor, ``lse`` beside each row's output (what travels
+    home where both have one dtype: one tensor to send, none to pack)."""
+    return torch.cat([o, lse.transpose(1, 2).unsqueeze(-1)], 3)
+
+
+def split(j):
+    """A joined partial (..., n, H, d + 1) as its ``(o (..., n, H, d), lse (..., H, n))`` views."""
+    d = j.shape[-1] - 1
+    return j.narrow(-1, 0, d), j.select(-1, d).transpose(-1, -2)
 
 
 def merge_(

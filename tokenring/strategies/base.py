@@ -18,7 +18,7 @@ from ..instrument import Instruments
 from ..kernels import needs_equal_heads
 from ..layouts import DOCUMENT_LAYOUTS
 from ..masks import block_tiles
-from ..merge import acc_dtype, merge_sink_, new_accumulator, sink_grad
+from ..merge import acc_dtype, merge_sink_, new_accumulator, sink_grad, split
 from ..messages import Receive
 from ..messages import kind as message_kind
 from ..program import replayable
@@ -390,11 +390,18 @@ class ForwardOps(_OpsBase):
         self.g = self.kv_repeat(q)
         self.seen = cfg.mask is None and q.device.type == "cpu"  # (CUDA: merge_'s one fused kernel)
         self.merged: list[tuple] = []  # (rows, heads) of every partial merged so far (with ``seen``)
+        self.joined = acc_dtype(q.dtype) == q.dtype  # partials travel home as one tensor (merge.join)
 
     def finish(self) -> None:
         """After the last step: merge the attention sinks (``cfg.sinks``) into this rank's finished rows."""
         if self.cfg.sinks is not None:
             merge_sink_(self.o, self.lse, self.cfg.sinks)
+
+    def empty(self, m: Message) -> list[torch.Tensor]:
+        if m.kind == "out" and self.joined:  # one tensor: the output's shape with the lse as one more column
+            (shape, dt, _), _ = payload(m.kind, m.part, self.sh, m.heads)
+            return self.alloc([((*shape[:-1], shape[-1] + 1), dt)])
+        return super().empty(m)
 
     def accumulator(self, dtype):
         sh = self.sh
@@ -420,12 +427,12 @@ class ForwardOps(_OpsBase):
         if c.q_owner == self.me:
             self._merge(c.q_part, c.heads, o, lse)
         else:
-            self.store.put("out", c.q_owner, c.q_part, [o, lse], c.heads)
+            self.store.put("out", c.q_owner, c.q_part, [self.join(o, lse)] if self.joined else [o, lse], c.heads)
 
     def receive(self, m: Message, tensors) -> None:
         action = message_kind(m.kind).receive
         if action == Receive.MERGE:
-            self._merge(m.part, m.heads, *tensors)
+            self._merge(m.part, m.heads, *(split(tensors[0]) if self.joined else tensors))
         elif action == Receive.STORE:
             self.store.put(m.kind, m.owner, m.part, tensors, m.heads)
             if m.kind == "kv" and m.owner in self.keep:

@@ -13,7 +13,7 @@ import torch
 from ..comm import buffers
 from ..kernels import block_backward, block_forward, tiled_backward, tiled_forward
 from ..masks import block_tiles
-from ..merge import merge_, merge_seen_
+from ..merge import join, merge_, merge_seen_
 from ..schedules import Compute, part_slice
 
 __all__ = ["Merge", "TensorOps", "merge_into"]
@@ -65,6 +65,7 @@ class TensorOps:
         return t.unflatten(2, (-1, g)).sum(3)
 
     merge_into = staticmethod(merge_into)
+    join = staticmethod(join)  # (a partial of one dtype travels home joined)
 
     def alloc(self, specs) -> list[torch.Tensor]:
         return buffers(specs, self.device)
