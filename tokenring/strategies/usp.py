@@ -126,8 +126,9 @@ class _NodeBackward(_NodeTiles, BackwardOps):
 
 
 @lru_cache(maxsize=64)
-def _node_rows(S: int, P: int, node: int, n: int, layout: str, docs, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index tensors: ``order`` from node ``node``'s concatenated shards to global order, ``inverse`` back."""
+def _node_rows(S: int, P: int, node: int, n: int, layout: str, docs, device) -> tuple:
+    """Index tensors: ``order`` from node ``node``'s concatenated shards to global order, ``inverse`` back;
+    ``(None, None)`` where the concatenation is in global order already (no reordering copy)."""
     pos = torch.cat([local_positions(S, P, node * n + j, layout, None, docs) for j in range(n)])
     order = torch.argsort(pos)
     if layout in PLANNED_LAYOUTS or not torch.equal(pos[order], local_positions(S, P // n, node, layout, None, docs)):
@@ -135,6 +136,8 @@ def _node_rows(S: int, P: int, node: int, n: int, layout: str, docs, device) -> 
             f"usp: node {node}'s rows are not its {layout} shard over the nodes, which its ring needs; "
             f"use layout='zigzag_docs' or 'zigzag', or a strategy without a node level"
         )
+    if torch.equal(order, torch.arange(len(order))):
+        return None, None
     return order.to(device), torch.argsort(order).to(device)
 
 
@@ -158,13 +161,30 @@ class _UspOps:
             sh.s * sh.P, sh.P, self.node, n, cfg.layout, tuple(docs) if docs is not None else None, device
         )
         self.result: list[torch.Tensor] | None = None
+        self.sent: dict[str, torch.Tensor] = {}  # the all-to-all's kind -> what goes to each node rank, as rows
 
     def _group(self, t: torch.Tensor, j: int) -> torch.Tensor:
         h = t.shape[2] // self.n
         return t.narrow(2, j * h, h).contiguous()
 
+    def _rows(self, kind: str) -> torch.Tensor | None:
+        """My ``kind`` tensors' head groups as one (n, ...) buffer whose row ``j`` is node rank ``j``'s message,
+        laid out as :func:`tokenring.comm.buffers` receives it (one copy per tensor, not one per rank and
+        tensor); None where the tensors' dtypes differ (their message is packed in bytes)."""
+        if kind not in self.sent:
+            ts = self.local[kind]
+            rows = None
+            if all(t.dtype == ts[0].dtype for t in ts):
+                rows = [t.unflatten(2, (self.n, -1)).movedim(2, 0).reshape(self.n, -1) for t in ts]
+                rows = rows[0] if len(rows) == 1 else torch.cat(rows, 1)
+            self.sent[kind] = rows
+        return self.sent[kind]
+
     def payload(self, m: Message) -> list[torch.Tensor]:
         if m.kind in ("u_qkv", "u_dout"):
+            rows = self._rows(m.kind)
+            if rows is not None:
+                return [rows[m.dst % self.n]]
             return [self._group(t, m.dst % self.n) for t in self.local[m.kind]]
         if m.kind in ("u_out", "u_grad"):
             s, j = self.sh.s, m.dst % self.n
@@ -194,9 +214,10 @@ class _UspOps:
 
     def gathered(self, kind: str) -> list[torch.Tensor]:
         """My head group over the node's rows, in global order, from what every rank of the node sent me."""
-        self.got[self.l] = [self._group(t, self.l) for t in self.local[kind]]
-        parts = zip(*(self.got[j] for j in range(self.n)))
-        return [torch.cat(ts, dim=1).index_select(1, self.order) for ts in parts]
+        mine = [t.unflatten(2, (self.n, -1)).select(2, self.l) for t in self.local[kind]]  # (cat reads views)
+        self.got[self.l] = mine
+        parts = [torch.cat(ts, dim=1) for ts in zip(*(self.got[j] for j in range(self.n)))]
+        return parts if self.order is None else [t.index_select(1, self.order) for t in parts]
 
     def _ring(self):
         if self.ring is None:
@@ -205,7 +226,8 @@ class _UspOps:
 
     def _result(self) -> list[torch.Tensor]:
         if self.result is None:  # the ring is done: its result in the node's concatenation order
-            self.result = [t.index_select(1, self.inverse) for t in self.ring.result()]
+            got = self.ring.result()
+            self.result = got if self.inverse is None else [t.index_select(1, self.inverse) for t in got]
         return self.result
 
     def heads_back(self, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
