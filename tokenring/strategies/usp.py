@@ -170,11 +170,12 @@ class _UspOps:
     def _rows(self, kind: str) -> torch.Tensor | None:
         """My ``kind`` tensors' head groups as one (n, ...) buffer whose row ``j`` is node rank ``j``'s message,
         laid out as :func:`tokenring.comm.buffers` receives it (one copy per tensor, not one per rank and
-        tensor); None where the tensors' dtypes differ (their message is packed in bytes)."""
+        tensor); None where the tensors' dtypes differ (their message is packed in bytes) or for a node of
+        two, where the one message's copies take fewer operations."""
         if kind not in self.sent:
             ts = self.local[kind]
             rows = None
-            if all(t.dtype == ts[0].dtype for t in ts):
+            if self.n > 2 and all(t.dtype == ts[0].dtype for t in ts):
                 rows = [t.unflatten(2, (self.n, -1)).movedim(2, 0).reshape(self.n, -1) for t in ts]
                 rows = rows[0] if len(rows) == 1 else torch.cat(rows, 1)
             self.sent[kind] = rows
