@@ -472,6 +472,10 @@ class BackwardOps(_OpsBase):
         piece = self.store.find("dkv", owner, part, heads)
         if piece is None:
             old = self.store.entries.pop(("dkv", owner, heads), [])
+            if not old:  # the first contribution to these rows is the accumulator itself (0 + x is x)
+                acc = acc_dtype(self.sh.dtype)
+                self.store.put("dkv", owner, part, [self.cast(dk, acc), self.cast(dv, acc)], heads)
+                return
             whole = part
             for p in old:
                 whole = part_union(whole, p[0])
