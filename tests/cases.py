@@ -1005,26 +1005,33 @@ def repeated_calls_case(rank: int, P: int) -> dict:
     """The same call shapes again and again, changing what the prepared path (ops.Ready) must notice between
     repeats: values, requires_grad, no_grad, check_calls, forget_choices, documents as a list, a window, an
     instrumented call, documents as one tensor (then edited in place), a checkpointed first call (its recompute
-    prepared: the same tensors saved). Returns the worst error against float64 and how many calls took the
-    prepared path."""
-    from tokenring import api
+    prepared: the same tensors saved). Returns the worst error against float64, how many calls took the
+    prepared path and how many forwards and backwards of those replayed their program straight from the
+    prepared call (``Ready.memo``: from a prepared call's third run on)."""
+    from tokenring import api, ops
 
-    taken = [0]
-    real = api.ready_again
+    taken, replayed = [0], [0]
+    real, real_replay = api.ready_again, ops._replay
 
     def counted(key, anchor=None):
         hit = real(key, anchor)
         taken[0] += hit is not None
         return hit
 
-    api.ready_again = counted
+    def counted_replay(memo, what, group):
+        hit = real_replay(memo, what, group)
+        replayed[0] += hit is not None
+        return hit
+
+    api.ready_again, ops._replay = counted, counted_replay
     worst = 0.0
     S, H, Hkv, d = 12 * P, 4, 2, 8
     idx = local_positions(S, P, rank, "zigzag")
     docs_t = torch.tensor([0, 5, S])  # documents as one tensor, as a model's layers share it
     try:
         for i, (grad, docs, window, mode) in enumerate(
-            [(True, None, None, ""), (True, None, None, ""), (False, None, None, ""), (False, None, None, ""),
+            [(True, None, None, ""), (True, None, None, ""), (True, None, None, ""), (False, None, None, ""),
+             (False, None, None, ""), (False, None, None, ""),
              (True, None, None, "check_calls"), (True, None, None, "forget"), (True, None, None, ""),
              (True, [0, 5, S], None, ""), (True, [0, 5, S], None, ""), (True, [0, 7, S], None, ""),
              (True, None, (3, 0), ""), (True, None, (3, 0), ""), (True, None, None, "instrument"),
@@ -1064,8 +1071,8 @@ def repeated_calls_case(rank: int, P: int) -> dict:
                 for mine, w in zip((q, k, v), want):
                     worst = max(worst, float((mine.grad - w.grad.index_select(1, idx)).abs().max()))
     finally:
-        api.ready_again = real
-    return {"worst": worst, "taken": taken[0]}
+        api.ready_again, ops._replay = real, real_replay
+    return {"worst": worst, "taken": taken[0], "replayed": replayed[0]}
 
 
 def replay_case(rank: int, P: int, todo: list[dict]) -> int:

@@ -517,3 +517,39 @@ def test_hybrid_mixers_reach_the_gpu_kernels(case):
     for c in (c for c in calls if c["kernel"] == "causal_conv1d_fn"):
         width = c["shapes"]["weight"][1]
         assert c["shapes"]["x"][1] == c["shapes"]["weight"][0] and s < c["shapes"]["x"][2] <= s + 2 * (width - 1), c
+
+
+def test_repeats_replay_only_on_the_group_they_were_prepared_on(monkeypatch):
+    """From a prepared call's third run on, its forward and backward replay their programs straight from it
+    (``ops.Ready.memo``), bound to the process group object they ran on: after the default group is destroyed
+    and made anew (the agreement's entries kept, as in a script that initialises again without
+    ``forget_groups``), the next call takes the long way and binds its replays to the new group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tokenring.agreement import forget_groups
+
+    seen, real = [], tr_ops._replay
+
+    def counted(memo, what, group):
+        hit = real(memo, what, group)
+        seen.append((what, hit is not None))
+        return hit
+
+    monkeypatch.setattr(tr_ops, "_replay", counted)
+    q, k, v = (torch.randn(1, 8, h, 16, requires_grad=True) for h in (4, 2, 2))
+    dist.init_process_group(backend="fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        for i in range(5):
+            if i == 3:
+                first = dist.distributed_c10d._get_default_group()  # (held: its id cannot be reused)
+                dist.destroy_process_group()
+                dist.init_process_group(backend="fake", store=FakeStore(), rank=1, world_size=4)
+                assert dist.distributed_c10d._get_default_group() is not first
+            tokenring.attention(q, k, v, causal=True, strategy="ring").sum().backward()
+    finally:
+        dist.destroy_process_group()
+        forget_groups()
+    hits = [(what, hit) for what, hit in seen]
+    long, short = [("forward", False), ("backward", False)], [("forward", True), ("backward", True)]
+    assert hits == long + long + short + long + short, hits

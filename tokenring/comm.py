@@ -706,8 +706,7 @@ class Posting:
         )
         self.packs = tuple(None if len(sp) == 1 else _layout(tuple(sp))[0] for sp in specs)
         by_due: dict[int, list] = {}
-        for i, (_, _, _, m) in enumerate(self.ops):
-            posted = (self.recvs + self.sends)[i][1][0]
+        for i, (m, (posted, _)) in enumerate(self.recvs + self.sends):  # (the order of self.ops)
             by_due.setdefault(due_step(m, posted), []).append(i)
         self.dues = [(due, by_due[due], (), (), ()) for due in sorted(by_due)]
 

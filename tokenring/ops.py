@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from copy import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 import torch
@@ -55,7 +55,7 @@ from .single import SINGLE
 from .strategies import CODE_LEN, NAMES, from_code, node_size, with_node_size
 from .strategies import code as strategy_code
 from .strategies import get as get_strategy
-from .strategies.base import Config
+from .strategies.base import Config, ScheduledStrategy
 
 __all__ = [
     "attention_op",
@@ -672,6 +672,9 @@ class Ready:
     cfg: Config
     call: Call
     agreed: tuple | None
+    # its repeats' "forward" / "backward": (a weak reference to the group it ran on, the strategy's replay), made
+    # by the second call that ran it the long way (_remember)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def prepare_forward(q, k, sinks, cu, call: Call) -> Ready:
@@ -728,15 +731,42 @@ def run_ready(ready: Ready, q, k, v, sinks, hooks):
     """The forward of a prepared call: ``(out, strategy, extra)`` (``extra``: what backward needs besides the
     inputs and ``out``)."""
     q, scale = fold_scale(q, ready.cfg.scale)
+    group, strat, memo = resolve_group(ready.call.group), ready.strat, ready.memo
+    plain = sinks is None and hooks is None
+    replay = _replay(memo, "forward", group) if plain else None
+    if replay is not None:  # a repeat of a prepared call on the same group
+        out, extra = replay(q, k, v, group)
+        return out, strat, extra
     cfg = copy(ready.cfg)  # (what dataclasses.replace makes, without its per-field checks)
-    cfg.group, cfg.scale, cfg.sinks, cfg.hooks = resolve_group(ready.call.group), scale, sinks, hooks or NO_HOOKS
-    strat = ready.strat
+    cfg.group, cfg.scale, cfg.sinks, cfg.hooks = group, scale, sinks, hooks or NO_HOOKS
     if strat is SINGLE:
         out, saved = SINGLE.forward(q, k, v, cfg)
         return out, SINGLE, SINGLE.saved_extra(saved)
     q, k, v = strat.prepare(q, k, v, cfg.P)
     out, saved = strat.forward(q, k, v, cfg)
+    if plain and isinstance(strat, ScheduledStrategy):
+        _remember(memo, "forward", group, lambda: strat.forward_replay(q, k, cfg))
     return out, strat, strat.saved_extra(saved)
+
+
+def _process_group(group):
+    """The process group object ``group`` stands for (``None``: the default group's)."""
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def _replay(memo: dict | None, what: str, group) -> Callable | None:
+    """The replay ``memo`` (a :class:`Ready`'s) holds for ``what`` on ``group``, if it holds one."""
+    hit = memo.get(what) if memo is not None else None
+    return hit[1] if hit is not None and hit[0]() is _process_group(group) else None
+
+
+def _remember(memo: dict, what: str, group, make: Callable) -> None:
+    """After a call of a :class:`Ready` ran ``what`` the long way: its replay, made by ``make()``, from its second
+    such call on (a Ready run once, as the custom op's are, makes none)."""
+    if memo.get(f"seen {what}"):
+        replay = make()
+        memo[what] = None if replay is None else (weakref.ref(_process_group(group)), replay)
+    memo[f"seen {what}"] = True
 
 
 def run_forward(q, k, v, sinks, cu, call: Call):
@@ -778,8 +808,17 @@ def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, call: Call, 
         rank, P = group_info(group)
         mask = _mask_of(q.shape[1], P, cu, call.window, causal, layout)
     q_in, (q, folded) = q, fold_scale(q, scale)
-    cfg = _config_of(group, rank, P, causal, layout, folded, mask, sinks, _extras(call.extras))
-    dq, dk, dv, dsinks = strat.backward(dout, strat.saved_full(extra, q, k, v, out), cfg)
+    hooks = _extras(call.extras)
+    memo = ready.memo if ready is not None and sinks is None and hooks is None else None
+    replay = _replay(memo, "backward", group)
+    if replay is not None:  # a repeat of a prepared call on the same group
+        dq, dk, dv = replay(dout, strat.saved_full(extra, q, k, v, out), group)
+        dsinks = None
+    else:
+        cfg = _config_of(group, rank, P, causal, layout, folded, mask, sinks, hooks)
+        dq, dk, dv, dsinks = strat.backward(dout, strat.saved_full(extra, q, k, v, out), cfg)
+        if memo is not None and isinstance(strat, ScheduledStrategy):
+            _remember(memo, "backward", group, lambda: strat.backward_replay(q, k, cfg))
     dk, dv = strat.unprepare(dk, dv, k.shape[2])
     if folded != scale:
         dq = dq * scale

@@ -18,11 +18,11 @@ from typing import Callable
 
 import torch
 
-from .comm import Posting, due_step
+from .comm import Posting
 from .executor import execute
 from .merge import acc_dtype
 
-__all__ = ["Ref", "Program", "replayable", "run"]
+__all__ = ["Ref", "Program", "lowered", "replayable", "run"]
 
 
 class Ref:
@@ -237,12 +237,8 @@ class _Comm:
         cpu = all(t.device.type == "cpu" for x in (sends, recvs) for _, ts, _ in x for t in ts)
         posting = Posting(step, [(m, at) for m, _, at in sends], [(m, at) for m, _, at in recvs], specs, cpu)
         rec.line(f"v{slot} = comm.post({rec.text(posting, reads)}, [{sent}], [{got}])", reads)
-        by_due: dict[int, list] = {}
-        for m, bufs, (posted, _) in recvs:
-            by_due.setdefault(due_step(m, posted), []).append((m, bufs))
-        for m, _, (posted, _) in sends:
-            by_due.setdefault(due_step(m, posted), [])
-        return [_Pending(rec, slot, due, by_due[due]) for due in sorted(by_due)]
+        got = [(m, bufs) for m, bufs, _ in recvs]  # (the posting's operations list the receives first)
+        return [_Pending(rec, slot, due, [got[i] for i in idx if i < len(got)]) for due, idx, *_ in posting.dues]
 
 
 class Program:
@@ -308,12 +304,22 @@ def replayable(hooks) -> bool:
     return hooks.trace is None and hooks.comm_log is None and hooks.held_log is None and not hooks.step_loop
 
 
+def _full_key(key: tuple, sched, comm, ops) -> tuple:
+    return (type(ops), id(sched), comm.rank, comm.early_receives, *key)
+
+
+def lowered(key: tuple, sched, comm, ops) -> Program | None:
+    """The program :func:`run` lowered for these arguments, if it has (``None`` where it has not, or dropped it)."""
+    hit = _programs.get(_full_key(key, sched, comm, ops))
+    return hit[1] if hit is not None and hit[0] is sched else None
+
+
 def run(key: tuple, sched, comm, ops, inputs: list, build: Callable, outputs: Callable) -> list:
     """Run this rank's part of ``sched`` on ``inputs`` as a replay of its program, lowered at the first call of
     ``key`` (what the decisions depend on besides the schedule); ``ops``: the call's ``Ops`` for the tensor
     operations (:meth:`tokenring.strategies.base._OpsBase.runner`). ``build(make, refs)``: the recording
     ``Ops`` over the inputs' Refs, made by ``make(*ops_args)``; ``outputs(ops)``: the Refs whose tensors to return."""
-    full = (type(ops), id(sched), comm.rank, comm.early_receives, *key)
+    full = _full_key(key, sched, comm, ops)
     hit = _programs.get(full)
     if hit is None or hit[0] is not sched:  # (an id reused by another schedule)
         hit = (sched, _lower(type(ops), build, outputs, sched, comm, inputs))

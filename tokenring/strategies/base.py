@@ -4,13 +4,15 @@ forward/backward ``Ops`` that give a schedule's computes and messages their mean
 
 from __future__ import annotations
 
+from copy import copy
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
-from .. import program
+from .. import program, settings
 from ..comm import Comm
 from ..executor import execute
 from ..instrument import NONE as NO_HOOKS
@@ -529,6 +531,20 @@ def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
+def _program_key(sh: Shapes, cfg: Config, device) -> tuple:
+    """What a program's decisions depend on besides its schedule and comm (:func:`tokenring.program.run`)."""
+    return (sh, device, cfg.mask is None, cfg.hooks.backward_kernel, cfg.hooks.expand_kv)
+
+
+def _replayed(prog, comm: Comm, runner, inputs: list, group) -> list:
+    """A program's replay on ``group`` through a comm kept without one (ScheduledStrategy._replay)."""
+    comm.group, comm.timeout = group, settings.get("timeout")
+    try:
+        return prog.run(inputs, runner, comm)
+    finally:
+        comm.group = None
+
+
 class ScheduledStrategy(Strategy):
     """A strategy run by :class:`ForwardOps` / :class:`BackwardOps`; subclasses give ``build_schedule``."""
 
@@ -546,9 +562,53 @@ class ScheduledStrategy(Strategy):
             ops = build(cls, *inputs)
             execute(sched, comm, ops, cfg.held("backward" if backward else "forward"))
             return outputs(ops)
-        key = (sh, inputs[0].device, cfg.mask is None, hooks.backward_kernel, hooks.expand_kv)
         runner = cls.runner(sh, cfg, inputs[0].device)
+        key = _program_key(sh, cfg, inputs[0].device)
         return program.run(key, sched, comm, runner, inputs, lambda make, refs: build(make, *refs), outputs)
+
+    def _replay(self, cls, cfg: Config, backward: bool, sh: Shapes, device):
+        """``(program, comm, runner)`` for repeats of a call that just ran ``cls``'s program (``cfg``: no sinks,
+        no instruments), holding no group (:meth:`forward_replay`); ``None`` where there is no program."""
+        if cfg.sinks is not None or not replayable(cfg.hooks):
+            return None
+        sched = self.plan_schedule(cfg, backward)
+        comm = cfg.comm(f"{self.name} {'backward' if backward else 'forward'}")
+        bare = copy(cfg)
+        bare.group = comm.group = None
+        runner = cls.runner(sh, bare, device)
+        prog = program.lowered(_program_key(sh, bare, device), sched, comm, runner)
+        return None if prog is None else (prog, comm, runner)
+
+    def forward_replay(self, q, k, cfg: Config) -> Callable | None:
+        """The forward of calls like this one, whose program a call just lowered, as a closure
+        ``(q, k, v, group) -> (out, extra)`` over that program, a comm and a runner: what :meth:`forward` works
+        out per call, worked out once for a prepared call's repeats (:func:`tokenring.ops.run_ready`). It keeps
+        no group: the caller passes the live one per call. ``None`` where there is no program to replay."""
+        got = self._replay(ForwardOps, cfg, False, shapes_of(q, k, cfg.P), q.device)
+        if got is None:
+            return None
+        prog, comm, runner = got
+
+        def run(q, k, v, group):
+            o, lse, *kept = _replayed(prog, comm, runner, [q, k, v], group)
+            return o.to(q.dtype), [lse, *kept]  # (forward()'s output and saved_extra)
+
+        return run
+
+    def backward_replay(self, q, k, cfg: Config) -> Callable | None:
+        """:meth:`forward_replay` for :meth:`backward`: ``(dout, saved, group) -> (dq, dk, dv)``."""
+        got = self._replay(BackwardOps, cfg, True, shapes_of(q, k, cfg.P), q.device)
+        if got is None:
+            return None
+        prog, comm, runner = got
+
+        def run(dout, saved, group):
+            q, k, v, out, lse, *kept = saved
+            inputs = [q, k, v, dout, lse, row_delta(dout, out), out, *kept]
+            dq, dk, dv = _replayed(prog, comm, runner, inputs, group)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+        return run
 
     def forward(self, q, k, v, cfg: Config):
         """Returns ``out`` (B, s, H, d) and the tensors backward needs (with the kept K/V pieces, if any)."""
