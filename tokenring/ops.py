@@ -55,7 +55,7 @@ from .single import SINGLE
 from .strategies import CODE_LEN, NAMES, from_code, node_size, with_node_size
 from .strategies import code as strategy_code
 from .strategies import get as get_strategy
-from .strategies.base import Config, ScheduledStrategy
+from .strategies.base import Config, Lowered
 
 __all__ = [
     "attention_op",
@@ -735,7 +735,7 @@ def run_ready(ready: Ready, q, k, v, sinks, hooks):
     plain = sinks is None and hooks is None
     replay = _replay(memo, "forward", group) if plain else None
     if replay is not None:  # a repeat of a prepared call on the same group
-        out, extra = replay(q, k, v, group)
+        out, extra = replay(*strat.prepare(q, k, v, ready.cfg.P), group)
         return out, strat, extra
     cfg = copy(ready.cfg)  # (what dataclasses.replace makes, without its per-field checks)
     cfg.group, cfg.scale, cfg.sinks, cfg.hooks = group, scale, sinks, hooks or NO_HOOKS
@@ -744,7 +744,7 @@ def run_ready(ready: Ready, q, k, v, sinks, hooks):
         return out, SINGLE, SINGLE.saved_extra(saved)
     q, k, v = strat.prepare(q, k, v, cfg.P)
     out, saved = strat.forward(q, k, v, cfg)
-    if plain and isinstance(strat, ScheduledStrategy):
+    if plain and isinstance(strat, Lowered):
         _remember(memo, "forward", group, lambda: strat.forward_replay(q, k, cfg))
     return out, strat, strat.saved_extra(saved)
 
@@ -817,7 +817,7 @@ def run_backward(dout, q, k, v, out, sinks, cu, strat, extra: list, call: Call, 
     else:
         cfg = _config_of(group, rank, P, causal, layout, folded, mask, sinks, hooks)
         dq, dk, dv, dsinks = strat.backward(dout, strat.saved_full(extra, q, k, v, out), cfg)
-        if memo is not None and isinstance(strat, ScheduledStrategy):
+        if memo is not None and isinstance(strat, Lowered):
             _remember(memo, "backward", group, lambda: strat.backward_replay(q, k, cfg))
     dk, dv = strat.unprepare(dk, dv, k.shape[2])
     if folded != scale:

@@ -13,6 +13,7 @@ replay passes them, so a replay holds no more memory than the loop did.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Callable
 
@@ -191,6 +192,20 @@ class _Lowering:
     def joined(self, B: int, n: int, H: int, d: int, dtype, filled: bool = True):
         return self.rec.new("joined", (B, n, H, d, dtype, filled), ((B, n, H, d + 1), acc_dtype(dtype), self.device))
 
+    def contiguous(self, t):
+        return self.rec.new("contiguous", (t,), (t.shape, t.dtype, t.device))
+
+    def take_rows(self, t, index):
+        return self.rec.new("take_rows", (t, index), (t.shape, t.dtype, t.device))
+
+    def head_groups(self, n: int, *ts):
+        size = sum(math.prod(t.shape) // n for t in ts)
+        return self.rec.new("head_groups", (n, *ts), ((n, size), ts[0].dtype, ts[0].device))
+
+    def row_delta(self, dout, out):
+        B, n, H, _ = out.shape
+        return self.rec.new("row_delta", (dout, out), ((B, H, n), acc_dtype(out.dtype), out.device))
+
     def join(self, o, lse):
         B, n, H, d = o.shape
         return self.rec.new("join", (o, lse), ((B, n, H, d + 1), o.dtype, o.device))
@@ -255,10 +270,10 @@ class Program:
 def _lower(ops_cls, build: Callable, outputs: Callable, sched, comm, inputs: list) -> Program:
     rec = _Recorder(len(inputs))
     refs = [None if t is None else Ref(i, t.shape, t.dtype, t.device) for i, t in enumerate(inputs)]
-    cls = _lowering_class(ops_cls)
 
-    def make(*args, **kwargs):  # the recorder is in place before the Ops' __init__ records its allocations
-        obj = cls.__new__(cls)
+    def make(*args, cls=None, **kwargs):  # (the recorder is in place before __init__ records its allocations)
+        low = _lowering_class(ops_cls if cls is None else cls)
+        obj = low.__new__(low)
         obj.rec = rec
         obj.__init__(*args, **kwargs)
         return obj
@@ -318,7 +333,8 @@ def run(key: tuple, sched, comm, ops, inputs: list, build: Callable, outputs: Ca
     """Run this rank's part of ``sched`` on ``inputs`` as a replay of its program, lowered at the first call of
     ``key`` (what the decisions depend on besides the schedule); ``ops``: the call's ``Ops`` for the tensor
     operations (:meth:`tokenring.strategies.base._OpsBase.runner`). ``build(make, refs)``: the recording
-    ``Ops`` over the inputs' Refs, made by ``make(*ops_args)``; ``outputs(ops)``: the Refs whose tensors to return."""
+    ``Ops`` over the inputs' Refs, made by ``make(*ops_args)`` (``make(*args, cls=C)``: an ``Ops`` of class ``C``
+    that records alike, for strategies whose ``Ops`` nest); ``outputs(ops)``: the Refs whose tensors to return."""
     full = _full_key(key, sched, comm, ops)
     hit = _programs.get(full)
     if hit is None or hit[0] is not sched:  # (an id reused by another schedule)

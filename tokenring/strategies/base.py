@@ -41,7 +41,7 @@ from ..schedules import (
 )
 from .direct import direct
 from .spec import Spec
-from .tensor_ops import Merge, TensorOps, _repeat_heads
+from .tensor_ops import Merge, TensorOps, _repeat_heads, row_delta
 
 __all__ = [
     "Strategy",
@@ -50,6 +50,7 @@ __all__ = [
     "Store",
     "ForwardOps",
     "BackwardOps",
+    "Lowered",
     "ScheduledStrategy",
     "RelayOrDirect",
     "shapes_of",
@@ -525,19 +526,13 @@ def shapes_of(q: torch.Tensor, k: torch.Tensor, P: int) -> Shapes:
     return Shapes(B, s, H, k.shape[2], d, q.dtype, P)
 
 
-def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``delta = rowsum(dO * O)`` as (B, H, n) in the accumulator dtype (flash-attention's D)."""
-    acc = acc_dtype(out.dtype)
-    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
-
-
 def _program_key(sh: Shapes, cfg: Config, device) -> tuple:
     """What a program's decisions depend on besides its schedule and comm (:func:`tokenring.program.run`)."""
     return (sh, device, cfg.mask is None, cfg.hooks.backward_kernel, cfg.hooks.expand_kv)
 
 
 def _replayed(prog, comm: Comm, runner, inputs: list, group) -> list:
-    """A program's replay on ``group`` through a comm kept without one (ScheduledStrategy._replay)."""
+    """A program's replay on ``group`` through a comm kept without one (:meth:`Lowered._replay`)."""
     comm.group, comm.timeout = group, settings.get("timeout")
     try:
         return prog.run(inputs, runner, comm)
@@ -545,45 +540,73 @@ def _replayed(prog, comm: Comm, runner, inputs: list, group) -> list:
         comm.group = None
 
 
-class ScheduledStrategy(Strategy):
-    """A strategy run by :class:`ForwardOps` / :class:`BackwardOps`; subclasses give ``build_schedule``."""
+def _maker(cls):
+    """The step loop's ``make`` for a ``build`` (:func:`tokenring.program.run`'s, which records): ``make(*args,
+    cls=C)`` an instance of ``C``, by default ``cls``."""
+    return lambda *args, cls=cls, **kwargs: cls(*args, **kwargs)
 
-    def kept_pieces(self, cfg: Config) -> list[tuple[int, str]]:
-        """``(owner, rows)`` of the K/V pieces this rank keeps from forward for backward (none by default)."""
-        return []
+
+class Lowered(Strategy):
+    """A strategy whose calls replay a program lowered once per signature (:mod:`tokenring.program`), with the
+    step loop where the call's instruments need it; subclasses give ``forward``/``backward`` over :meth:`_run`."""
+
+    def replays(self, cfg: Config) -> bool:
+        """Whether a call with ``cfg`` replays its program (tracing, logs and ``step_loop`` take the loop)."""
+        return replayable(cfg.hooks)
+
+    def runner(self, cls, sh: Shapes, cfg: Config, device):
+        """The ``Ops`` a replay of a ``cls`` program calls: its tensor operations, no state."""
+        return cls.runner(sh, cfg, device)
 
     def _run(self, cls, cfg: Config, backward: bool, sh: Shapes, inputs: list, build, outputs) -> list:
-        """This rank's part of the schedule over ``inputs``: ``outputs(ops)`` after running ``build(cls, *inputs)``'s
-        Ops, replayed from its program (:mod:`tokenring.program`) unless the call's instruments need the loop."""
+        """This rank's part of the schedule over ``inputs``: ``outputs(ops)`` after running the Ops that
+        ``build(make, *inputs)`` makes (``make(*args)``: a ``cls``), replayed from its program unless
+        :meth:`replays` says otherwise."""
         sched = self.plan_schedule(cfg, backward)
         comm = cfg.comm(f"{self.name} {'backward' if backward else 'forward'}")
-        hooks = cfg.hooks
-        if not replayable(hooks):
-            ops = build(cls, *inputs)
+        if not self.replays(cfg):
+            ops = build(_maker(cls), *inputs)
             execute(sched, comm, ops, cfg.held("backward" if backward else "forward"))
             return outputs(ops)
-        runner = cls.runner(sh, cfg, inputs[0].device)
+        runner = self.runner(cls, sh, cfg, inputs[0].device)
         key = _program_key(sh, cfg, inputs[0].device)
         return program.run(key, sched, comm, runner, inputs, lambda make, refs: build(make, *refs), outputs)
 
     def _replay(self, cls, cfg: Config, backward: bool, sh: Shapes, device):
         """``(program, comm, runner)`` for repeats of a call that just ran ``cls``'s program (``cfg``: no sinks,
         no instruments), holding no group (:meth:`forward_replay`); ``None`` where there is no program."""
-        if cfg.sinks is not None or not replayable(cfg.hooks):
+        if cfg.sinks is not None or not self.replays(cfg):
             return None
         sched = self.plan_schedule(cfg, backward)
         comm = cfg.comm(f"{self.name} {'backward' if backward else 'forward'}")
         bare = copy(cfg)
         bare.group = comm.group = None
-        runner = cls.runner(sh, bare, device)
+        runner = self.runner(cls, sh, bare, device)
         prog = program.lowered(_program_key(sh, bare, device), sched, comm, runner)
         return None if prog is None else (prog, comm, runner)
 
     def forward_replay(self, q, k, cfg: Config) -> Callable | None:
-        """The forward of calls like this one, whose program a call just lowered, as a closure
-        ``(q, k, v, group) -> (out, extra)`` over that program, a comm and a runner: what :meth:`forward` works
-        out per call, worked out once for a prepared call's repeats (:func:`tokenring.ops.run_ready`). It keeps
-        no group: the caller passes the live one per call. ``None`` where there is no program to replay."""
+        """The forward of calls like this one (``q``, ``k`` prepared), whose program a call just lowered, as a
+        closure ``(q, k, v, group) -> (out, extra)`` over that program, a comm and a runner: what
+        :meth:`forward` works out per call, worked out once for a prepared call's repeats
+        (:func:`tokenring.ops.run_ready`). It keeps no group: the caller passes the live one per call. ``None``
+        where there is no program to replay."""
+        return None
+
+    def backward_replay(self, q, k, cfg: Config) -> Callable | None:
+        """:meth:`forward_replay` for :meth:`backward`: ``(dout, saved, group) -> (dq, dk, dv)`` (``saved``:
+        :meth:`saved_full`'s)."""
+        return None
+
+
+class ScheduledStrategy(Lowered):
+    """A strategy run by :class:`ForwardOps` / :class:`BackwardOps`; subclasses give ``build_schedule``."""
+
+    def kept_pieces(self, cfg: Config) -> list[tuple[int, str]]:
+        """``(owner, rows)`` of the K/V pieces this rank keeps from forward for backward (none by default)."""
+        return []
+
+    def forward_replay(self, q, k, cfg: Config) -> Callable | None:
         got = self._replay(ForwardOps, cfg, False, shapes_of(q, k, cfg.P), q.device)
         if got is None:
             return None
@@ -596,7 +619,6 @@ class ScheduledStrategy(Strategy):
         return run
 
     def backward_replay(self, q, k, cfg: Config) -> Callable | None:
-        """:meth:`forward_replay` for :meth:`backward`: ``(dout, saved, group) -> (dq, dk, dv)``."""
         got = self._replay(BackwardOps, cfg, True, shapes_of(q, k, cfg.P), q.device)
         if got is None:
             return None

@@ -13,10 +13,10 @@ import torch
 from ..comm import buffers
 from ..kernels import block_backward, block_forward, tiled_backward, tiled_forward
 from ..masks import block_tiles
-from ..merge import join, merge_, merge_seen_
+from ..merge import acc_dtype, join, merge_, merge_seen_
 from ..schedules import Compute, part_slice
 
-__all__ = ["Merge", "TensorOps", "merge_into"]
+__all__ = ["Merge", "TensorOps", "merge_into", "row_delta"]
 
 
 def _repeat_heads(t: torch.Tensor, g: int) -> torch.Tensor:
@@ -44,6 +44,12 @@ def merge_into(how: Merge, acc_o, acc_lse, o, lse) -> None:
         merge_(acc_o, acc_lse, o, lse)
 
 
+def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dO * O)`` as (B, H, n) in the accumulator dtype (flash-attention's D)."""
+    acc = acc_dtype(out.dtype)
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+
+
 class TensorOps:
     """The tensor operations of the ``Ops`` (:class:`tokenring.strategies.base._OpsBase`), over its shapes
     ``sh``, configuration ``cfg`` and ``device``."""
@@ -66,6 +72,24 @@ class TensorOps:
 
     merge_into = staticmethod(merge_into)
     join = staticmethod(join)  # (a partial of one dtype travels home joined)
+    row_delta = staticmethod(row_delta)
+
+    # moving rows and heads between layouts (USP's all-to-alls)
+    def cat(self, dim: int, *ts):
+        return torch.cat(ts, dim)
+
+    def contiguous(self, t):
+        return t.contiguous()
+
+    def take_rows(self, t, index):
+        """Rows ``index`` (dim 1) of ``t``, in that order."""
+        return t.index_select(1, index)
+
+    def head_groups(self, n: int, *ts):
+        """Tensors (B, s, n * h, ...) cut into their ``n`` head groups, as one (n, ...) tensor whose row ``j``
+        holds group ``j`` of each tensor, flattened, end to end (one copy per tensor)."""
+        rows = [t.unflatten(2, (n, -1)).movedim(2, 0).reshape(n, -1) for t in ts]
+        return rows[0] if len(rows) == 1 else torch.cat(rows, 1)
 
     def alloc(self, specs) -> list[torch.Tensor]:
         return buffers(specs, self.device)

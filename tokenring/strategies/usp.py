@@ -9,11 +9,10 @@ from functools import lru_cache
 
 import torch
 
-from ..comm import buffers
-from ..executor import execute
 from ..layouts import PLANNED_LAYOUTS, local_positions
 from ..masks import block_tiles
 from ..merge import acc_dtype, sink_grad
+from ..program import replayable
 from ..schedules import (
     Compute,
     Message,
@@ -27,8 +26,9 @@ from ..schedules import (
     ulysses_kv_heads,
 )
 from ..schedules import payload as flat_payload
-from .base import BackwardOps, BlockDims, Config, ForwardOps, Strategy, row_delta, tile_dims
+from .base import BackwardOps, BlockDims, Config, ForwardOps, Lowered, _replayed, tile_dims
 from .ring import pass_kv_steps
+from .tensor_ops import TensorOps
 from .two_level import inner_size_error
 
 __all__ = ["Usp", "STRATEGY"]
@@ -111,7 +111,7 @@ class _NodeForward(_NodeTiles, ForwardOps):
         if not self.finished:  # the ring is done (this is first asked for by the all-to-all back)
             self.finish()
             self.finished = True
-        return [self.o.to(self.inputs[0].dtype)]
+        return [self.cast(self.o, self.inputs[0].dtype)]
 
 
 class _NodeBackward(_NodeTiles, BackwardOps):
@@ -122,7 +122,7 @@ class _NodeBackward(_NodeTiles, BackwardOps):
         self.n, self.dtypes = n, (q.dtype, k.dtype, v.dtype)
 
     def result(self) -> list[torch.Tensor]:
-        return [t.to(dt) for t, dt in zip((self.dq, self.dk, self.dv), self.dtypes)]
+        return [self.cast(t, dt) for t, dt in zip((self.dq, self.dk, self.dv), self.dtypes)]
 
 
 @lru_cache(maxsize=64)
@@ -147,8 +147,10 @@ def _a2a_payload(kind: str, part: str, sh, n: int, heads: str = "all") -> tuple:
     return flat_payload(kind, part, replace(sh, P=n), heads)
 
 
-class _UspOps:
-    """The all-to-alls; the ring between them is :class:`ForwardOps` / :class:`BackwardOps` (``self.ring``)."""
+class _UspOps(TensorOps):
+    """The all-to-alls; the ring between them is :class:`ForwardOps` / :class:`BackwardOps` (``self.ring``,
+    made by ``make_ring(self)``). Every tensor operation goes through :class:`TensorOps`' methods, so that a
+    call's schedule, all-to-alls and ring together, runs as one recorded program (:mod:`tokenring.program`)."""
 
     def __init__(self, sh: Shapes, cfg: Config, n: int, device, local: dict[str, list[torch.Tensor]], make_ring):
         self.sh, self.cfg, self.n, self.device = sh, cfg, n, device
@@ -163,9 +165,10 @@ class _UspOps:
         self.result: list[torch.Tensor] | None = None
         self.sent: dict[str, torch.Tensor] = {}  # the all-to-all's kind -> what goes to each node rank, as rows
 
-    def _group(self, t: torch.Tensor, j: int) -> torch.Tensor:
+    def _group(self, t, j: int):
+        """Head group ``j`` of ``t`` (a view)."""
         h = t.shape[2] // self.n
-        return t.narrow(2, j * h, h).contiguous()
+        return t.narrow(2, j * h, h)
 
     def _rows(self, kind: str) -> torch.Tensor | None:
         """My ``kind`` tensors' head groups as one (n, ...) buffer whose row ``j`` is node rank ``j``'s message,
@@ -176,8 +179,7 @@ class _UspOps:
             ts = self.local[kind]
             rows = None
             if self.n > 2 and all(t.dtype == ts[0].dtype for t in ts):
-                rows = [t.unflatten(2, (self.n, -1)).movedim(2, 0).reshape(self.n, -1) for t in ts]
-                rows = rows[0] if len(rows) == 1 else torch.cat(rows, 1)
+                rows = self.head_groups(self.n, *ts)
             self.sent[kind] = rows
         return self.sent[kind]
 
@@ -185,16 +187,16 @@ class _UspOps:
         if m.kind in ("u_qkv", "u_dout"):
             rows = self._rows(m.kind)
             if rows is not None:
-                return [rows[m.dst % self.n]]
-            return [self._group(t, m.dst % self.n) for t in self.local[m.kind]]
+                return [rows.select(0, m.dst % self.n)]
+            return [self.contiguous(self._group(t, m.dst % self.n)) for t in self.local[m.kind]]
         if m.kind in ("u_out", "u_grad"):
             s, j = self.sh.s, m.dst % self.n
-            return [t.narrow(1, j * s, s).contiguous() for t in self._result()]
+            return [self.contiguous(t.narrow(1, j * s, s)) for t in self._result()]
         return self._ring().payload(m)
 
     def empty(self, m: Message) -> list[torch.Tensor]:
         if m.kind in _A2A:
-            return buffers(_a2a_payload(m.kind, m.part, self.sh, self.n), self.device)
+            return self.alloc(_a2a_payload(m.kind, m.part, self.sh, self.n))
         return self._ring().empty(m)
 
     def receive(self, m: Message, tensors) -> None:
@@ -215,10 +217,9 @@ class _UspOps:
 
     def gathered(self, kind: str) -> list[torch.Tensor]:
         """My head group over the node's rows, in global order, from what every rank of the node sent me."""
-        mine = [t.unflatten(2, (self.n, -1)).select(2, self.l) for t in self.local[kind]]  # (cat reads views)
-        self.got[self.l] = mine
-        parts = [torch.cat(ts, dim=1) for ts in zip(*(self.got[j] for j in range(self.n)))]
-        return parts if self.order is None else [t.index_select(1, self.order) for t in parts]
+        self.got[self.l] = [self._group(t, self.l) for t in self.local[kind]]  # (cat reads views)
+        parts = [self.cat(1, *ts) for ts in zip(*(self.got[j] for j in range(self.n)))]
+        return parts if self.order is None else [self.take_rows(t, self.order) for t in parts]
 
     def _ring(self):
         if self.ring is None:
@@ -228,18 +229,18 @@ class _UspOps:
     def _result(self) -> list[torch.Tensor]:
         if self.result is None:  # the ring is done: its result in the node's concatenation order
             got = self.ring.result()
-            self.result = got if self.inverse is None else [t.index_select(1, self.inverse) for t in got]
+            self.result = got if self.inverse is None else [self.take_rows(t, self.inverse) for t in got]
         return self.result
 
     def heads_back(self, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         """My rows over all heads, from every rank's head group."""
         s = self.sh.s
-        self.got[self.l] = [t[:, self.l * s : (self.l + 1) * s] for t in self._result()]
+        self.got[self.l] = [t.narrow(1, self.l * s, s) for t in self._result()]
         parts = zip(*(self.got[j] for j in range(self.n)))
-        return [torch.cat(ts, dim=2).to(dt) for ts, dt in zip(parts, dtypes)]
+        return [self.cast(self.cat(2, *ts), dt) for ts, dt in zip(parts, dtypes)]
 
 
-class Usp(Strategy):
+class Usp(Lowered):
     """Ulysses over the ``node_size(P)`` ranks of each node, a ring over the nodes."""
 
     name = family = "usp"
@@ -343,49 +344,81 @@ class Usp(Strategy):
             q.new_empty((B, H // n, n * s), dtype=acc_dtype(q.dtype)),
         ]
 
+    def replays(self, cfg: Config) -> bool:
+        return replayable(cfg.hooks) and cfg.sinks is None  # (a head group's sinks join mid-schedule)
+
+    def runner(self, cls, sh: Shapes, cfg: Config, device):
+        """The ring's ``Ops`` over node rows: every recorded operation, the all-to-alls' too, is a TensorOps
+        method."""
+        n = self.node_size(cfg.P)
+        runner = cls.runner(node_shapes(sh, n), self._node_cfg(cfg), device)
+        runner.n = n
+        return runner
+
     def forward(self, q, k, v, cfg: Config):
         n = self.node_size(cfg.P)
         sh = Shapes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, cfg.P)
+        node_sh, node_cfg = node_shapes(sh, n), self._node_cfg(cfg)
 
-        def ring(ops: _UspOps) -> _NodeForward:
-            return _NodeForward(n, *ops.gathered("u_qkv"), node_shapes(sh, n), self._node_cfg(cfg))
+        def build(make, q, k, v):
+            ring = lambda ops: make(n, *ops.gathered("u_qkv"), node_sh, node_cfg)  # noqa: E731
+            return make(sh, cfg, n, q.device, {"u_qkv": [q, k, v]}, ring, cls=_UspOps)
 
-        ops = _UspOps(sh, cfg, n, q.device, {"u_qkv": [q, k, v]}, ring)
-        execute(
-            self.plan_schedule(cfg, backward=False),
-            cfg.comm(f"{self.name} forward"),
-            ops,
-            cfg.held("forward"),
-        )
-        (out,) = ops.heads_back([q.dtype])
-        qn, kn, vn = ops.ring.inputs
-        return out, (qn, kn, vn, ops.ring.o.to(q.dtype), ops.ring.lse)
+        def outputs(ops: _UspOps) -> list:
+            (out,) = ops.heads_back([q.dtype])
+            return [out, *ops.ring.inputs, ops.cast(ops.ring.o, q.dtype), ops.ring.lse]
+
+        out, *saved = self._run(_NodeForward, cfg, False, sh, [q, k, v], build, outputs)
+        return out, tuple(saved)  # (qn, kn, vn, on, lsen)
 
     def backward(self, dout, saved, cfg: Config):
         n = self.node_size(cfg.P)
         qn, kn, vn, on, lsen = saved
         B, ns_rows, hq, d = qn.shape
         sh = Shapes(B, ns_rows // n, hq * n, kn.shape[2] * n, d, qn.dtype, cfg.P)
-
-        node_cfg = self._node_cfg(cfg)
+        node_sh, node_cfg = node_shapes(sh, n), self._node_cfg(cfg)
         dsinks = torch.zeros_like(cfg.sinks, dtype=lsen.dtype) if cfg.sinks is not None else None
 
-        def ring(ops: _UspOps) -> _NodeBackward:
-            (doutn,) = ops.gathered("u_dout")
-            delta = row_delta(doutn, on)
-            if dsinks is not None:  # this head group's rows are all here: its sinks' whole gradient
-                h = lsen.shape[1]
-                dsinks[ops.l * h : (ops.l + 1) * h] = sink_grad(lsen, delta, node_cfg.sinks)
-            return _NodeBackward(n, qn, kn, vn, doutn, lsen, delta, node_shapes(sh, n), node_cfg, on)
+        def build(make, dout, qn, kn, vn, on, lsen):
+            def ring(ops: _UspOps) -> _NodeBackward:
+                (doutn,) = ops.gathered("u_dout")
+                delta = ops.row_delta(doutn, on)
+                if dsinks is not None:  # this head group's rows are all here: its sinks' whole gradient (loop)
+                    h = lsen.shape[1]
+                    dsinks[ops.l * h : (ops.l + 1) * h] = sink_grad(lsen, delta, node_cfg.sinks)
+                return make(n, qn, kn, vn, doutn, lsen, delta, node_sh, node_cfg, on)
 
-        ops = _UspOps(sh, cfg, n, dout.device, {"u_dout": [dout]}, ring)
-        execute(
-            self.plan_schedule(cfg, backward=True),
-            cfg.comm(f"{self.name} backward"),
-            ops,
-            cfg.held("backward"),
-        )
-        return (*ops.heads_back([qn.dtype, kn.dtype, vn.dtype]), dsinks)
+            return make(sh, cfg, n, dout.device, {"u_dout": [dout]}, ring, cls=_UspOps)
+
+        outputs = lambda ops: ops.heads_back([qn.dtype, kn.dtype, vn.dtype])  # noqa: E731
+        dq, dk, dv = self._run(_NodeBackward, cfg, True, sh, [dout, qn, kn, vn, on, lsen], build, outputs)
+        return dq, dk, dv, dsinks
+
+    def forward_replay(self, q, k, cfg: Config):
+        sh = Shapes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, cfg.P)
+        got = self._replay(_NodeForward, cfg, False, sh, q.device)
+        if got is None:
+            return None
+        prog, comm, runner = got
+
+        def run(q, k, v, group):
+            out, *saved = _replayed(prog, comm, runner, [q, k, v], group)
+            return out, saved  # (forward()'s output and saved_extra)
+
+        return run
+
+    def backward_replay(self, q, k, cfg: Config):
+        hkv = ulysses_kv_heads(q.shape[2], k.shape[2], self.node_size(cfg.P))  # (k as prepare() repeats it)
+        sh = Shapes(q.shape[0], q.shape[1], q.shape[2], hkv, q.shape[3], q.dtype, cfg.P)
+        got = self._replay(_NodeBackward, cfg, True, sh, q.device)
+        if got is None:
+            return None
+        prog, comm, runner = got
+
+        def run(dout, saved, group):
+            return _replayed(prog, comm, runner, [dout, *saved], group)
+
+        return run
 
 
 STRATEGY = Usp()
