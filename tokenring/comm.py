@@ -443,6 +443,8 @@ def _flat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list]:
 class _Once:
     """A posted operation, waited for at most once (gloo: a second wait waits for another transfer)."""
 
+    __slots__ = ("work", "done")
+
     def __init__(self, work):
         self.work, self.done = work, False
 
@@ -458,6 +460,8 @@ class _Once:
 
 class _Pending:
     """Posted operations of one step that are due together; ``recvs``: the ``(message, buffers)`` received."""
+
+    __slots__ = ("comm", "step", "due", "works", "records", "recvs", "copies", "t0", "posted")
 
     def __init__(
         self,
@@ -589,9 +593,9 @@ class Comm:
         return self.stage == "always" or (bool(self.stage) and t.device.type != "cpu")
 
     def _op(self, direction: str, m: Message, tensors, posted: int, nth: int, got: list, copies: list):
-        """The point-to-point operation of one message as ``(direction, peer, buffer, tag)``, and whether it is
-        staged through the host; a receive adds itself to ``got`` and the copies to make after its wait to
-        ``copies``."""
+        """The point-to-point operation of one message as ``((direction, peer, tag, m), buffer)``, and whether
+        it is staged through the host; a receive adds itself to ``got`` and the copies to make after its wait
+        to ``copies``."""
         tag, staged = _tag(m, posted, nth), False
         if direction == "send":
             buf = pack(tensors)
@@ -605,18 +609,21 @@ class Comm:
                 buf, staged = host, True
             copies.extend(after)  # then out of a packed buffer that was not the caller's
             got.append((m, tensors))
-        return (direction, _peer(direction, m), buf, tag), staged
+        return ((direction, _peer(direction, m), tag, m), buf), staged
 
-    def _post(self, ops: list[tuple]) -> list:
-        """Post ``(direction, peer, buffer, tag)`` operations: one coalesced batch on NCCL, else each straight on
-        the process group (what ``batch_isend_irecv`` does there, without its per-operation checks)."""
+    def _post(self, ops: list[tuple], bufs: list) -> list:
+        """Post operations ``(direction, peer, tag, message)`` of ``bufs``: one coalesced batch on NCCL, else each
+        straight on the process group (what ``batch_isend_irecv`` does there, without its per-operation checks)."""
         if self.batched:
             return dist.batch_isend_irecv(
                 [dist.P2POp(dist.isend if d == "send" else dist.irecv, buf, self._global(peer), self.group, tag)
-                 for d, peer, buf, tag in ops]
+                 for (d, peer, tag, _), buf in zip(ops, bufs)]
             )  # fmt: skip
         pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-        return [pg.send([buf], peer, tag) if d == "send" else pg.recv([buf], peer, tag) for d, peer, buf, tag in ops]
+        send, recv = pg.send, pg.recv
+        return [
+            send([b], peer, tag) if d == "send" else recv([b], peer, tag) for (d, peer, tag, _), b in zip(ops, bufs)
+        ]
 
     def start(
         self,
@@ -627,25 +634,25 @@ class Comm:
         """Post ``recvs`` then ``sends`` in one batch, each with ``(step posted by its sender, n)`` for its tag;
         returns one handle per due step (docs/internals.md, "Communication")."""
         now = self.trace.now() if self.trace is not None else None
-        ops, meta = [], []
+        ops, bufs = [], []
         groups: dict[int, tuple[list, list, list, list]] = {}  # due -> (op indices, records, received, copies)
         for direction, items in (("recv", recvs), ("send", sends)):
             for m, tensors, (posted, nth) in items:
                 due = due_step(m, posted)
                 idx, records, got, copies = groups.setdefault(due, ([], [], [], []))
-                op, staged = self._op(direction, m, tensors, posted, nth, got, copies)
-                idx.append(len(ops))  # the buffer stays referenced in `meta` until the wait completes
+                (op, buf), staged = self._op(direction, m, tensors, posted, nth, got, copies)
+                idx.append(len(ops))
                 ops.append(op)
-                meta.append((direction, m, op[2]))
+                bufs.append(buf)
                 if self.records:
                     records.append(
-                        dict(step=step, due=due, direction=direction, peer=_peer(direction, m), kind=m.kind,
-                             owner=m.owner, part=str(m.part), heads=m.heads, staged=staged, device=op[2].device.type,
+                        dict(step=step, due=due, direction=direction, peer=op[1], kind=m.kind, owner=m.owner,
+                             part=str(m.part), heads=m.heads, staged=staged, device=buf.device.type,
                              bytes=sum(t.numel() * t.element_size() for t in tensors))
                     )  # fmt: skip
         if not ops:
             return []
-        return self._launch(step, ops, meta, [(due, *groups[due]) for due in sorted(groups)], now)
+        return list(self._launch(step, ops, bufs, [(due, *groups[due]) for due in sorted(groups)], now).values())
 
     def post(self, p: "Posting", sends: list[list[torch.Tensor]], recvs: list[Packed]) -> dict[int, _Pending]:
         """A recorded step's :meth:`start` (``p``: its messages; ``sends``: each message's tensors, ``recvs``:
@@ -658,33 +665,32 @@ class Comm:
                 [(m, bufs, at) for (m, at), bufs in zip(p.recvs, recvs)],
             )
             return {x.due: x for x in got}
-        bufs = [b.flat for b in recvs] + [pack(ts, how) for ts, how in zip(sends, p.packs)]
-        ops = [(d, peer, buf, tag) for (d, peer, tag, _), buf in zip(p.ops, bufs)]
-        meta = [(d, m, buf) for (d, _, _, m), buf in zip(p.ops, bufs)]
-        return {x.due: x for x in self._launch(p.step, ops, meta, p.dues, None)}
+        bufs = [b.flat for b in recvs]
+        for ts, how in zip(sends, p.packs):
+            bufs.append(ts[0].contiguous() if how is None else pack(ts, how))
+        return self._launch(p.step, p.ops, bufs, p.dues, None)
 
-    def _launch(self, step: int, ops: list, meta: list, dues: list, now) -> list[_Pending]:
-        """Post ``ops`` ``(direction, peer, buffer, tag)`` (``meta``: ``(direction, message, buffer)`` each);
-        one handle per ``(due, op indices, records, received, copies)`` of ``dues``."""
+    def _launch(self, step: int, ops: list, bufs: list, dues: list, now) -> dict[int, _Pending]:
+        """Post ``ops`` ``(direction, peer, tag, message)`` of ``bufs``; a handle per due step for each ``(due,
+        op indices, records, received, copies)`` of ``dues``. A handle keeps its buffers until its wait."""
         t0 = time.monotonic()
         try:
-            handles = self._post(ops)
+            handles = self._post(ops, bufs)
         except Exception as e:  # a peer that is already gone can fail the posting itself: name that one
-            peers = sorted({_peer(d, m) for d, m, _ in meta})
+            peers = sorted({peer for _, peer, _, _ in ops})
             gone = exited_ranks(group_store(self.group), peers, wait_s=_REPORT_WAIT_S)
-            direction, m, _ = next((x for x in meta if _peer(x[0], x[1]) in gone), meta[0])
+            direction, _, _, m = next((x for x in ops if x[1] in gone), ops[0])
             raise self.failure(direction, m, step, e) from e
         if len(handles) != len(ops):  # NCCL: one coalesced work completes every operation of the step
-            every = [(d, m) for d, m, _ in meta]
-            handles = [_Once(handles[0])] * len(ops)
-            meta = [(d, every, b) for d, _, b in meta]
+            one, every = _Once(handles[0]), [(d, m) for d, _, _, m in ops]
+            works = [(d, every, one, b) for (d, _, _, _), b in zip(ops, bufs)]
         else:
-            handles = [_Once(h) for h in handles]
-        out = []
+            works = [(d, m, _Once(h), b) for (d, _, _, m), h, b in zip(ops, handles, bufs)]
+        out = {}
         for due, idx, records, got, copies in dues:
-            self.log.extend(records)
-            works = [(*meta[i][:2], handles[i], meta[i][2]) for i in idx]
-            out.append(_Pending(self, step, due, works, records, got, copies, t0, now))
+            if records:
+                self.log.extend(records)
+            out[due] = _Pending(self, step, due, [works[i] for i in idx], records, got, copies, t0, now)
         return out
 
 

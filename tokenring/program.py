@@ -171,6 +171,10 @@ class _Lowering:
             ((sh.B, sh.H, sh.s), acc, self.device),
         )
 
+    def adopt(self, o, lse, dtype):
+        acc = acc_dtype(dtype)
+        return self.rec.new("adopt", (o, lse, dtype), (o.shape, acc, o.device), (lse.shape, acc, lse.device))
+
     def attend(self, c, q, k, v):
         return self.rec.new("attend", (c, q, k, v), *_partial(q, v))
 

@@ -389,7 +389,10 @@ class ForwardOps(_OpsBase):
         self.keep, self.kept = keep, {}
         self.store.put("q", self.me, "all", [q])
         self.store.put("kv", self.me, "all", [k, v])
-        self.o, self.lse = self.accumulator(q.dtype)
+        # the accumulator: made from the first partial where that covers every row and head (adopt), else made
+        # empty at the first merge (accumulated)
+        self.o = self.lse = None
+        self.dtype = q.dtype
         self.g = self.kv_repeat(q)
         self.seen = cfg.mask is None and q.device.type == "cpu"  # (CUDA: merge_'s one fused kernel)
         self.merged: list[tuple] = []  # (rows, heads) of every partial merged so far (with ``seen``)
@@ -398,7 +401,13 @@ class ForwardOps(_OpsBase):
     def finish(self) -> None:
         """After the last step: merge the attention sinks (``cfg.sinks``) into this rank's finished rows."""
         if self.cfg.sinks is not None:
-            merge_sink_(self.o, self.lse, self.cfg.sinks)
+            merge_sink_(*self.accumulated(), self.cfg.sinks)
+
+    def accumulated(self) -> tuple:
+        """This rank's accumulator ``(o, lse)`` (an empty one where no partial came)."""
+        if self.o is None:
+            self.o, self.lse = self.accumulator(self.dtype)
+        return self.o, self.lse
 
     def empty(self, m: Message) -> list[torch.Tensor]:
         if m.kind == "out" and self.joined:  # one tensor: the output's shape with the lse as one more column
@@ -412,8 +421,13 @@ class ForwardOps(_OpsBase):
 
     def _merge(self, part: str, heads: str, o, lse) -> None:
         sl, hs, sh = self.rows(part), head_slice(heads, self.sh.H), self.sh
-        acc_o, acc_lse = rows_heads(self.o, sl, hs, sh.s, sh.H), rows_heads(self.lse, sl, hs, sh.s, sh.H, 1)
         # no mask: every partial's rows saw a key; into untouched rows that merge gives the partial itself
+        if self.o is None and self.seen and sl.stop - sl.start == sh.s and hs.stop - hs.start == sh.H:
+            self.merged.append((part, heads))
+            self.o, self.lse = self.adopt(o, lse, self.dtype)
+            return
+        acc_o, acc_lse = self.accumulated()
+        acc_o, acc_lse = rows_heads(acc_o, sl, hs, sh.s, sh.H), rows_heads(acc_lse, sl, hs, sh.s, sh.H, 1)
         how = Merge.ANY if not self.seen else Merge.COPY if self._first(part, heads) else Merge.SEEN
         self.merge_into(how, acc_o, acc_lse, o, lse)
 
@@ -639,7 +653,7 @@ class ScheduledStrategy(Lowered):
         o, lse, *kept = self._run(
             ForwardOps, cfg, False, sh, [q, k, v],
             lambda make, q, k, v: make(q, k, v, sh, cfg, keep),
-            lambda ops: [ops.o, ops.lse, *(t for key in pieces for t in ops.kept[key])],
+            lambda ops: [*ops.accumulated(), *(t for key in pieces for t in ops.kept[key])],
         )  # fmt: skip
         if cfg.sinks is not None:
             merge_sink_(o, lse, cfg.sinks)

@@ -91,6 +91,16 @@ class TensorOps:
         rows = [t.unflatten(2, (n, -1)).movedim(2, 0).reshape(n, -1) for t in ts]
         return rows[0] if len(rows) == 1 else torch.cat(rows, 1)
 
+    def adopt(self, o, lse, dtype):
+        """An accumulator for inputs of ``dtype`` made from a first partial over every row and head: copies in
+        the accumulator dtype, laid out as :func:`tokenring.merge.new_accumulator`'s (what merging the partial
+        into an empty one gives, bit for bit, without making the empty one)."""
+        acc = acc_dtype(dtype)
+        return (
+            o.to(acc, memory_format=torch.contiguous_format, copy=True),
+            lse.to(acc, memory_format=torch.contiguous_format, copy=True),
+        )
+
     def alloc(self, specs) -> list[torch.Tensor]:
         return buffers(specs, self.device)
 

@@ -111,7 +111,7 @@ class _NodeForward(_NodeTiles, ForwardOps):
         if not self.finished:  # the ring is done (this is first asked for by the all-to-all back)
             self.finish()
             self.finished = True
-        return [self.cast(self.o, self.inputs[0].dtype)]
+        return [self.cast(self.accumulated()[0], self.inputs[0].dtype)]
 
 
 class _NodeBackward(_NodeTiles, BackwardOps):
@@ -366,7 +366,8 @@ class Usp(Lowered):
 
         def outputs(ops: _UspOps) -> list:
             (out,) = ops.heads_back([q.dtype])
-            return [out, *ops.ring.inputs, ops.cast(ops.ring.o, q.dtype), ops.ring.lse]
+            o, lse = ops.ring.accumulated()
+            return [out, *ops.ring.inputs, ops.cast(o, q.dtype), lse]
 
         out, *saved = self._run(_NodeForward, cfg, False, sh, [q, k, v], build, outputs)
         return out, tuple(saved)  # (qn, kn, vn, on, lsen)
