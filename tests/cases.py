@@ -707,8 +707,11 @@ def extend_case(rank: int, P: int, case: dict) -> float:
     """``n`` cached rows dealt to the ranks unevenly and in shuffled positions, ``T`` new tokens split by
     ``split_new`` (or the ranges ``case["ranges"]``), every strategy of ``tokenring.extend``: this rank's error
     against a float64 single-process reference in which new token ``i`` (position ``n + i``) sees every cached
-    row and the new tokens up to itself (within ``window`` / its document, if given)."""
-    from tokenring.extend import extend_attention, split_new
+    row and the new tokens up to itself (within ``window`` / its document, if given). With ``later``: then as a
+    model's later layers call it (``shards=``, ``state=None``) three times, the third a replay straight from the
+    call's memo (``extend._repeats``), and once by the step loop: the same bits each time."""
+    from tokenring import program
+    from tokenring.extend import Shards, extend_attention, split_new
 
     B, n, T, H, Hkv, d = (case[x] for x in ("B", "n", "T", "H", "Hkv", "d"))
     dtype = getattr(torch, case["dtype"])
@@ -719,7 +722,8 @@ def extend_case(rank: int, P: int, case: dict) -> float:
     cuts = sorted(torch.randint(0, n + 1, (P - 1,), generator=g).tolist())
     bounds = [0] + cuts + [n]
     counts = [bounds[r + 1] - bounds[r] for r in range(P)]
-    a, b = case.get("ranges", split_new(counts, T))[rank]
+    ranges = case.get("ranges", split_new(counts, T))
+    a, b = ranges[rank]
     mine = order[bounds[rank] : bounds[rank + 1]]
     rows = mine.tolist() + list(range(n + a, n + b))
     window, cu = case.get("window"), case.get("cu_seqlens")
@@ -727,10 +731,19 @@ def extend_case(rank: int, P: int, case: dict) -> float:
     import tokenring.strategies.extend as ext
 
     old_rows, ext.BATCH_ROWS = ext.BATCH_ROWS, case.get("batch_rows", ext.BATCH_ROWS)  # groups of query rows
-    runs = []
+    runs, replays, real = [], [0], program.replay_on
+    later = dict(shards=Shards(tuple(c + y - x for c, (x, y) in zip(counts, ranges)), tuple(ranges)), state=None)
+
+    def counted(*args):
+        replays[0] += 1
+        return real(*args)
+
+    calls = [(False, {})] * (1 + bool(case.get("replay"))) + [(False, later)] * 3 * bool(case.get("later"))
+    calls += [(True, later if case.get("later") else {})] * bool(case.get("replay") or case.get("later"))
+    program.replay_on = counted
     try:  # with "replay": replayed twice (lowered, then cached), then by the step loop: the same bits
-        for loop in (False, False, True) if case.get("replay") else (False,):
-            with tokenring.instrument(step_loop=loop):
+        for loop, extra in calls:
+            with tokenring.instrument(step_loop=True) if loop else contextlib.nullcontext():
                 runs.append(
                     extend_attention(
                         q_all[:, a:b],
@@ -743,13 +756,17 @@ def extend_case(rank: int, P: int, case: dict) -> float:
                         cu_seqlens=cu,
                         positions=mine if (window is not None or cu) else None,
                         sinks=sinks,
+                        **extra,
                     )  # fmt: skip
                 )
     finally:
-        ext.BATCH_ROWS = old_rows
+        ext.BATCH_ROWS, program.replay_on = old_rows, real
     out = runs[0]
     for got in runs[1:]:
         assert torch.equal(got, out), f"rank {rank}/{P} {case}: extend replayed differs from the step loop"
+    if case.get("later") and P > 1:  # (the memo is made at a signature's second such call)
+        plain = window is None and not cu and sinks is None and case["strategy"] != "ulysses"
+        assert replays[0] >= 1 if plain else replays[0] == 0, f"rank {rank}/{P} {case}: {replays[0]} replays"
     ok = allowed(n + T, True, cu, None if window is None else (window, 0))[n:]
     kk, vv = (x.double().repeat_interleave(H // Hkv, 2) for x in (k_all, v_all))
     s = torch.einsum("bqhd,bkhd->bhqk", q_all.double(), kk) * case.get("scale", d**-0.5)

@@ -57,6 +57,20 @@ def test_extend_matches_reference(pools, P):
                 assert err < TOL[case["dtype"]], (strategy, case, err)
 
 
+@pytest.mark.parametrize("P", [2, 3])
+def test_later_layers_replay_straight_from_their_memo(pools, P):
+    """A model's later layers (``shards=``, ``state=None``): from the third such call of a signature on, the call
+    goes straight to its program's replay (``extend._repeats``), with the first call's bits (a scale below 0
+    folded, bf16, ranks without new tokens, batched visitors); sinks and ulysses take the long way each time."""
+    for strategy in STRATEGIES:
+        for i, case in enumerate((CASES[0], CASES[1], CASES[4], CASES[6], CASES[7], CASES[8])):
+            if strategy == "ulysses" and (case["H"] % P or case["Hkv"] % P):
+                continue
+            case = dict(case, strategy=strategy, later=True, seed=100 + i)
+            for err in pools(P).run(cases.extend_case, case):
+                assert err < TOL[case["dtype"]], (strategy, case, err)
+
+
 @pytest.mark.parametrize("P", [3, 4])
 def test_extend_replay_equals_step_loop(pools, P):
     """Without a window or documents, an extend schedule runs as a recorded program (lowered at the first call,

@@ -338,6 +338,12 @@ def _tag(m: Message, posted: int, nth: int) -> int:
     return (posted * _PAIR_SLOTS + nth) * len(KINDS) * len(HEADS) + _kind_tag(m.kind, m.heads)
 
 
+def process_group(group):
+    """The process group object ``group`` stands for (``None``: the default group's), as a cached replay is
+    bound to it (a weak reference: a group destroyed and made anew is another object)."""
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
 def due_step(m: Message, posted: int) -> int:
     """The step at whose end message ``m``, posted at step ``posted``, is waited for."""
     return posted if m.due < 0 else m.due

@@ -4,13 +4,15 @@ with the new tokens sharded too. Four forward schedules and ``auto``: docs/inter
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from . import program
 from .agreement import code, exchange, refuse_at_exchange, require_same
-from .comm import Comm, buffers
+from .comm import Comm, buffers, process_group
 from .device import values_travel
 from .executor import execute
 from .instrument import NONE as NO_HOOKS
@@ -408,15 +410,20 @@ def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def _program_key(q, k, v) -> tuple:
+    """What an extend program's decisions depend on besides its schedule and comm."""
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, q.device)
+
+
 def run_schedule(sched, args: tuple, group, what: str, log: list | None):
     """Run ``sched`` with ``RowsOps(*args)`` through :class:`Comm`: replayed from its recorded program
     (:mod:`tokenring.program`) where its decisions follow from shapes alone (no window or documents, not
     Ulysses, no log or instruments), else on the executor; log the bytes received and where the buffers were.
     Returns this rank's ``(out, lse)``."""
     strategy, q, k, v, kpos, shards, mask, scale, rank, sinks = args
-    comm = Comm(group, what=what, log=log is not None)  # (a record per message costs host time)
+    comm = Comm(group, what=what, log=log is not None, rank=rank, world=shards.P)  # (a record costs host time)
     if log is None and mask.plain and strategy != "ulysses" and program.replayable(current_instruments() or NO_HOOKS):
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, q.device)
+        key = _program_key(q, k, v)
         o, lse = program.run(
             key, sched, comm, RowsOps.runner(scale, q.device), [q, k, v],
             lambda make, refs: make(strategy, *refs, None, shards, mask, scale, rank),
@@ -508,7 +515,12 @@ def extend_attention(
             q, k, v, new=new, strategy=strategy, softmax_scale=softmax_scale, window=window, cu_seqlens=cu_seqlens,
             positions=positions, sinks=sinks, group=group, shards=shards, state=state, log=log,
         )[..., :dv]  # fmt: skip
+    key = _repeat_key(q, k, v, new, strategy, softmax_scale, window, cu_seqlens, positions, sinks, group, shards,
+                      state, log)  # fmt: skip
     rank, P = group_info(group)
+    hit = _repeats.get(key) if key is not None else None
+    if hit is not None and hit[1] is not None and hit[0]() is process_group(group) and current_instruments() is None:
+        return hit[1](q, k, v, group)  # a later layer's repeat of a call that ran before: its program's replay
     try:
         B, t, H, d = q.shape
         Hkv, n = k.shape[2], k.shape[1]
@@ -539,4 +551,55 @@ def extend_attention(
     out, lse = run_schedule(sched, args, group, "extend", log)
     if lse is not None and sinks is not None:
         merge_sink_(out, lse, sinks)
+    if key is not None and current_instruments() is None:
+        _remember(key, sched, strategy, q, k, v, softmax_scale_of(softmax_scale, d), scale, rank, P, group)
     return out.to(q.dtype)
+
+
+# A later layer's call (state=None: no check) by its arguments -> (a weak reference to the group it ran on, its
+# replay: extend_attention worked out once), from its second call on; "seen" entries (None) after its first.
+_repeats: "OrderedDict[tuple, tuple]" = OrderedDict()
+_MAX_REPEATS = 64
+
+
+def _repeat_key(q, k, v, new, strategy, softmax_scale, window, cu_seqlens, positions, sinks, group, shards, state,
+                log) -> tuple | None:  # fmt: skip
+    """What decides a call that skips the check (``state=None``, ``shards=`` given) and replays its program
+    (no window, documents, positions, sinks, log; not ulysses), as a key; ``None`` for any other call."""
+    if state is not None or shards is None or log is not None or strategy == "ulysses" or window is not None:
+        return None
+    if cu_seqlens or positions is not None or sinks is not None or torch.compiler.is_compiling():
+        return None
+    try:
+        return (
+            "" if group is None else group.group_name, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device, tuple(int(x) for x in new), strategy, softmax_scale, shards,
+            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+        )  # fmt: skip
+    except (TypeError, AttributeError, ValueError):
+        return None
+
+
+def _remember(key, sched, strategy: str, q, k, v, asked: float, scale: float, rank: int, P: int, group) -> None:
+    """After a call of ``key`` ran the long way: its replay, made at its second such call (``asked``: the scale
+    before folding, ``scale`` after; ``q`` folded)."""
+    if key not in _repeats:
+        _repeats[key] = (None, None)
+        if len(_repeats) > _MAX_REPEATS:
+            _repeats.popitem(last=False)
+        return
+    comm = Comm(group, what="extend", log=False, rank=rank, world=P)
+    runner = RowsOps.runner(scale, q.device)
+    prog = program.lowered(_program_key(q, k, v), sched, comm, runner)
+    comm.group = None  # (program.replay_on sets it per call)
+    if prog is None:
+        return
+
+    def run(q, k, v, group):
+        if asked <= 0:  # (fold_scale)
+            q = q * asked
+        o, _ = program.replay_on(prog, comm, runner, [q, k, v], group)
+        return o.to(q.dtype)
+
+    _repeats[key] = (weakref.ref(process_group(group)), run)
+    _repeats.move_to_end(key)

@@ -33,7 +33,7 @@ from . import settings
 from .agreement import cache, exchange, require_same
 from .agreement import code as _code
 from .choice import resolve
-from .comm import publish_refusal
+from .comm import process_group, publish_refusal
 from .device import device_type as device_kind
 from .device import no_autocast, pretended
 from .instrument import NONE as NO_HOOKS
@@ -749,15 +749,10 @@ def run_ready(ready: Ready, q, k, v, sinks, hooks):
     return out, strat, strat.saved_extra(saved)
 
 
-def _process_group(group):
-    """The process group object ``group`` stands for (``None``: the default group's)."""
-    return group if group is not None else dist.distributed_c10d._get_default_group()
-
-
 def _replay(memo: dict | None, what: str, group) -> Callable | None:
     """The replay ``memo`` (a :class:`Ready`'s) holds for ``what`` on ``group``, if it holds one."""
     hit = memo.get(what) if memo is not None else None
-    return hit[1] if hit is not None and hit[0]() is _process_group(group) else None
+    return hit[1] if hit is not None and hit[0]() is process_group(group) else None
 
 
 def _remember(memo: dict, what: str, group, make: Callable) -> None:
@@ -765,7 +760,7 @@ def _remember(memo: dict, what: str, group, make: Callable) -> None:
     such call on (a Ready run once, as the custom op's are, makes none)."""
     if memo.get(f"seen {what}"):
         replay = make()
-        memo[what] = None if replay is None else (weakref.ref(_process_group(group)), replay)
+        memo[what] = None if replay is None else (weakref.ref(process_group(group)), replay)
     memo[f"seen {what}"] = True
 
 

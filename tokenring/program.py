@@ -19,11 +19,12 @@ from typing import Callable
 
 import torch
 
+from . import settings
 from .comm import Posting
 from .executor import execute
 from .merge import acc_dtype
 
-__all__ = ["Ref", "Program", "lowered", "replayable", "run"]
+__all__ = ["Ref", "Program", "lowered", "replay_on", "replayable", "run"]
 
 
 class Ref:
@@ -331,6 +332,16 @@ def lowered(key: tuple, sched, comm, ops) -> Program | None:
     """The program :func:`run` lowered for these arguments, if it has (``None`` where it has not, or dropped it)."""
     hit = _programs.get(_full_key(key, sched, comm, ops))
     return hit[1] if hit is not None and hit[0] is sched else None
+
+
+def replay_on(prog: Program, comm, ops, inputs: list, group) -> list:
+    """``prog`` replayed on ``group`` through ``comm``, which a cached replay keeps without a group between calls
+    (a cache keeps no group alive), with the timeout as set now."""
+    comm.group, comm.timeout = group, settings.get("timeout")
+    try:
+        return prog.run(inputs, ops, comm)
+    finally:
+        comm.group = None
 
 
 def run(key: tuple, sched, comm, ops, inputs: list, build: Callable, outputs: Callable) -> list:

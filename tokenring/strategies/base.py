@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .. import program, settings
+from .. import program
 from ..comm import Comm
 from ..executor import execute
 from ..instrument import NONE as NO_HOOKS
@@ -545,15 +545,6 @@ def _program_key(sh: Shapes, cfg: Config, device) -> tuple:
     return (sh, device, cfg.mask is None, cfg.hooks.backward_kernel, cfg.hooks.expand_kv)
 
 
-def _replayed(prog, comm: Comm, runner, inputs: list, group) -> list:
-    """A program's replay on ``group`` through a comm kept without one (:meth:`Lowered._replay`)."""
-    comm.group, comm.timeout = group, settings.get("timeout")
-    try:
-        return prog.run(inputs, runner, comm)
-    finally:
-        comm.group = None
-
-
 def _maker(cls):
     """The step loop's ``make`` for a ``build`` (:func:`tokenring.program.run`'s, which records): ``make(*args,
     cls=C)`` an instance of ``C``, by default ``cls``."""
@@ -627,7 +618,7 @@ class ScheduledStrategy(Lowered):
         prog, comm, runner = got
 
         def run(q, k, v, group):
-            o, lse, *kept = _replayed(prog, comm, runner, [q, k, v], group)
+            o, lse, *kept = program.replay_on(prog, comm, runner, [q, k, v], group)
             return o.to(q.dtype), [lse, *kept]  # (forward()'s output and saved_extra)
 
         return run
@@ -641,7 +632,7 @@ class ScheduledStrategy(Lowered):
         def run(dout, saved, group):
             q, k, v, out, lse, *kept = saved
             inputs = [q, k, v, dout, lse, row_delta(dout, out), out, *kept]
-            dq, dk, dv = _replayed(prog, comm, runner, inputs, group)
+            dq, dk, dv = program.replay_on(prog, comm, runner, inputs, group)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
         return run

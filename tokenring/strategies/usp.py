@@ -12,7 +12,7 @@ import torch
 from ..layouts import PLANNED_LAYOUTS, local_positions
 from ..masks import block_tiles
 from ..merge import acc_dtype, sink_grad
-from ..program import replayable
+from ..program import replay_on, replayable
 from ..schedules import (
     Compute,
     Message,
@@ -26,7 +26,7 @@ from ..schedules import (
     ulysses_kv_heads,
 )
 from ..schedules import payload as flat_payload
-from .base import BackwardOps, BlockDims, Config, ForwardOps, Lowered, _replayed, tile_dims
+from .base import BackwardOps, BlockDims, Config, ForwardOps, Lowered, tile_dims
 from .ring import pass_kv_steps
 from .tensor_ops import TensorOps
 from .two_level import inner_size_error
@@ -403,7 +403,7 @@ class Usp(Lowered):
         prog, comm, runner = got
 
         def run(q, k, v, group):
-            out, *saved = _replayed(prog, comm, runner, [q, k, v], group)
+            out, *saved = replay_on(prog, comm, runner, [q, k, v], group)
             return out, saved  # (forward()'s output and saved_extra)
 
         return run
@@ -417,7 +417,7 @@ class Usp(Lowered):
         prog, comm, runner = got
 
         def run(dout, saved, group):
-            return _replayed(prog, comm, runner, [dout, *saved], group)
+            return replay_on(prog, comm, runner, [dout, *saved], group)
 
         return run
 
