@@ -1018,7 +1018,7 @@ def ragged_refused(rank: int, P: int) -> dict:
     return out
 
 
-def repeated_calls_case(rank: int, P: int) -> dict:
+def repeated_calls_case(rank: int, P: int, strategy: str = "auto") -> dict:
     """The same call shapes again and again, changing what the prepared path (ops.Ready) must notice between
     repeats: values, requires_grad, no_grad, check_calls, forget_choices, documents as a list, a window, an
     instrumented call, documents as one tensor (then edited in place), a checkpointed first call (its recompute
@@ -1071,11 +1071,12 @@ def repeated_calls_case(rank: int, P: int) -> dict:
                     stack.enter_context(tokenring.instrument(comm_log=log))
                 if mode == "checkpoint":  # a first call, recomputed in backward on the prepared path
                     out = torch.utils.checkpoint.checkpoint(
-                        lambda *x: tokenring.attention(*x, causal=True, cu_seqlens=docs, window=window), q, k, v,
+                        lambda *x: tokenring.attention(*x, causal=True, cu_seqlens=docs, window=window,
+                                                       strategy=strategy), q, k, v,
                         use_reentrant=False,
                     )  # fmt: skip
                 else:
-                    out = tokenring.attention(q, k, v, causal=True, cu_seqlens=docs, window=window)
+                    out = tokenring.attention(q, k, v, causal=True, cu_seqlens=docs, window=window, strategy=strategy)
                 if grad:
                     out.backward(full[3].index_select(1, idx))
             if mode == "instrument":

@@ -263,12 +263,12 @@ def test_value_head_dim_apart(pools, P):
     assert pools(P).run(cases.check_many, todo) == [len(todo)] * P
 
 
-@pytest.mark.parametrize("P", [2, 3])
-def test_repeated_calls_take_the_prepared_path_exactly(pools, P):
+@pytest.mark.parametrize("P,strategy", [(2, "auto"), (3, "auto"), (2, "ulysses"), (3, "token_ring")])
+def test_repeated_calls_take_the_prepared_path_exactly(pools, P, strategy):
     """Repeats of a call go straight to its prepared strategy (ops.Ready) where nothing that decides its plan
     changed, and take the full path where something did (requires_grad, check_calls, forget_choices, other
     documents, instruments): every result exact (float64) either way."""
-    for r in pools(P).run(cases.repeated_calls_case):
+    for r in pools(P).run(cases.repeated_calls_case, strategy):
         # found for calls 2, 3, 5, 6, 9, 11, 14, 15, 17 and the 19th's recompute; the instrumented 15th still runs
         # the full path (its log), and the 18th's documents tensor was edited in place (its version). The third
         # calls (3 and 6) replay their forward straight from the prepared call, and the 3rd its backward too.
