@@ -518,7 +518,7 @@ def extend_attention(
     key = _repeat_key(q, k, v, new, strategy, softmax_scale, window, cu_seqlens, positions, sinks, group, shards,
                       state, log)  # fmt: skip
     rank, P = group_info(group)
-    hit = _repeats.get(key) if key is not None else None
+    hit = _repeats.get(key) if key is not None and P > 1 else None
     if hit is not None and hit[1] is not None and hit[0]() is process_group(group) and current_instruments() is None:
         return hit[1](q, k, v, group)  # a later layer's repeat of a call that ran before: its program's replay
     try:
